@@ -1,0 +1,3 @@
+"""loka.kernels"""
+
+__all__: list[str] = []

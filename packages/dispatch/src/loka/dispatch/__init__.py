@@ -1,0 +1,3 @@
+"""loka.dispatch"""
+
+__all__: list[str] = []

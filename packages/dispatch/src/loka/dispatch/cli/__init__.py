@@ -1,0 +1,40 @@
+"""The `loka` command line.
+
+Each subcommand lives in its own module under `loka.dispatch.cli` and exposes
+`add_parser(subparsers)`, which registers the subcommand and sets `func` (called with the
+parsed namespace, returns an exit code). Modules are imported lazily so that a command
+whose optional dependencies are missing does not break the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules, in the order `loka --help` lists them.
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loka",
+        description="LoKA: probe FP8 numerics per GEMM site, benchmark kernels, plan and apply.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,3 @@
+"""loka.mods"""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""loka.probe"""
+
+__all__: list[str] = []

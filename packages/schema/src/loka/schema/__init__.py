@@ -1,0 +1,3 @@
+"""loka.schema"""
+
+__all__: list[str] = []

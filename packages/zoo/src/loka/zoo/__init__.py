@@ -1,0 +1,3 @@
+"""loka.zoo"""
+
+__all__: list[str] = []
