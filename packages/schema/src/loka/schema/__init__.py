@@ -1,3 +1,46 @@
-"""loka.schema"""
+"""loka.schema: the tables that join LoKA's packages.
 
-__all__: list[str] = []
+Polars schemas of `sites`, `tensor_stats`, `site_errors`, `kernel_bench` and `plan`, a
+schema version, validation with errors that name the file, column and versions, atomic
+parquet IO, and the recipe grammar.
+"""
+
+from loka.schema.io import TableWriteError, read_metadata, read_table, write_table
+from loka.schema.recipe import BF16, FP8_MAX, Recipe, RecipeError
+from loka.schema.tables import (
+    FP8_FORMATS,
+    GRANULARITIES,
+    PASSES,
+    ROLES,
+    SCHEMA_VERSION,
+    TABLES,
+    VERDICTS,
+    Column,
+    Table,
+    table,
+)
+from loka.schema.validate import SchemaError, empty, validate
+
+__all__ = [
+    "BF16",
+    "FP8_FORMATS",
+    "FP8_MAX",
+    "GRANULARITIES",
+    "PASSES",
+    "ROLES",
+    "SCHEMA_VERSION",
+    "TABLES",
+    "VERDICTS",
+    "Column",
+    "Recipe",
+    "RecipeError",
+    "SchemaError",
+    "Table",
+    "TableWriteError",
+    "empty",
+    "read_metadata",
+    "read_table",
+    "table",
+    "validate",
+    "write_table",
+]
