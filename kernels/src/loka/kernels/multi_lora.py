@@ -19,6 +19,7 @@ Each kernel has its launcher beside it and a pure-torch reference beside that.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from loka.kernels.runtime import require_triton_device
 
 __all__ = [
     "MultiLoraLayout",
@@ -242,7 +242,14 @@ def _check_common(name: str, layout: MultiLoraLayout, *tensors: torch.Tensor) ->
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise TypeError(f"{name}: operands must share one dtype, got {sorted(map(str, dtypes))}")
-    require_triton_device(*tensors)
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: tensors must be on one device, got {sorted(map(str, devices))}")
+    device = tensors[0].device
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise RuntimeError(f"{name}: Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on CPU")
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"{name}: Triton kernels do not run on {device.type}")
     if layout.meta.device != tensors[0].device:
         raise ValueError(
             f"{name}: layout is on {layout.meta.device}, tensors on {tensors[0].device}; "
