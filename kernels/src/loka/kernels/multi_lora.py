@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 __all__ = [
     "MultiLoraLayout",
     "lora_expand",
