@@ -1,0 +1,68 @@
+"""Where a kernel can run: a CUDA GPU with FP8 tensor cores, or Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
+    """Compute capability of a CUDA device, or None when the device is not a CUDA GPU."""
+    device = resolve_device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    return torch.device(device)
+
+
+def triton_unavailable_reason(
+    device: torch.device, min_capability: tuple[int, int] | None
+) -> str | None:
+    """Why a Triton kernel cannot run on `device` (None when it can)."""
+    if device.type == "cpu":
+        return (
+            None
+            if interpreting()
+            else "Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on CPU"
+        )
+    if device.type != "cuda":
+        return f"Triton kernels do not run on {device.type}"
+    cap = capability(device)
+    if min_capability is not None and cap is not None and cap < min_capability:
+        return f"needs compute capability {min_capability[0]}.{min_capability[1]}+, device has {cap[0]}.{cap[1]}"
+    return None
+
+
+def require_triton_device(
+    *tensors: torch.Tensor, min_capability: tuple[int, int] | None = None
+) -> None:
+    """Raise a clear error unless all tensors share one device a Triton kernel can run on."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"tensors must be on one device, got {sorted(map(str, devices))}")
+    reason = triton_unavailable_reason(devices.pop(), min_capability)
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
+if interpreting():
+    from loka.kernels import _interpreter_compat
+
+    _interpreter_compat.apply()

@@ -1,0 +1,97 @@
+"""The scale rule, once in torch and once in Triton, bit-identical.
+
+``scale = fp8_max / max(amax, AMAX_FLOOR)`` for a finite positive amax, else 1 (all-zero
+rows, and amax values that are NaN or Inf); then ``min(scale, scale_ub)``; then, with
+``pow2``, rounded down to a power of two (an exponent mask: exact, so dequantization is exact).
+Quantization is ``saturate(x * scale)`` cast with round-to-nearest-even: ±Inf saturates to
+±fp8_max, NaN stays NaN, and amax ignores both.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loka.kernels.formats import AMAX_FLOOR, FP8_MAX, fp8_dtype
+from loka.kernels.fp8_bits import fp8_encode_tl
+
+AMAX_FLOOR_TL: tl.constexpr = tl.constexpr(AMAX_FLOOR)
+
+
+def scale_from_amax(
+    amax: torch.Tensor, fmt: str, pow2: bool = False, scale_ub: float | None = None
+) -> torch.Tensor:
+    """Reference: float32 scales from amax values (any shape)."""
+    amax = amax.float()
+    valid = (amax > 0) & (amax < float("inf"))
+    fp8_max = torch.tensor(FP8_MAX[fmt], dtype=torch.float32, device=amax.device)
+    scale = torch.where(valid, fp8_max / amax.clamp_min(AMAX_FLOOR), torch.ones_like(amax))
+    if scale_ub is not None:
+        ub = torch.tensor(scale_ub, dtype=torch.float32, device=amax.device)
+        scale = torch.minimum(scale, ub)
+    if pow2:
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return scale
+
+
+def finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x| in float32 with NaN and Inf replaced by 0: what amax measures."""
+    a = x.float().abs()
+    return torch.where(a < float("inf"), a, torch.zeros_like(a))
+
+
+def saturate_cast(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Reference: ``saturate(x * scale)`` cast to FP8."""
+    m = FP8_MAX[fmt]
+    y = x.float() * scale
+    y = torch.where(y > m, m, torch.where(y < -m, -m, y))
+    return y.to(fp8_dtype(fmt))
+
+
+def ub_args(scale_ub: float | None) -> tuple[bool, float]:
+    """The (HAS_UB, scale_ub) launch arguments of the kernels."""
+    return (scale_ub is not None, 1.0 if scale_ub is None else float(scale_ub))
+
+
+@triton.jit
+def scale_from_amax_tl(amax, FMT: tl.constexpr, POW2: tl.constexpr, HAS_UB: tl.constexpr, scale_ub):
+    """Triton twin of `scale_from_amax`, elementwise on a block of float32 amax values."""
+    FP8_MAX_VALUE: tl.constexpr = 448.0 if FMT == 0 else 57344.0
+    valid = (amax > 0.0) & (amax < float("inf"))
+    safe = tl.where(valid, tl.maximum(amax, AMAX_FLOOR_TL), 1.0)
+    # div_rn: the default fp32 division on GPUs is approximate, and scales must match bit for bit.
+    scale = tl.where(
+        valid, tl.math.div_rn(tl.full(amax.shape, FP8_MAX_VALUE, tl.float32), safe), 1.0
+    )
+    if HAS_UB:
+        scale = tl.minimum(scale, scale_ub)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def inverse_tl(scale):
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def finite_abs_tl(x):
+    a = tl.abs(x.to(tl.float32))
+    return tl.where(a < float("inf"), a, 0.0)
+
+
+@triton.jit
+def saturate_cast_tl(x, scale, FMT: tl.constexpr, SOFT_FP8: tl.constexpr, out_dtype: tl.constexpr):
+    """Triton twin of `saturate_cast`: the comparisons are False for NaN, so NaN passes.
+
+    With SOFT_FP8 (the interpreter) it returns uint8 codes for a uint8 view of the output.
+    """
+    FP8_MAX_VALUE: tl.constexpr = 448.0 if FMT == 0 else 57344.0
+    y = x.to(tl.float32) * scale
+    y = tl.where(y > FP8_MAX_VALUE, FP8_MAX_VALUE, tl.where(y < -FP8_MAX_VALUE, -FP8_MAX_VALUE, y))
+    if SOFT_FP8:
+        return fp8_encode_tl(y, FMT)
+    else:
+        return y.to(out_dtype)

@@ -1,0 +1,151 @@
+import pytest
+import torch
+
+from loka.kernels import FP8_MAX, Fp8Tensor, QuantConfig, quantize, quantize_reference
+
+SHAPES = [(1, 16), (3, 200), (130, 16), (64, 257)]
+
+
+def assert_same_quantization(got: Fp8Tensor, want: Fp8Tensor) -> None:
+    assert got.fmt == want.fmt and got.granularity == want.granularity and got.block == want.block
+    torch.testing.assert_close(got.scale, want.scale, rtol=0, atol=0)
+    torch.testing.assert_close(got.amax, want.amax, rtol=0, atol=0)
+    torch.testing.assert_close(got.inv_scale, want.inv_scale, rtol=0, atol=0)
+    # Byte equality, with NaN compared as NaN whatever its sign bit.
+    g, w = got.data.float(), want.data.float()
+    assert torch.equal(g.isnan(), w.isnan())
+    assert torch.equal(
+        got.data.view(torch.uint8)[~g.isnan()], want.data.view(torch.uint8)[~w.isnan()]
+    )
+
+
+def make(shape, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # Heavy-tailed rows with very different magnitudes, like real activations.
+    x = torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[0])[:, None]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "granularity,block",
+    [("tensor", None), ("row", None), ("block", (1, 128)), ("block", (128, 128))],
+)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_matches_reference_bytes(shape, granularity, block, fmt):
+    x = make(shape)
+    got = quantize(x, fmt, granularity, block=block)
+    assert_same_quantization(got, quantize_reference(x, QuantConfig(fmt, granularity, block)))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_pow2_and_upper_bound(granularity):
+    x = make((5, 300), torch.float32, seed=1)
+    for kw in ({"pow2": True}, {"scale_ub": 3.0}, {"pow2": True, "scale_ub": 1000.0}):
+        got = quantize(x, "e4m3", granularity, **kw)
+        assert_same_quantization(got, quantize_reference(x, QuantConfig("e4m3", granularity, **kw)))
+        if kw.get("pow2"):
+            mantissa = got.scale.view(torch.int32) & 0x007FFFFF
+            assert torch.all(mantissa == 0)
+        if "scale_ub" in kw:
+            assert torch.all(got.scale <= kw["scale_ub"])
+
+
+def test_pow2_dequantization_is_exact_where_representable():
+    # Every finite e4m3 value divided by 32: a power-of-two scale (32) maps them back exactly.
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    x = (grid[grid.isfinite()] / 32).reshape(2, -1)
+    q = quantize(x, "e4m3", "row", pow2=True)
+    assert torch.equal(q.scale, torch.tensor([32.0, 32.0]))
+    torch.testing.assert_close(q.dequantize(), x, rtol=0, atol=0)
+
+
+def test_all_zero_rows_get_scale_one():
+    x = torch.zeros(4, 40, dtype=torch.bfloat16)
+    x[2] = 1.0
+    q = quantize(x, "e4m3", "row")
+    assert torch.all(torch.isfinite(q.scale))
+    assert q.scale[0].item() == 1.0 and q.scale[2].item() == 448.0
+    assert torch.all(q.data[0].float() == 0)
+
+
+def test_nan_and_inf_documented_behaviour():
+    x = torch.ones(3, 32)
+    x[0, 1] = float("nan")
+    x[1, 2] = float("inf")
+    x[1, 3] = -float("inf")
+    x[1, 4] = 2.0
+    for fmt in ("e4m3", "e5m2"):
+        q = quantize(x, fmt, "row")
+        assert_same_quantization(q, quantize_reference(x, QuantConfig(fmt, "row")))
+        d = q.data.float()
+        # NaN stays NaN, the rest of its row is quantized normally.
+        assert torch.isnan(d[0, 1]) and torch.isfinite(d[0, 2:]).all() and q.amax[0] == 1
+        # Inf saturates to the format's max and does not enter the scale (amax is 2, not inf).
+        assert d[1, 2] == FP8_MAX[fmt] and d[1, 3] == -FP8_MAX[fmt] and q.amax[1] == 2
+        assert torch.isfinite(q.scale).all()
+
+
+def test_delayed_amax_sets_the_scale_and_saturates():
+    x = torch.linspace(-4, 4, 64).reshape(2, 32)
+    q = quantize(x, "e4m3", "tensor", amax=torch.tensor([2.0]))
+    assert q.scale.item() == 224.0 and q.amax.item() == 4.0  # scale from history, amax measured
+    assert q.data.float().abs().max() == 448  # values beyond the stale amax saturate
+    assert_same_quantization(
+        q, quantize_reference(x, QuantConfig("e4m3", "tensor"), torch.tensor([2.0]))
+    )
+    rows = quantize(x, "e5m2", "row", amax=torch.tensor([1.0, 8.0]))
+    assert_same_quantization(
+        rows, quantize_reference(x, QuantConfig("e5m2", "row"), torch.tensor([1.0, 8.0]))
+    )
+
+
+def test_long_rows_take_the_two_read_path():
+    from loka.kernels import quantization as qmod
+
+    x = make((2, 40000), torch.float32, seed=3)
+    assert x.shape[1] > qmod.MAX_ROW_IN_REGISTERS
+    assert_same_quantization(
+        quantize(x, "e4m3", "row"), quantize_reference(x, QuantConfig("e4m3", "row"))
+    )
+
+
+def test_strided_input_is_read_in_place():
+    x = make((48, 40), torch.float32, seed=4)
+    xt = x.t()  # a non-contiguous view
+    assert_same_quantization(
+        quantize(xt, "e4m3", "row"), quantize_reference(xt.contiguous(), QuantConfig("e4m3", "row"))
+    )
+
+
+def test_empty_input():
+    q = quantize(torch.empty(0, 32), "e4m3", "row")
+    assert q.data.shape == (0, 32) and q.scale.shape == (0,)
+    t = quantize(torch.empty(0, 32), "e4m3", "tensor")
+    assert t.scale.item() == 1.0
+
+
+@pytest.mark.parametrize(
+    "call,err,match",
+    [
+        (lambda: quantize(torch.ones(4, 4, dtype=torch.int32)), TypeError, "bfloat16"),
+        (lambda: quantize(torch.ones(4)), ValueError, "2-D"),
+        (lambda: quantize(torch.ones(4, 4), "e3m4"), ValueError, "format"),
+        (lambda: quantize(torch.ones(4, 4), granularity="col"), ValueError, "granularity"),
+        (
+            lambda: quantize(torch.ones(4, 4), granularity="block", block=(2, 2)),
+            ValueError,
+            "block",
+        ),
+        (lambda: quantize(torch.ones(4, 4), scale_ub=float("nan")), ValueError, "scale_ub"),
+        (
+            lambda: quantize(torch.ones(4, 4), granularity="row", amax=torch.ones(3)),
+            ValueError,
+            "amax",
+        ),
+        (lambda: quantize([[1.0]]), TypeError, "torch.Tensor"),
+    ],
+)
+def test_bad_input_is_refused(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
