@@ -1,0 +1,71 @@
+"""The built-in backends, registered when loka.kernels is imported.
+
+Priorities set the default of `fp8_mm(backend=None)`: cuBLAS/CUTLASS `_scaled_mm` where it
+applies, the Triton kernel for everything else; fast-accumulation variants are registered
+for the dispatcher to time but are never a default.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+from loka.kernels.fp8_gemm import mm_reference, triton_fp8_mm
+from loka.kernels.registry import BF16, Backend, GemmSpec, registry
+from loka.kernels.torch_gemm import bf16_mm, scaled_mm, scaled_mm_refusal
+
+FP8_PAIRS = frozenset(itertools.product(("e4m3", "e5m2"), repeat=2))
+
+
+def _scaled_mm_check(spec: GemmSpec) -> str | None:
+    if spec.a.granularity != spec.b.granularity:
+        return "torch._scaled_mm needs the same granularity on both operands"
+    return scaled_mm_refusal(spec.a.fmt, spec.b.fmt, spec.a.granularity, spec.out_dtype)
+
+
+def _fp8_backend(name: str, run, description: str, **fields) -> Backend:
+    return Backend(
+        name=name, op="mm", run=run, reference=mm_reference, description=description,
+        formats=FP8_PAIRS, **fields,
+    )  # fmt: skip
+
+
+def _register_builtins() -> None:
+    bf16 = Backend(
+        name="torch.bf16",
+        op="mm",
+        run=bf16_mm,
+        reference=mm_reference,
+        description="bf16 F.linear (cuBLAS), bias fused, activation after: the baseline",
+        formats=frozenset({(BF16, BF16)}),
+        granularities=frozenset({"none"}),
+        min_capability=None,
+        runs_on_cpu=True,
+    )
+    registry.register(bf16, replace=True)
+    for fast in (False, True):
+        suffix = ".fast" if fast else ""
+        accum = "tensor-core (fast) accumulation" if fast else "float32 accumulation"
+        cublas = _fp8_backend(
+            f"torch.scaled_mm{suffix}",
+            functools.partial(scaled_mm, fast_accum=fast),
+            f"torch._scaled_mm, tensorwise (cuBLASLt) or rowwise (CUTLASS), {accum}",
+            granularities=frozenset({"tensor", "row"}),
+            align=(("k", 16), ("n", 16)),
+            priority=5 if fast else 20,
+            check=_scaled_mm_check,
+        )
+        triton_gemm = _fp8_backend(
+            f"triton.fp8{suffix}",
+            functools.partial(triton_fp8_mm, fast_accum=fast),
+            f"Triton FP8 GEMM, tensor/row/block scales, fused bias+activation, {accum}",
+            granularities=frozenset({"tensor", "row", "block"}),
+            triton=True,
+            fused_epilogue=True,
+            priority=4 if fast else 10,
+        )
+        registry.register(cublas, replace=True)
+        registry.register(triton_gemm, replace=True)
+
+
+_register_builtins()

@@ -1,0 +1,242 @@
+"""Triton FP8 GEMM ``out = act(a @ b^T * scales + bias)`` with tensor, row or block scales.
+
+Both operands are K-contiguous (``a[M, K]``, ``b[N, K]``), the layout Hopper's FP8 tensor
+cores read without a transpose. Tensor and row scales are applied once in the epilogue;
+block scales (1x128 or 128x128, along K in steps of 128) are applied to each K step's
+partial product before it joins the float32 accumulator, as in DeepSeek-V3. Without
+``fast_accum`` the tensor cores' partial sums are promoted to float32 every BLOCK_K (<= 128)
+products; with it they accumulate at the tensor cores' reduced precision for the whole K.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loka.kernels.epilogue import ACTIVATION_IDS, activation_tl, apply_epilogue, check_bias
+from loka.kernels.formats import check_activation, check_out_dtype
+from loka.kernels.fp8_bits import FORMAT_IDS, fp8_decode_tl
+from loka.kernels.fp8_tensor import Fp8Tensor
+from loka.kernels.runtime import FP8_MIN_CAPABILITY, interpreting, require_triton_device
+
+SCALE_MODES = {"tensor": 0, "row": 1, "block": 2}
+SCALE_BLOCK_K = 128
+
+
+@triton.jit
+def _load_scale_rows(scale_ptr, offs, limit, MODE: tl.constexpr):
+    """Epilogue scales of a tile's rows: one value (tensor) or one per row."""
+    if MODE == 0:
+        return tl.load(scale_ptr)
+    else:
+        return tl.load(scale_ptr + offs, mask=offs < limit, other=0.0)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    M, N, K, M_BUCKET, stride_am, stride_bn, stride_cm, a_scale_stride, b_scale_stride,
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
+    A_BLOCK_ROWS: tl.constexpr, B_BLOCK_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    SOFT_FP8: tl.constexpr, A_FMT: tl.constexpr, B_FMT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Tiles sharing a band of GROUP_M rows of `a` run together so `b` stays in L2.
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SOFT_FP8:  # the interpreter's FP8 casts are inexact: decode the bytes ourselves
+            a = fp8_decode_tl(a, A_FMT)
+            b = fp8_decode_tl(b, B_FMT)
+        if (A_SCALE == 2) or (B_SCALE == 2):
+            part = tl.dot(a, tl.trans(b))
+            kb = k0 // 128
+            if A_SCALE == 2:
+                sa = tl.load(
+                    a_scale_ptr + (offs_m // A_BLOCK_ROWS) * a_scale_stride + kb,
+                    mask=m_ok,
+                    other=0.0,
+                )
+                part = part * sa[:, None]
+            if B_SCALE == 2:
+                sb = tl.load(
+                    b_scale_ptr + (offs_n // B_BLOCK_ROWS) * b_scale_stride + kb,
+                    mask=n_ok,
+                    other=0.0,
+                )
+                part = part * sb[None, :]
+            acc += part
+        elif FAST_ACCUM:
+            acc = tl.dot(a, tl.trans(b), acc)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    if A_SCALE != 2:
+        sa = _load_scale_rows(a_scale_ptr, offs_m, M, A_SCALE)
+        acc = acc * (sa[:, None] if A_SCALE == 1 else sa)
+    if B_SCALE != 2:
+        sb = _load_scale_rows(b_scale_ptr, offs_n, N, B_SCALE)
+        acc = acc * (sb[None, :] if B_SCALE == 1 else sb)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    acc = activation_tl(acc, ACTIVATION)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _configs() -> list[triton.Config]:
+    shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages: Hopper FP8 tiles for LRM shapes
+        (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4),
+        (128, 128, 128, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
+        (64, 64, 128, 4, 5), (128, 256, 64, 8, 4), (128, 128, 64, 4, 5), (64, 256, 128, 8, 3),
+    ]  # fmt: skip
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s
+        )
+        for bm, bn, bk, w, s in shapes
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop tiles much larger than the problem (they only add masked work)."""
+    m = max(64, triton.next_power_of_2(named_args["M"]))
+    n = max(64, triton.next_power_of_2(named_args["N"]))
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= m and c.kwargs["BLOCK_N"] <= n]
+    return kept or configs[:1]
+
+
+def _quick_bench(fn, quantiles=None):
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+_fp8_gemm_autotuned = triton.autotune(
+    configs=_configs(),
+    key=["M_BUCKET", "N", "K", "A_SCALE", "B_SCALE", "HAS_BIAS", "ACTIVATION", "FAST_ACCUM"],
+    prune_configs_by={"early_config_prune": _prune},
+    do_bench=_quick_bench,
+)(_fp8_gemm_kernel)
+
+
+def _scale_args(t: Fp8Tensor) -> tuple[int, int, int]:
+    """(mode, rows per scale block, row stride of the scale grid)."""
+    if t.granularity == "block":
+        return SCALE_MODES["block"], t.block[0], t.inv_scale.stride(0)
+    return SCALE_MODES[t.granularity], 1, 0
+
+
+def check_fp8_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Fp8Tensor):
+            raise TypeError(f"{name} must be an Fp8Tensor (use quantize), got {type(t).__name__}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"a is [M, K] = {tuple(a.shape)} and b is [N, K] = {tuple(b.shape)}: K differs"
+        )
+    if a.device != b.device:
+        raise ValueError(f"a is on {a.device} and b on {b.device}")
+    for name, t in (("a", a), ("b", b)):
+        if t.granularity == "block" and t.block[1] != SCALE_BLOCK_K:
+            raise ValueError(
+                f"{name}: block scales must span {SCALE_BLOCK_K} along K, got {t.block}"
+            )
+
+
+def check_fp8_request(
+    a: Fp8Tensor,
+    b: Fp8Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """Validate an FP8 GEMM request; returns the bias, contiguous."""
+    check_fp8_operands(a, b)
+    check_activation(activation)
+    check_out_dtype(out_dtype)
+    return check_bias(bias, b.shape[0], a.device)
+
+
+def triton_fp8_mm(
+    a: Fp8Tensor,
+    b: Fp8Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """``activation(dequant(a) @ dequant(b).T + bias)`` in `out_dtype`, one Triton kernel."""
+    bias = check_fp8_request(a, b, bias, activation, out_dtype)
+    (M, K), (N, _) = a.shape, b.shape
+    require_triton_device(a.data, b.data, min_capability=FP8_MIN_CAPABILITY)
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    a_mode, a_rows, a_stride = _scale_args(a)
+    b_mode, b_rows, b_stride = _scale_args(b)
+    soft = interpreting()
+    args = (
+        a.data.view(torch.uint8) if soft else a.data,
+        b.data.view(torch.uint8) if soft else b.data,
+        out, a.inv_scale, b.inv_scale, bias if bias is not None else out,
+        M, N, K, triton.next_power_of_2(M), a.data.stride(0), b.data.stride(0), out.stride(0),
+        a_stride, b_stride,
+    )  # fmt: skip
+    meta = dict(
+        A_SCALE=a_mode, B_SCALE=b_mode, A_BLOCK_ROWS=a_rows, B_BLOCK_ROWS=b_rows,
+        HAS_BIAS=bias is not None, ACTIVATION=ACTIVATION_IDS[activation], FAST_ACCUM=fast_accum,
+        SOFT_FP8=soft, A_FMT=FORMAT_IDS[a.fmt], B_FMT=FORMAT_IDS[b.fmt],
+    )  # fmt: skip
+    if soft:
+        # The interpreter runs one fixed tile (autotuning it would only cost time).
+        bm = min(64, max(16, triton.next_power_of_2(M)))
+        bn = min(64, max(16, triton.next_power_of_2(N)))
+        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+        _fp8_gemm_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8)
+    else:
+
+        def grid(meta):
+            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+        _fp8_gemm_autotuned[grid](*args, **meta)
+    return out
+
+
+def mm_reference(
+    a: Fp8Tensor | torch.Tensor,
+    b: Fp8Tensor | torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Pure-torch ``activation(a @ b.T + bias)``: operands dequantized (float32, ``q / scale``)
+    or taken as they are, product and epilogue in float64, result cast to `out_dtype`."""
+
+    def wide(t: Fp8Tensor | torch.Tensor) -> torch.Tensor:
+        return (t.dequantize() if isinstance(t, Fp8Tensor) else t.float()).double()
+
+    y = wide(a) @ wide(b).T
+    return apply_epilogue(y, None if bias is None else bias.double(), activation).to(out_dtype)
