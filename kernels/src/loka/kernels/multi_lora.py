@@ -19,7 +19,6 @@ Each kernel has its launcher beside it and a pure-torch reference beside that.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ __all__ = [
     "lora_shrink_reference",
     "lora_wgrad",
     "lora_wgrad_reference",
+    "multi_lora_kernels_available",
     "multi_lora_linear",
     "multi_lora_linear_reference",
 ]
@@ -244,11 +244,11 @@ def _check_common(name: str, layout: MultiLoraLayout, *tensors: torch.Tensor) ->
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"{name}: tensors must be on one device, got {sorted(map(str, devices))}")
-    device = tensors[0].device
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise RuntimeError(f"{name}: Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on CPU")
-    if device.type not in ("cpu", "cuda"):
-        raise RuntimeError(f"{name}: Triton kernels do not run on {device.type}")
+    if not multi_lora_kernels_available(tensors[0].device):
+        raise RuntimeError(
+            f"{name}: Triton kernels need a CUDA GPU, or the CPU with TRITON_INTERPRET=1 set "
+            f"before loka.kernels.multi_lora is imported; tensors are on {tensors[0].device}"
+        )
     if layout.meta.device != tensors[0].device:
         raise ValueError(
             f"{name}: layout is on {layout.meta.device}, tensors on {tensors[0].device}; "
@@ -256,11 +256,21 @@ def _check_common(name: str, layout: MultiLoraLayout, *tensors: torch.Tensor) ->
         )
 
 
+def multi_lora_kernels_available(device: torch.device | str) -> bool:
+    """Whether the kernels can run on `device`: a CUDA GPU, or the CPU when Triton built
+    them for its interpreter (TRITON_INTERPRET=1 when this module was first imported)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    return device.type == "cpu" and not isinstance(_mma, triton.runtime.JITFunction)
+
+
 def _autotuned(kernel, configs: list[triton.Config], key: list[str]):
     """The kernel autotuned on GPU; the interpreter gets the first config directly."""
     return kernel, triton.autotune(configs=configs, key=key)(kernel)
 
 
+# The interpreter pays ~50 ms per program whatever its tile size, so it gets large tiles.
 def _launch(pair, device: torch.device, grid, default: triton.Config, args, **constexprs) -> None:
     plain, tuned = pair
     if device.type == "cuda":
@@ -322,7 +332,7 @@ _SHRINK_CONFIGS = [
     triton.Config({"BLOCK_T": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
 ]
 _SHRINK = _autotuned(_shrink_kernel, _SHRINK_CONFIGS, key=["K", "R_OUT", "SCALED"])
-_SHRINK_INTERPRETED = triton.Config({"BLOCK_T": 16, "BLOCK_K": 32})
+_SHRINK_INTERPRETED = triton.Config({"BLOCK_T": 32, "BLOCK_K": 64})
 
 
 def lora_shrink(
@@ -426,7 +436,7 @@ _EXPAND_CONFIGS = [
     triton.Config({"BLOCK_T": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
 ]
 _EXPAND = _autotuned(_expand_kernel, _EXPAND_CONFIGS, key=["N", "R_MAX", "SCALED", "HAS_BASE"])
-_EXPAND_INTERPRETED = triton.Config({"BLOCK_T": 16, "BLOCK_N": 32})
+_EXPAND_INTERPRETED = triton.Config({"BLOCK_T": 32, "BLOCK_N": 64})
 
 
 def lora_expand(
@@ -576,7 +586,7 @@ _WGRAD_CONFIGS = [
     triton.Config({"BLOCK_P": 32, "BLOCK_Q": 128, "BLOCK_T": 128}, num_warps=4, num_stages=3),
 ]
 _WGRAD = _autotuned(_wgrad_kernel, _WGRAD_CONFIGS, key=["P", "Q", "RANK_ON_LEFT", "SCALED"])
-_WGRAD_INTERPRETED = triton.Config({"BLOCK_P": 16, "BLOCK_Q": 32, "BLOCK_T": 16})
+_WGRAD_INTERPRETED = triton.Config({"BLOCK_P": 64, "BLOCK_Q": 64, "BLOCK_T": 32})
 
 
 def lora_wgrad(

@@ -1,0 +1,104 @@
+"""The packed multi-LoRA linear: one frozen base GEMM, N adapters over token segments."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from loka.kernels.multi_lora import (
+    MultiLoraLayout,
+    multi_lora_kernels_available,
+    multi_lora_linear,
+    multi_lora_linear_reference,
+)
+from loka.mods.packed_lora.config import LoraJobConfig
+
+
+class PackedBatch:
+    """The current batch's token layout, shared by every packed layer of one model."""
+
+    def __init__(self) -> None:
+        self.layout: MultiLoraLayout | None = None
+
+    def require(self, num_tokens: int, where: str) -> MultiLoraLayout:
+        if self.layout is None:
+            raise RuntimeError(
+                f"{where}: no packed batch is set; call PackedLora.set_batch(...) before forward"
+            )
+        if self.layout.num_tokens != num_tokens:
+            raise ValueError(
+                f"{where}: input has {num_tokens} tokens but the packed batch set with "
+                f"set_batch has {self.layout.num_tokens}"
+            )
+        return self.layout
+
+
+class PackedLoraLinear(nn.Module):
+    """`y = base(x) + s_i (x A_i^T) B_i^T` for the tokens of adapter i.
+
+    The base linear runs once over all tokens and stays frozen; each adapter has its own
+    parameters `lora_A[i]: [r_i, in]` and `lora_B[i]: [out, r_i]` (so each job keeps its
+    own optimizer state). A starts like peft's (uniform in +-1/sqrt(in)) from a generator
+    seeded by the job's seed and this module's name; B starts at zero.
+    """
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        jobs: Sequence[LoraJobConfig],
+        batch: PackedBatch,
+        *,
+        name: str,
+        backend: str,
+        adapter_dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"{name}: packed LoRA wraps nn.Linear, got {type(base).__name__}")
+        self.base = base
+        self.name = name
+        self.batch = batch
+        self.backend = backend
+        self.scales = tuple(job.scale for job in jobs)
+        device = base.weight.device
+        self.lora_A = nn.ParameterList()
+        self.lora_B = nn.ParameterList()
+        for job in jobs:
+            gen = torch.Generator().manual_seed(job.seed * 1_000_003 + zlib.crc32(name.encode()))
+            bound = 1.0 / math.sqrt(base.in_features)
+            a = (torch.rand(job.rank, base.in_features, generator=gen) * 2 - 1) * bound
+            self.lora_A.append(nn.Parameter(a.to(device, adapter_dtype)))
+            b = torch.zeros(base.out_features, job.rank, device=device, dtype=adapter_dtype)
+            self.lora_B.append(nn.Parameter(b))
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(a.shape[0] for a in self.lora_A)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base_out = self.base(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        layout = self.batch.require(x2.shape[0], self.name)
+        out2 = base_out.reshape(-1, base_out.shape[-1])
+        a_list = [a.to(x.dtype) for a in self.lora_A]
+        b_list = [b.to(x.dtype) for b in self.lora_B]
+        if self._use_triton(x.device):
+            y = multi_lora_linear(x2, out2, torch.cat(a_list), torch.cat(b_list, dim=1), layout)
+        else:
+            y = multi_lora_linear_reference(x2, out2, a_list, b_list, layout)
+        return y.view(base_out.shape)
+
+    def _use_triton(self, device: torch.device) -> bool:
+        if self.backend == "auto":
+            return multi_lora_kernels_available(device)
+        return self.backend == "triton"
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.base.in_features}, out={self.base.out_features}, ranks={self.ranks}, "
+            f"backend={self.backend}"
+        )

@@ -1,0 +1,289 @@
+"""Train planned packs of LoRA jobs on a Hugging Face causal LM, one peft adapter per job."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loka.mods.packed_lora.checkpoint import save_adapter
+from loka.mods.packed_lora.config import LoraJobConfig, PackedLoraConfig
+from loka.mods.packed_lora.data import JobSampler, TokenBlocks, read_texts
+from loka.mods.packed_lora.model import PackedLora, convert_to_packed_lora
+from loka.mods.packed_lora.optim import AdapterStep, PerAdapterOptimizer
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """seq_len: tokens per sample; dtype: the base model's dtype when loaded from a path;
+    device: where to train (default: CUDA when available); save_optimizer: also write each
+    job's AdamW state next to its adapter, to resume."""
+
+    seq_len: int = 512
+    packed: PackedLoraConfig = field(default_factory=PackedLoraConfig)
+    dtype: torch.dtype = torch.bfloat16
+    device: str | None = None
+    save_optimizer: bool = False
+
+
+@dataclass
+class JobResult:
+    """How one job ended: "done" (all its steps) or "diverged" (stopped at a non-finite
+    loss or gradient; its adapter keeps the last finite weights)."""
+
+    name: str
+    pack: int
+    status: str
+    steps: int
+    tokens: int
+    final_loss: float | None
+    losses: list[float]
+    adapter_dir: str | None
+    wall_s: float
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """One measured packed step: the record the planner's throughput model is fit on."""
+
+    n_adapters: int
+    tokens: int
+    rank_tokens: int  # sum over adapters of rank x tokens
+    step_time_s: float
+    peak_memory_bytes: int
+    device: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def packed_train_step(
+    packed: PackedLora,
+    optimizer: PerAdapterOptimizer,
+    batches: Sequence[tuple[int, torch.Tensor]],
+) -> tuple[list[float], list[AdapterStep]]:
+    """One forward/backward/step over the batches of several adapters at once.
+
+    batches: `(adapter index, [b, seq_len + 1] token ids)` per active adapter. Each
+    adapter's loss is the mean token cross-entropy over its own samples, and the summed
+    loss gives each adapter exactly the gradient of its own loss. Returns the per-adapter
+    losses (NaN for adapters not in the batch) and the optimizer's report.
+    """
+    device = packed.device
+    ids = torch.cat([b for _, b in batches]).to(device, non_blocking=True)
+    owners = [i for i, b in batches for _ in range(b.shape[0])]
+    seq_len = ids.shape[1] - 1
+    packed.set_batch(owners, seq_len)
+    logits = packed.model(input_ids=ids[:, :-1], use_cache=False).logits
+    token_loss = F.cross_entropy(
+        logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none"
+    )
+    owner = torch.tensor(owners, device=device).repeat_interleave(seq_len)
+    n = packed.num_adapters
+    sums = torch.zeros(n, device=device).index_add(0, owner, token_loss)
+    counts = torch.bincount(owner, minlength=n).clamp_min(1)
+    losses = sums / counts
+    active = [i for i, _ in batches]
+    losses[active].sum().backward()
+    reports = optimizer.step(active)
+    host = losses.detach().cpu().tolist()
+    present = set(active)
+    return [v if i in present else math.nan for i, v in enumerate(host)], reports
+
+
+def train_packs(
+    model: nn.Module | str | Path,
+    jobs: Sequence[LoraJobConfig],
+    packs: Sequence[Sequence[str]],
+    data: TokenBlocks | Sequence[str] | str | Path,
+    output_dir: str | Path,
+    *,
+    config: RunnerConfig | None = None,
+    tokenizer: Any = None,
+    on_step: Callable[[int, int, dict[str, float]], None] | None = None,
+) -> list[JobResult]:
+    """Train `jobs` pack by pack (`packs` lists job names; every job in exactly one pack).
+
+    model: a causal LM module, or a local checkpoint folder (loaded with
+    `AutoModelForCausalLM`, tokenizer from the same folder unless given). data: token
+    blocks, a list of texts, or a text file (see `TokenBlocks.from_file`). Each job's adapter
+    is written to `output_dir/<job name>/` in peft's format. A job that diverges stops and
+    is reported; the other jobs of its pack train on. The model is left as it was.
+    """
+    config = config or RunnerConfig()
+    by_name = _check_packs(jobs, packs)
+    model, tokenizer, source = _load_model(model, tokenizer, config)
+    blocks = _load_data(data, tokenizer, config.seq_len)
+    output_dir = Path(output_dir)
+    results: list[JobResult] = []
+    for p, names in enumerate(packs):
+        pack_jobs = [by_name[name] for name in names]
+        results += _train_pack(model, pack_jobs, p, blocks, output_dir, config, source, on_step)
+    return results
+
+
+def _train_pack(model, jobs, pack, blocks, output_dir, config, source, on_step) -> list[JobResult]:
+    packed = convert_to_packed_lora(model, jobs, config.packed)
+    try:
+        optimizer = PerAdapterOptimizer(packed)
+        samplers = [JobSampler(blocks, job) for job in jobs]
+        remaining = [job.num_steps(config.seq_len) for job in jobs]
+        losses: list[list[float]] = [[] for _ in jobs]
+        status = ["running"] * len(jobs)
+        reasons = [""] * len(jobs)
+        finished = [0.0] * len(jobs)
+        start, step = time.perf_counter(), 0
+        while True:
+            active = [i for i in range(len(jobs)) if remaining[i] > 0 and status[i] == "running"]
+            if not active:
+                break
+            batches = [(i, samplers[i].next_batch()) for i in active]
+            step_losses, reports = packed_train_step(packed, optimizer, batches)
+            now = time.perf_counter() - start
+            for report in reports:
+                i, loss = report.index, step_losses[report.index]
+                if not report.stepped or not math.isfinite(loss):
+                    status[i], finished[i] = "diverged", now
+                    reasons[i] = report.reason or f"non-finite loss {loss}"
+                    continue
+                losses[i].append(loss)
+                remaining[i] -= 1
+                if remaining[i] == 0:
+                    status[i], finished[i] = "done", now
+            step += 1
+            if on_step is not None:
+                on_step(pack, step, {jobs[i].name: step_losses[i] for i in active})
+        results = []
+        for i, job in enumerate(jobs):
+            result = JobResult(
+                name=job.name,
+                pack=pack,
+                status=status[i],
+                steps=len(losses[i]),
+                tokens=len(losses[i]) * job.tokens_per_step(config.seq_len),
+                final_loss=losses[i][-1] if losses[i] else None,
+                losses=losses[i],
+                adapter_dir=None,
+                wall_s=finished[i],
+                reason=reasons[i],
+            )
+            folder = save_adapter(
+                packed,
+                i,
+                output_dir / job.name,
+                optimizer=optimizer if config.save_optimizer else None,
+                base_model_name_or_path=source,
+                metrics=result.to_dict(),
+            )
+            result.adapter_dir = str(folder)
+            results.append(result)
+        return results
+    finally:
+        packed.remove()
+
+
+def profile_pack(
+    model: nn.Module,
+    jobs: Sequence[LoraJobConfig],
+    seq_len: int,
+    *,
+    config: PackedLoraConfig | None = None,
+    steps: int = 3,
+    warmup: int = 1,
+) -> StepProfile:
+    """Time packed training steps of `jobs` (all active, random tokens) on the model's
+    device; the model is left as it was. Feeds the planner's throughput model."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = next(model.parameters()).device
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    packed = convert_to_packed_lora(model, jobs, config)
+    try:
+        optimizer = PerAdapterOptimizer(packed)
+        gen = torch.Generator().manual_seed(0)
+        batches = [
+            (i, torch.randint(0, vocab, (job.batch_size, seq_len + 1), generator=gen))
+            for i, job in enumerate(jobs)
+        ]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(warmup):
+            packed_train_step(packed, optimizer, batches)
+        _sync(device)
+        begin = time.perf_counter()
+        for _ in range(steps):
+            packed_train_step(packed, optimizer, batches)
+        _sync(device)
+        elapsed = (time.perf_counter() - begin) / steps
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    finally:
+        packed.remove()
+    tokens = [job.batch_size * seq_len for job in jobs]
+    return StepProfile(
+        n_adapters=len(jobs),
+        tokens=sum(tokens),
+        rank_tokens=sum(job.rank * t for job, t in zip(jobs, tokens, strict=True)),
+        step_time_s=elapsed,
+        peak_memory_bytes=int(peak),
+        device=str(device),
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_packs(
+    jobs: Sequence[LoraJobConfig], packs: Sequence[Sequence[str]]
+) -> dict[str, LoraJobConfig]:
+    by_name = {job.name: job for job in jobs}
+    if len(by_name) != len(jobs):
+        raise ValueError("job names must be unique")
+    placed = [name for pack in packs for name in pack]
+    unknown = sorted(set(placed) - set(by_name))
+    twice = sorted({name for name in placed if placed.count(name) > 1})
+    missing = sorted(set(by_name) - set(placed))
+    if unknown or twice or missing or any(not pack for pack in packs):
+        raise ValueError(
+            f"packs must place every job exactly once and be non-empty: unknown {unknown}, "
+            f"placed twice {twice}, not placed {missing}"
+        )
+    return by_name
+
+
+def _load_model(model, tokenizer, config: RunnerConfig):
+    if isinstance(model, nn.Module):
+        return model, tokenizer, getattr(getattr(model, "config", None), "_name_or_path", None)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json; give a local Hugging Face checkpoint")
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=config.dtype).to(device)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return loaded, tokenizer, str(path)
+
+
+def _load_data(data, tokenizer, seq_len: int) -> TokenBlocks:
+    if isinstance(data, TokenBlocks):
+        if data.seq_len != seq_len:
+            raise ValueError(f"token blocks have seq_len {data.seq_len}, the runner {seq_len}")
+        return data
+    if tokenizer is None:
+        raise ValueError("text data needs a tokenizer (or a model folder that has one)")
+    texts = read_texts(data) if isinstance(data, str | Path) else list(data)
+    return TokenBlocks.from_texts(texts, tokenizer, seq_len)

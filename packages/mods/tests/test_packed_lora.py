@@ -1,0 +1,396 @@
+"""Packed multi-LoRA: layer, per-adapter optimizer, checkpoints and the runner (CPU)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from loka.kernels.multi_lora import multi_lora_kernels_available
+from loka.mods.packed_lora import (
+    LoraJobConfig,
+    PackedLoraConfig,
+    PerAdapterOptimizer,
+    RunnerConfig,
+    convert_to_packed_lora,
+    load_adapter,
+    packed_train_step,
+    profile_pack,
+    save_adapter,
+    train_packs,
+)
+
+VOCAB, SEQ = 61, 8
+needs_kernels = pytest.mark.skipif(
+    not multi_lora_kernels_available("cpu"),
+    reason="loka.kernels.multi_lora was imported without TRITON_INTERPRET=1 in this process",
+)
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = VOCAB) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=64,
+        eos_token_id=1,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).float().eval()
+
+
+def job(name, rank=4, alpha=8.0, lr=1e-2, batch_size=1, seed=0, **kw):
+    return LoraJobConfig(
+        name, rank, alpha, lr, batch_size, steps=kw.pop("steps", 2), seed=seed, **kw
+    )
+
+
+def batches_for(jobs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (i, torch.randint(0, VOCAB, (j.batch_size, SEQ + 1), generator=g))
+        for i, j in enumerate(jobs)
+    ]
+
+
+def params_of(packed, index):
+    return [p.detach().clone() for p in packed.adapter_parameters(index)]
+
+
+def randomize_b(packed, seed=5):
+    # B starts at zero in LoRA, which makes dA and the adapter's output vanish; tests that
+    # compare those give B random values.
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in packed.modules.values():
+            for b in module.lora_B:
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_kernels), "loop"])
+def test_packed_layer_equals_per_adapter_loop_for_mixed_ranks(backend):
+    torch.manual_seed(0)
+    base = nn.Linear(24, 40)
+    jobs = [job("a", rank=2, alpha=4), job("b", rank=8, alpha=8, seed=1), job("c", rank=5, alpha=1)]
+    wrapper = nn.Sequential(base)
+    packed = convert_to_packed_lora(
+        wrapper, jobs, PackedLoraConfig(target_modules=("0",), backend=backend)
+    )
+    randomize_b(packed)
+    layer = packed.modules["0"]
+    counts = [3, 0, 2]  # adapter b has no sample in this batch
+    packed.set_batch([0, 0, 0, 2, 2], tokens_per_sample=4)
+    x = torch.randn(5, 4, 24, requires_grad=True)
+    y = wrapper(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    # The same computation one adapter at a time, with fresh leaves.
+    x_ref = x.detach().clone().requires_grad_()
+    start = 0
+    for i, (count, j) in enumerate(zip(counts, jobs, strict=True)):
+        a = layer.lora_A[i].detach().clone().requires_grad_()
+        b = layer.lora_B[i].detach().clone().requires_grad_()
+        xi = x_ref[start : start + count]
+        yi = base(xi) + j.scale * (xi @ a.t()) @ b.t()
+        torch.testing.assert_close(y[start : start + count], yi, rtol=1e-4, atol=1e-5)
+        if count:
+            yi.backward(dy[start : start + count])
+            torch.testing.assert_close(layer.lora_A[i].grad, a.grad, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(layer.lora_B[i].grad, b.grad, rtol=1e-4, atol=1e-5)
+        else:
+            for p in (layer.lora_A[i], layer.lora_B[i]):
+                assert p.grad is None or torch.all(p.grad == 0)
+        start += count
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    assert not base.weight.requires_grad and base.weight.grad is None
+
+
+def test_per_adapter_learning_rates_differ_in_effect_and_match_solo_training():
+    jobs = [job("slow", lr=1e-3, seed=3), job("fast", lr=1e-2, seed=3)]
+    model = tiny_llama()
+    packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend="loop"))
+    before = [params_of(packed, i) for i in range(2)]
+    opt = PerAdapterOptimizer(packed)
+    # Identical data for both jobs: only the learning rate differs.
+    ids = torch.randint(0, VOCAB, (1, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    packed_train_step(packed, opt, [(0, ids), (1, ids)])
+    deltas = []
+    for i in range(2):
+        after = params_of(packed, i)
+        deltas.append(sum((a - b).abs().sum() for a, b in zip(after, before[i], strict=True)))
+    # AdamW's first step moves every parameter with a gradient by about lr.
+    assert 8.0 < float(deltas[1] / deltas[0]) < 12.0
+    packed_fast = params_of(packed, 1)
+    packed.remove()
+
+    solo = convert_to_packed_lora(model, [jobs[1]], PackedLoraConfig(backend="loop"))
+    solo_opt = PerAdapterOptimizer(solo)
+    packed_train_step(solo, solo_opt, [(0, ids)])
+    for got, want in zip(packed_fast, params_of(solo, 0), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    solo.remove()
+
+
+@needs_kernels
+def test_triton_backend_trains_like_loop_backend_on_a_causal_lm():
+    jobs = [job("a", rank=4, batch_size=2), job("b", rank=8, alpha=4, seed=1, lr=3e-3)]
+    results = []
+    for backend in ("triton", "loop"):
+        model = tiny_llama()
+        packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend=backend))
+        randomize_b(packed)
+        opt = PerAdapterOptimizer(packed)
+        losses, _ = packed_train_step(packed, opt, batches_for(jobs))
+        results.append((losses, [params_of(packed, i) for i in range(2)]))
+        packed.remove()
+    (loss_t, params_t), (loss_l, params_l) = results
+    assert loss_t == pytest.approx(loss_l, rel=1e-5)
+    for got_list, want_list in zip(params_t, params_l, strict=True):
+        for got, want in zip(got_list, want_list, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_adapter_id_out_of_range_is_refused_and_changes_nothing():
+    jobs = [job("a"), job("b", seed=1)]
+    model = tiny_llama()
+    packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend="loop"))
+    layout = packed.set_batch([0, 1], SEQ)
+    with pytest.raises(ValueError, match=r"adapter id 2 \(sample 1\) is out of range for 2"):
+        packed.set_batch([0, 2], SEQ)
+    with pytest.raises(ValueError, match="not consecutive"):
+        packed.set_batch([0, 1, 0], SEQ)
+    with pytest.raises(ValueError, match="out of range"):
+        packed_train_step(
+            packed,
+            PerAdapterOptimizer(packed),
+            [(0, batches_for(jobs)[0][1]), (5, batches_for(jobs)[1][1])],
+        )
+    assert packed.modules["model.layers.0.self_attn.q_proj"].batch.layout is layout
+    with pytest.raises(ValueError, match="input has 4 tokens"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_nan_in_one_job_leaves_the_other_jobs_update_exact():
+    jobs = [job("bad"), job("good", rank=8, seed=1)]
+    data = batches_for(jobs, seed=2)
+    updates = []
+    for poison in (False, True):
+        model = tiny_llama()
+        packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend="loop"))
+        randomize_b(packed)
+        if poison:
+            with torch.no_grad():
+                packed.modules["model.layers.1.mlp.up_proj"].lora_A[0][0, 0] = math.nan
+        bad_before = params_of(packed, 0)
+        opt = PerAdapterOptimizer(packed)
+        losses, reports = packed_train_step(packed, opt, data)
+        updates.append((losses, reports, params_of(packed, 1)))
+        if poison:
+            assert math.isnan(losses[0]) and math.isfinite(losses[1])
+            assert not reports[0].stepped and "non-finite" in reports[0].reason
+            assert reports[1].stepped
+            for got, want in zip(params_of(packed, 0), bad_before, strict=True):
+                torch.testing.assert_close(got, want, equal_nan=True)  # not stepped
+            assert not opt.optimizers[0].state  # no optimizer state was created
+    (_, _, clean_good), (_, _, poisoned_good) = updates
+    for got, want in zip(poisoned_good, clean_good, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_checkpoint_roundtrip_and_mismatched_rank_changes_nothing(tmp_path):
+    jobs = [job("a", rank=4), job("b", rank=8, seed=1)]
+    model = tiny_llama()
+    packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend="loop"))
+    randomize_b(packed)
+    opt = PerAdapterOptimizer(packed)
+    packed_train_step(packed, opt, batches_for(jobs))
+    saved = [params_of(packed, i) for i in range(2)]
+    folder = save_adapter(packed, 1, tmp_path / "b", optimizer=opt)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 8.0 and len(config["target_modules"]) == 14
+    assert not list(tmp_path.glob(".*"))  # no temporary folder left behind
+    packed.remove()
+
+    fresh = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend="loop"))
+    fresh_opt = PerAdapterOptimizer(fresh)
+    untouched = [params_of(fresh, i) for i in range(2)]
+    with pytest.raises(ValueError, match=r"rank 8 does not match adapter 'a' rank 4"):
+        load_adapter(fresh, 0, folder, optimizer=fresh_opt)
+    for i in range(2):
+        for got, want in zip(params_of(fresh, i), untouched[i], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    load_adapter(fresh, 1, folder, optimizer=fresh_opt)
+    for got, want in zip(params_of(fresh, 1), saved[1], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert fresh_opt.state_dict(1)["state"]  # AdamW moments came back too
+    with pytest.raises(FileNotFoundError, match="not a LoRA checkpoint"):
+        load_adapter(fresh, 1, tmp_path / "nothing-here")
+
+
+def test_remove_restores_the_model_and_bad_configs_are_refused():
+    model = tiny_llama()
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    packed = convert_to_packed_lora(model, [job("a"), job("b", seed=1)])
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+    packed.remove()
+    assert all(p.requires_grad for p in model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference)
+    with pytest.raises(ValueError, match="unique"):
+        convert_to_packed_lora(model, [job("a"), job("a")])
+    with pytest.raises(ValueError, match=r"no nn\.Linear"):
+        convert_to_packed_lora(model, [job("a")], PackedLoraConfig(target_modules=("nope",)))
+    with pytest.raises(ValueError, match="rank must be an integer >= 1"):
+        job("x", rank=0)
+    with pytest.raises(ValueError, match="exactly one of steps and tokens"):
+        LoraJobConfig("x", 4, 8, 1e-3, 1, steps=2, tokens=100)
+    with pytest.raises(ValueError, match="unknown keys"):
+        LoraJobConfig.from_dict(
+            {
+                "name": "x",
+                "rank": 4,
+                "alpha": 8,
+                "lr": 1e-3,
+                "batch_size": 1,
+                "steps": 1,
+                "lora_rank": 3,
+            }
+        )
+    assert LoraJobConfig("t", 4, 8, 1e-3, 2, tokens=100).num_steps(seq_len=16) == 4
+
+
+# ---- the runner, on a tiny random Llama checkpoint folder ----
+
+
+WORDS = [f"w{i}" for i in range(16)]
+RUN_SEQ = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A local Hugging Face folder: random tiny Llama weights and a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[EOS]", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]")
+    tokenizer.save_pretrained(folder)
+    tiny_llama(vocab_size=len(vocab)).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def texts():
+    g = torch.Generator().manual_seed(0)
+    return [
+        " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (40,), generator=g))
+        for _ in range(12)
+    ]
+
+
+def _runner():
+    return RunnerConfig(
+        seq_len=RUN_SEQ, dtype=torch.float32, device="cpu", packed=PackedLoraConfig(backend="loop")
+    )
+
+
+def test_trained_adapters_load_in_peft_and_give_the_packed_outputs(checkpoint, texts, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    jobs = [
+        LoraJobConfig("r4", rank=4, alpha=8, lr=2e-2, batch_size=2, steps=3),
+        LoraJobConfig("r8", rank=8, alpha=4, lr=1e-2, batch_size=1, steps=2, seed=1),
+        LoraJobConfig("r2", rank=2, alpha=2, lr=1e-2, batch_size=1, tokens=3 * RUN_SEQ, seed=2),
+    ]
+    results = train_packs(
+        checkpoint, jobs, [["r4", "r8"], ["r2"]], texts, tmp_path, config=_runner()
+    )
+    assert [(r.name, r.status, r.steps, r.pack) for r in results] == [
+        ("r4", "done", 3, 0),
+        ("r8", "done", 2, 0),
+        ("r2", "done", 3, 1),
+    ]
+    record = json.loads((tmp_path / "r8" / "loka_job.json").read_text())
+    assert record["job"]["rank"] == 8 and len(record["metrics"]["losses"]) == 2
+
+    ids = torch.randint(2, 2 + len(WORDS), (2, RUN_SEQ), generator=torch.Generator().manual_seed(3))
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+    packed = convert_to_packed_lora(base, jobs, PackedLoraConfig(backend="loop"))
+    for i, j in enumerate(jobs):
+        load_adapter(packed, i, tmp_path / j.name)
+    packed.set_batch([1, 1], RUN_SEQ)
+    with torch.no_grad():
+        packed_logits = base(input_ids=ids).logits
+    packed.remove()
+
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32), tmp_path / "r8"
+    )
+    with torch.no_grad():
+        peft_logits = peft_model(input_ids=ids).logits
+    assert (peft_logits - base_logits).abs().max() > 1e-4  # the adapter really trained
+    torch.testing.assert_close(peft_logits, packed_logits, rtol=1e-4, atol=1e-5)
+
+
+def test_a_diverging_job_stops_and_its_pack_mate_trains_as_if_alone(checkpoint, texts, tmp_path):
+    good = LoraJobConfig("good", rank=4, alpha=8, lr=1e-2, batch_size=1, steps=3, seed=4)
+    # An absurd learning rate blows the adapter up after its first step.
+    bad = LoraJobConfig(
+        "bad", rank=4, alpha=8, lr=1e30, batch_size=1, steps=3, seed=5, max_grad_norm=None
+    )
+    packed = train_packs(
+        checkpoint, [bad, good], [["bad", "good"]], texts, tmp_path / "p", config=_runner()
+    )
+    alone = train_packs(checkpoint, [good], [["good"]], texts, tmp_path / "a", config=_runner())
+    by_name = {r.name: r for r in packed}
+    assert by_name["bad"].status == "diverged" and by_name["bad"].steps < 3
+    assert "non-finite" in by_name["bad"].reason
+    assert by_name["good"].status == "done"
+    assert by_name["good"].losses == pytest.approx(alone[0].losses, rel=1e-5)
+    assert all(math.isfinite(v) for v in by_name["good"].losses)
+
+
+def test_bad_plans_are_refused_before_training(checkpoint, texts, tmp_path):
+    jobs = [LoraJobConfig("a", rank=4, alpha=8, lr=1e-2, batch_size=1, steps=1)]
+    with pytest.raises(ValueError, match=r"not placed \['a'\]"):
+        train_packs(checkpoint, jobs, [], texts, tmp_path, config=_runner())
+    with pytest.raises(ValueError, match=r"unknown \['b'\]"):
+        train_packs(checkpoint, jobs, [["a", "b"]], texts, tmp_path, config=_runner())
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        train_packs(tmp_path, jobs, [["a"]], texts, tmp_path, config=_runner())
+    assert not (tmp_path / "a").exists()
+
+
+def test_profile_pack_measures_a_step_and_leaves_the_model_as_it_was(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    jobs = [
+        LoraJobConfig("a", rank=4, alpha=8, lr=1e-2, batch_size=2, steps=1),
+        LoraJobConfig("b", rank=8, alpha=8, lr=1e-2, batch_size=1, steps=1),
+    ]
+    profile = profile_pack(model, jobs, RUN_SEQ, config=PackedLoraConfig(backend="loop"), steps=1)
+    assert profile.n_adapters == 2 and profile.tokens == 3 * RUN_SEQ
+    assert profile.rank_tokens == 4 * 2 * RUN_SEQ + 8 * RUN_SEQ
+    assert profile.step_time_s > 0
+    assert not any("lora_" in name for name, _ in model.named_parameters())
