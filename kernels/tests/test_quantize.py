@@ -1,29 +1,11 @@
 import pytest
 import torch
 
-from loka.kernels import FP8_MAX, Fp8Tensor, QuantConfig, quantize, quantize_reference
+from loka.kernels import FP8_MAX, QuantConfig, quantize, quantize_reference
+from loka.kernels.testing import activation_like as make
+from loka.kernels.testing import assert_same_fp8 as assert_same_quantization
 
 SHAPES = [(1, 16), (3, 200), (130, 16), (64, 257)]
-
-
-def assert_same_quantization(got: Fp8Tensor, want: Fp8Tensor) -> None:
-    assert got.fmt == want.fmt and got.granularity == want.granularity and got.block == want.block
-    torch.testing.assert_close(got.scale, want.scale, rtol=0, atol=0)
-    torch.testing.assert_close(got.amax, want.amax, rtol=0, atol=0)
-    torch.testing.assert_close(got.inv_scale, want.inv_scale, rtol=0, atol=0)
-    # Byte equality, with NaN compared as NaN whatever its sign bit.
-    g, w = got.data.float(), want.data.float()
-    assert torch.equal(g.isnan(), w.isnan())
-    assert torch.equal(
-        got.data.view(torch.uint8)[~g.isnan()], want.data.view(torch.uint8)[~w.isnan()]
-    )
-
-
-def make(shape, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    # Heavy-tailed rows with very different magnitudes, like real activations.
-    x = torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[0])[:, None]
-    return x.to(dtype)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -4,6 +4,7 @@ from loka.kernels import backends  # noqa: F401  (importing it registers the bui
 from loka.kernels.formats import FP8_DTYPES, FP8_MAX, GRANULARITIES, PASSES, QuantConfig
 from loka.kernels.fp8_tensor import Fp8Tensor
 from loka.kernels.mm import fp8_mm
+from loka.kernels.norm_quantization import NormQuantized, norm_backward, norm_quantize
 from loka.kernels.quantization import quantize, quantize_reference, quantize_with
 from loka.kernels.registry import (
     Backend,
@@ -16,6 +17,7 @@ from loka.kernels.registry import (
     gemm_dims,
     registry,
 )
+from loka.kernels.transpose_quantization import quantize_transpose, quantize_transpose_with
 
 __all__ = [
     "FP8_DTYPES",
@@ -26,6 +28,7 @@ __all__ = [
     "Fp8Tensor",
     "GemmSpec",
     "KernelRecipe",
+    "NormQuantized",
     "OperandSpec",
     "QuantConfig",
     "Registry",
@@ -33,8 +36,12 @@ __all__ = [
     "available",
     "fp8_mm",
     "gemm_dims",
+    "norm_backward",
+    "norm_quantize",
     "quantize",
     "quantize_reference",
+    "quantize_transpose",
+    "quantize_transpose_with",
     "quantize_with",
     "registry",
 ]
