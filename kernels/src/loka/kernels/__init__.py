@@ -3,7 +3,7 @@
 from loka.kernels import backends  # noqa: F401  (importing it registers the built-in backends)
 from loka.kernels.formats import FP8_DTYPES, FP8_MAX, GRANULARITIES, PASSES, QuantConfig
 from loka.kernels.fp8_tensor import Fp8Tensor
-from loka.kernels.mm import fp8_mm
+from loka.kernels.mm import fp8_mm, grouped_mm
 from loka.kernels.norm_quantization import NormQuantized, norm_backward, norm_quantize
 from loka.kernels.quantization import quantize, quantize_reference, quantize_with
 from loka.kernels.registry import (
@@ -36,6 +36,7 @@ __all__ = [
     "available",
     "fp8_mm",
     "gemm_dims",
+    "grouped_mm",
     "norm_backward",
     "norm_quantize",
     "quantize",

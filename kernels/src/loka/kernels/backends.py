@@ -11,6 +11,7 @@ import functools
 import itertools
 
 from loka.kernels.fp8_gemm import mm_reference, triton_fp8_mm
+from loka.kernels.grouped_gemm import grouped_mm_reference, loop_grouped_mm, triton_grouped_mm
 from loka.kernels.registry import BF16, Backend, GemmSpec, registry
 from loka.kernels.torch_gemm import bf16_mm, scaled_mm, scaled_mm_refusal
 
@@ -66,6 +67,43 @@ def _register_builtins() -> None:
         )
         registry.register(cublas, replace=True)
         registry.register(triton_gemm, replace=True)
+    grouped_formats = FP8_PAIRS | {(BF16, BF16)}
+    grouped = Backend(
+        name="triton.grouped",
+        op="grouped_mm",
+        run=triton_grouped_mm,
+        reference=grouped_mm_reference,
+        description="all groups in one Triton launch, bf16 or FP8 (tensor/row), fused epilogue",
+        formats=grouped_formats,
+        granularities=frozenset({"tensor", "row"}),
+        triton=True,
+        fused_epilogue=True,
+        priority=10,
+    )
+    loop_bf16 = Backend(
+        name="torch.loop",
+        op="grouped_mm",
+        run=loop_grouped_mm,
+        reference=grouped_mm_reference,
+        description="one F.linear per group: the bf16 baseline",
+        formats=frozenset({(BF16, BF16)}),
+        granularities=frozenset({"none"}),
+        min_capability=None,
+        runs_on_cpu=True,
+    )
+    loop_fp8 = Backend(
+        name="torch.loop.scaled_mm",
+        op="grouped_mm",
+        run=loop_grouped_mm,
+        reference=grouped_mm_reference,
+        description="one torch._scaled_mm per group: the FP8 baseline",
+        formats=FP8_PAIRS,
+        granularities=frozenset({"tensor", "row"}),
+        align=(("k", 16), ("n", 16)),
+        check=_scaled_mm_check,
+    )
+    for backend in (grouped, loop_bf16, loop_fp8):
+        registry.register(backend, replace=True)
 
 
 _register_builtins()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from loka.kernels.fp8_tensor import Fp8Tensor
@@ -41,14 +43,54 @@ def fp8_mm(
     """
     _check_operands(a, b)
     spec = GemmSpec.of(a, b, bias=bias is not None, activation=activation, out_dtype=out_dtype)
-    device = a.device
-    if backend is None:
-        chosen = registry.select(spec, device)
-    else:
-        chosen = registry.get(backend) if isinstance(backend, str) else backend
-        if chosen.op != "mm":
-            raise UnsupportedError(f"{chosen.name} is a {chosen.op!r} backend, not 'mm'")
-        reason = chosen.runnable_reason(device) or chosen.refuse(spec)
-        if reason is not None:
-            raise UnsupportedError(reason)
+    chosen = _choose("mm", [spec], a.device, backend)
     return chosen.run(a, b, bias=bias, activation=activation, out_dtype=out_dtype)
+
+
+def grouped_mm(
+    a: Sequence[Fp8Tensor | torch.Tensor],
+    b: Sequence[Fp8Tensor | torch.Tensor],
+    *,
+    bias: Sequence[torch.Tensor] | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str | Backend | None = None,
+) -> list[torch.Tensor]:
+    """``[activation(a[g] @ b[g].T + bias[g]) for g]``: many GEMMs, equal or different shapes,
+    through a backend of op "grouped_mm" (default: one Triton launch for all groups)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(
+            f"a and b must be non-empty lists of one length, got {len(a)} and {len(b)}"
+        )
+    for ag, bg in zip(a, b, strict=True):
+        _check_operands(ag, bg)
+    specs = [
+        GemmSpec.of(ag, bg, bias=bias is not None, activation=activation, out_dtype=out_dtype)
+        for ag, bg in zip(a, b, strict=True)
+    ]
+    chosen = _choose("grouped_mm", specs, a[0].device, backend)
+    return chosen.run(a, b, bias=bias, activation=activation, out_dtype=out_dtype)
+
+
+def _choose(
+    op: str, specs: list[GemmSpec], device: torch.device, backend: str | Backend | None
+) -> Backend:
+    """The named backend if it runs every spec, else the best that does; UnsupportedError
+    with the reasons otherwise."""
+    if backend is None:
+        candidates = registry.backends(op)
+    else:
+        candidates = [registry.get(backend) if isinstance(backend, str) else backend]
+        if candidates[0].op != op:
+            raise UnsupportedError(
+                f"{candidates[0].name} is a {candidates[0].op!r} backend, not {op!r}"
+            )
+    reasons = []
+    for candidate in candidates:
+        reason = candidate.runnable_reason(device) or next(
+            (r for r in map(candidate.refuse, specs) if r is not None), None
+        )
+        if reason is None:
+            return candidate
+        reasons.append(reason)
+    raise UnsupportedError(f"no {op} backend runs this request: " + "; ".join(reasons))
