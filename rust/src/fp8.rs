@@ -92,14 +92,18 @@ impl Fp8Format {
         let exp_field = magnitude_bits >> m;
         let mantissa = magnitude_bits & ((1 << m) - 1);
         let exp_max = (1u32 << self.exponent_bits) - 1;
-        let value = if self.name == "e4m3" && magnitude_bits == 0x7f {
-            f32::NAN
-        } else if self.name != "e4m3" && exp_field == exp_max {
-            if mantissa == 0 {
-                f32::INFINITY
-            } else {
-                f32::NAN
-            }
+        let is_nan = if self.name == "e4m3" {
+            magnitude_bits == 0x7f
+        } else {
+            exp_field == exp_max && mantissa != 0
+        };
+        if is_nan {
+            // The payload torch produces: the mantissa moved to the top, quiet bit set.
+            let sign = (negative as u32) << 31;
+            return f32::from_bits(sign | 0x7fc0_0000 | (mantissa << (23 - m)));
+        }
+        let value = if exp_field == exp_max && self.name != "e4m3" {
+            f32::INFINITY
         } else if exp_field == 0 {
             mantissa as f32 * self.min_subnormal()
         } else {

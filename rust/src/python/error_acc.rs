@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use super::arrays::{as_ndarray, check_contiguous, dtype_name, is, readonly};
-use super::sketch::{bytes_of, PySketch};
+use super::sketch::{decode, reduce_via_bytes, PySketch};
 use crate::codec;
 use crate::error_acc::ErrorAccumulator;
 
@@ -173,17 +173,16 @@ impl PyErrorAccumulator {
 
     #[staticmethod]
     fn from_bytes(data: &Bound<'_, PyAny>) -> PyResult<PyErrorAccumulator> {
-        let bytes = bytes_of(data, "ErrorAccumulator.from_bytes")?;
-        codec::error_acc_from_bytes(&bytes)
-            .map(|inner| PyErrorAccumulator { inner })
-            .map_err(|e| PyValueError::new_err(format!("ErrorAccumulator.from_bytes: {e}")))
+        decode(
+            data,
+            "ErrorAccumulator.from_bytes",
+            codec::error_acc_from_bytes,
+        )
+        .map(|inner| PyErrorAccumulator { inner })
     }
 
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        let py = slf.py();
-        let from_bytes = slf.get_type().getattr("from_bytes")?;
-        let bytes = slf.borrow().to_bytes(py);
-        PyTuple::new(py, [from_bytes, PyTuple::new(py, [bytes])?.into_any()])
+        reduce_via_bytes(slf.as_any(), slf.borrow().to_bytes(slf.py()))
     }
 
     /// A flat dict: batches, values, SQNR, errors, batch statistics, row-error quantiles.

@@ -69,10 +69,12 @@ pub fn format_by_name(name: &str) -> PyResult<Fp8Format> {
     })
 }
 
-fn scale_f32(scale: f64, context: &str) -> PyResult<f32> {
+/// The named format and the scale as float32 (finite and positive), or a ValueError.
+pub fn format_and_scale(format: &str, scale: f64, context: &str) -> PyResult<(Fp8Format, f32)> {
+    let f = format_by_name(format)?;
     let s = scale as f32;
     if s.is_finite() && s > 0.0 {
-        Ok(s)
+        Ok((f, s))
     } else {
         Err(PyValueError::new_err(format!(
             "{context}: scale must be finite and positive in float32, got {scale}"
@@ -115,8 +117,7 @@ pub fn fp8_quantize<'py>(
     format: &str,
     scale: f64,
 ) -> PyResult<Bound<'py, PyArrayDyn<u8>>> {
-    let f = format_by_name(format)?;
-    let s = scale_f32(scale, "fp8_quantize")?;
+    let (f, s) = format_and_scale(format, scale, "fp8_quantize")?;
     map_float32(py, x, "fp8_quantize", move |v| f.quantize(v, s))
 }
 
@@ -130,8 +131,7 @@ pub fn fp8_dequantize<'py>(
     scale: f64,
 ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
     const CONTEXT: &str = "fp8_dequantize";
-    let f = format_by_name(format)?;
-    let s = scale_f32(scale, CONTEXT)?;
+    let (f, s) = format_and_scale(format, scale, CONTEXT)?;
     let array = as_ndarray(bits, CONTEXT)?;
     if !is::<u8>(array) {
         return Err(PyTypeError::new_err(format!(
@@ -156,8 +156,7 @@ pub fn fp8_roundtrip<'py>(
     format: &str,
     scale: f64,
 ) -> PyResult<Bound<'py, PyArrayDyn<f32>>> {
-    let f = format_by_name(format)?;
-    let s = scale_f32(scale, "fp8_roundtrip")?;
+    let (f, s) = format_and_scale(format, scale, "fp8_roundtrip")?;
     let table = f.decode_table();
     map_float32(py, x, "fp8_roundtrip", move |v| f.roundtrip(v, s, &table))
 }

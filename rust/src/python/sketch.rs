@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyTuple};
 
 use super::arrays::{as_unsigned, read_values, Values};
-use super::fp8::format_by_name;
+use super::fp8::{format_and_scale, format_by_name};
 use crate::codec;
 use crate::histogram::{MAX_MANTISSA_BITS, MIN_MANTISSA_BITS};
 use crate::range_fit::{self, RangeFit};
@@ -50,14 +50,24 @@ fn check_quantile(q: f64) -> PyResult<()> {
     }
 }
 
-fn check_scale(scale: f64) -> PyResult<f32> {
-    let s = scale as f32;
-    if !(s.is_finite() && s > 0.0) {
-        return Err(PyValueError::new_err(format!(
-            "scale must be finite and positive in float32, got {scale}"
-        )));
-    }
-    Ok(s)
+/// Decode serialized bytes, turning any failure into a ValueError.
+pub fn decode<T>(
+    data: &Bound<'_, PyAny>,
+    context: &str,
+    decode: fn(&[u8]) -> Result<T, String>,
+) -> PyResult<T> {
+    let bytes = bytes_of(data, context)?;
+    decode(&bytes).map_err(|e| PyValueError::new_err(format!("{context}: {e}")))
+}
+
+/// `(type(obj).from_bytes, (bytes,))`: pickling through the versioned byte format.
+pub fn reduce_via_bytes<'py>(
+    obj: &Bound<'py, PyAny>,
+    bytes: Bound<'py, PyBytes>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let py = obj.py();
+    let from_bytes = obj.get_type().getattr("from_bytes")?;
+    PyTuple::new(py, [from_bytes, PyTuple::new(py, [bytes])?.into_any()])
 }
 
 impl PySketch {
@@ -275,8 +285,7 @@ impl PySketch {
 
     /// The FP8 range fit at `scale` (x is quantized as `saturate(x * scale)`).
     fn range_fit(&self, format: &str, scale: f64) -> PyResult<PyRangeFit> {
-        let f = format_by_name(format)?;
-        let s = check_scale(scale)?;
+        let (f, s) = format_and_scale(format, scale, "Sketch.range_fit")?;
         Ok(PyRangeFit::from(range_fit::range_fit(&self.inner, &f, s)))
     }
 
@@ -320,17 +329,11 @@ impl PySketch {
 
     #[staticmethod]
     fn from_bytes(data: &Bound<'_, PyAny>) -> PyResult<PySketch> {
-        let bytes = bytes_of(data, "Sketch.from_bytes")?;
-        codec::sketch_from_bytes(&bytes)
-            .map(PySketch::wrap)
-            .map_err(|e| PyValueError::new_err(format!("Sketch.from_bytes: {e}")))
+        decode(data, "Sketch.from_bytes", codec::sketch_from_bytes).map(PySketch::wrap)
     }
 
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
-        let py = slf.py();
-        let from_bytes = slf.get_type().getattr("from_bytes")?;
-        let bytes = slf.borrow().to_bytes(py);
-        PyTuple::new(py, [from_bytes, PyTuple::new(py, [bytes])?.into_any()])
+        reduce_via_bytes(slf.as_any(), slf.borrow().to_bytes(slf.py()))
     }
 
     /// A flat dict of the statistics, for tables.
@@ -401,14 +404,14 @@ type RangeFitArgs = (String, f64, f64, f64, f64, f64);
 
 impl From<RangeFit> for PyRangeFit {
     fn from(f: RangeFit) -> Self {
-        PyRangeFit {
-            format: f.format.name.to_string(),
-            scale: f.scale as f64,
-            saturated: f.saturated,
-            underflow: f.underflow,
-            subnormal: f.subnormal,
-            predicted_rel_error: f.predicted_rel_error,
-        }
+        PyRangeFit::new(
+            f.format.name.to_string(),
+            f.scale as f64,
+            f.saturated,
+            f.underflow,
+            f.subnormal,
+            f.predicted_rel_error,
+        )
     }
 }
 
