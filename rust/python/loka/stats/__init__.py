@@ -22,9 +22,7 @@ from loka.stats._native import (
     fp8_roundtrip,
 )
 
-FP8_FORMATS: MappingProxyType[str, Fp8Format] = MappingProxyType(
-    {f.name: f for f in fp8_formats()}
-)
+FP8_FORMATS: MappingProxyType[str, Fp8Format] = MappingProxyType({f.name: f for f in fp8_formats()})
 """The FP8 formats by the project's names: ``"e4m3"`` (max 448) and ``"e5m2"`` (max 57344)."""
 
 __all__ = [
