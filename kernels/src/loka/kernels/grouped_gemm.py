@@ -83,8 +83,8 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * lda + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[:, None] * ldb + offs_k[None, :]
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * lda + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * ldb + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
@@ -115,7 +115,7 @@ def _grouped_gemm_kernel(
         bias = tl.load(_pointer(meta, 5, BIAS_KIND, False) + offs_n, mask=n_ok, other=0.0)
         acc += bias.to(tl.float32)[None, :]
     acc = activation_tl(acc, ACTIVATION)
-    c_ptrs = c_ptr + offs_m[:, None] * ldc + offs_n[None, :]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * ldc + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 

@@ -47,7 +47,7 @@ def _norm_quantize_kernel(
     FMT: tl.constexpr, SOFT_FP8: tl.constexpr, POW2: tl.constexpr, HAS_UB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     r_ok = rows < M
     c_ok = cols < N
@@ -95,8 +95,9 @@ def _norm_backward_kernel(
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = pid * rows_per_program
     for row in range(first, tl.minimum(first + rows_per_program, M)):
-        x = tl.load(x_ptr + row * stride_x + cols, mask=c_ok, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=c_ok, other=0.0).to(tl.float32)
+        row64 = tl.cast(row, tl.int64)
+        x = tl.load(x_ptr + row64 * stride_x + cols, mask=c_ok, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row64 * stride_dy + cols, mask=c_ok, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + row)
         xhat = x * rstd if RMS else tl.where(c_ok, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
         wdy = dy * w if HAS_W else dy
@@ -106,7 +107,7 @@ def _norm_backward_kernel(
         else:
             c2 = tl.sum(wdy, axis=0) / N
             dx = (wdy - (xhat * c1 + c2)) * rstd
-        tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(dx_ptr + row64 * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=c_ok)
         dw += dy * xhat
         db += dy
     if HAS_W:

@@ -61,9 +61,7 @@ def scale_from_amax_tl(amax, FMT: tl.constexpr, POW2: tl.constexpr, HAS_UB: tl.c
     valid = (amax > 0.0) & (amax < float("inf"))
     safe = tl.where(valid, tl.maximum(amax, AMAX_FLOOR_TL), 1.0)
     # div_rn: the default fp32 division on GPUs is approximate, and scales must match bit for bit.
-    scale = tl.where(
-        valid, tl.math.div_rn(tl.full(amax.shape, FP8_MAX_VALUE, tl.float32), safe), 1.0
-    )
+    scale = tl.where(valid, tl.math.div_rn(FP8_MAX_VALUE + 0.0 * safe, safe), 1.0)
     if HAS_UB:
         scale = tl.minimum(scale, scale_ub)
     if POW2:
@@ -73,7 +71,8 @@ def scale_from_amax_tl(amax, FMT: tl.constexpr, POW2: tl.constexpr, HAS_UB: tl.c
 
 @triton.jit
 def inverse_tl(scale):
-    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    # `1.0 + 0.0 * scale` is a float32 block (or scalar) of ones shaped like `scale`.
+    return tl.math.div_rn(1.0 + 0.0 * scale, scale)
 
 
 @triton.jit

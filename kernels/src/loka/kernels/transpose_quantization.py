@@ -37,7 +37,7 @@ def _row_col_amax_kernel(
     x_ptr, row_amax_ptr, col_amax_ptr, R, C, stride_r, stride_c,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
@@ -69,8 +69,8 @@ def _transpose_quantize_kernel(
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     r_ok = rows < R
     c_ok = cols < C
     mask = r_ok[:, None] & c_ok[None, :]
@@ -118,10 +118,16 @@ def _transpose_quantize_kernel(
         col_scale = scale_from_amax_tl(col_amax, FMT, POW2, HAS_UB, scale_ub)
         q = saturate_cast_tl(x, row_scale[:, None], FMT, SOFT_FP8, out_ty)
         qt = saturate_cast_tl(x, col_scale[None, :], FMT, SOFT_FP8, out_ty)
-        if (MODE == 2) or (pid_c == 0):
+        if MODE == 2:
             _store_scales(q_amax_ptr, q_scale_ptr, q_inv_ptr, row_at, row_amax, row_scale, r_ok)
-        if (MODE == 2) or (pid_r == 0):
             _store_scales(qt_amax_ptr, qt_scale_ptr, qt_inv_ptr, col_at, col_amax, col_scale, c_ok)
+        else:  # row scales are written by the first column of tiles, column scales by the first row
+            if pid_c == 0:
+                _store_scales(q_amax_ptr, q_scale_ptr, q_inv_ptr, row_at, row_amax, row_scale, r_ok)
+            if pid_r == 0:
+                _store_scales(
+                    qt_amax_ptr, qt_scale_ptr, qt_inv_ptr, col_at, col_amax, col_scale, c_ok
+                )
     tl.store(q_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
     tl.store(qt_ptr + cols[:, None] * R + rows[None, :], tl.trans(qt), mask=tl.trans(mask))
 
