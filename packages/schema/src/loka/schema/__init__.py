@@ -7,6 +7,7 @@ parquet IO, and the recipe grammar.
 
 from loka.schema.io import TableWriteError, read_metadata, read_table, write_table
 from loka.schema.recipe import BF16, FP8_MAX, Recipe, RecipeError
+from loka.schema.sketches import SketchRecord, tensor_stats_from_sketches
 from loka.schema.tables import (
     FP8_FORMATS,
     GRANULARITIES,
@@ -35,12 +36,14 @@ __all__ = [
     "Recipe",
     "RecipeError",
     "SchemaError",
+    "SketchRecord",
     "Table",
     "TableWriteError",
     "empty",
     "read_metadata",
     "read_table",
     "table",
+    "tensor_stats_from_sketches",
     "validate",
     "write_table",
 ]

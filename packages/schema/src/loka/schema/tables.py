@@ -85,12 +85,12 @@ def _fit_columns() -> tuple[Column, ...]:
     cols = []
     for fmt in FP8_FORMATS:
         for gran in GRANULARITIES:
-            nullable = gran != "tensor"  # row/block need row-structured samples
+            # Null when the sketch saw no finite value; row/block also need row-structured data.
             what = f"{fmt} with {gran}wise dynamic scaling"
             cols += [
-                _c(f"{fmt}_{gran}_underflow", _F, f"fraction flushed to zero, {what}", nullable),
-                _c(f"{fmt}_{gran}_saturated", _F, f"fraction saturated, {what}", nullable),
-                _c(f"{fmt}_{gran}_pred_err", _F, f"predicted relative error, {what}", nullable),
+                _c(f"{fmt}_{gran}_underflow", _F, f"fraction flushed to zero, {what}", True),
+                _c(f"{fmt}_{gran}_saturated", _F, f"fraction saturated, {what}", True),
+                _c(f"{fmt}_{gran}_pred_err", _F, f"predicted relative error, {what}", True),
             ]
     return tuple(cols)
 
