@@ -13,7 +13,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `loka --help` lists them.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("loka.dispatch.cli.lora_plan",)
 
 
 def build_parser() -> argparse.ArgumentParser:

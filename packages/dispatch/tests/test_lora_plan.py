@@ -1,0 +1,294 @@
+"""The LoRA job planner: memory budget, makespan against one job per pack, models, CLI."""
+
+import json
+
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loka.dispatch.cli import main
+from loka.dispatch.lora_plan import (
+    SCHEDULE_SCHEMA,
+    MemoryModel,
+    ModelShape,
+    ThroughputModel,
+    plan_lora_jobs,
+    profile_throughput,
+    read_job_configs,
+    simulate_makespan,
+)
+from loka.mods.packed_lora import LoraJobConfig, PackedLoraConfig, convert_to_packed_lora
+
+GIB = 1024**3
+SHAPE = ModelShape(
+    num_layers=24,
+    hidden=1536,
+    intermediate=4096,
+    vocab=32000,
+    num_heads=12,
+    num_kv_heads=4,
+    head_dim=128,
+)
+SEQ = 512
+# A step-time model shaped like measured ones: a fixed cost per step and per job that
+# packing amortizes, and a per-token cost that it does not.
+THROUGHPUT = ThroughputModel(
+    overhead_s=0.030, per_adapter_s=0.004, per_token_s=4e-6, per_rank_token_s=2e-9, source="test"
+)
+
+
+def make_jobs(specs):
+    return [
+        LoraJobConfig(f"j{n}", rank=r, alpha=2.0 * r, lr=1e-4 * (n + 1), batch_size=b, steps=s)
+        for n, (r, b, s) in enumerate(specs)
+    ]
+
+
+job_specs = st.lists(
+    st.tuples(st.sampled_from([4, 8, 16, 64]), st.integers(1, 8), st.integers(1, 400)),
+    min_size=1,
+    max_size=9,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=job_specs,
+    gpu_gib=st.sampled_from([6, 10, 24, 80]),
+    gpus=st.integers(1, 3),
+    solver=st.sampled_from(["greedy", "milp", "auto"]),
+)
+def test_no_pack_exceeds_the_memory_budget_and_every_job_is_placed_once(
+    specs, gpu_gib, gpus, solver
+):
+    jobs = make_jobs(specs)
+    memory = MemoryModel(SHAPE, seq_len=SEQ)
+    plan = plan_lora_jobs(
+        jobs,
+        memory,
+        THROUGHPUT,
+        gpu_memory_bytes=gpu_gib * GIB,
+        num_gpus=gpus,
+        solver=solver,
+        time_limit_s=2,
+    )
+    schedule = plan.schedule
+    assert schedule.schema == pl.Schema(SCHEDULE_SCHEMA)
+    assert sorted(schedule["job"]) == sorted(j.name for j in jobs)
+    by_name = {j.name: j for j in jobs}
+    for (_, _), rows in schedule.filter(pl.col("status") == "planned").group_by(["gpu", "pack"]):
+        pack = [by_name[name] for name in rows["job"]]
+        assert memory.pack_bytes(pack) <= plan.budget_bytes
+        assert rows["pack_memory_bytes"][0] == memory.pack_bytes(pack)
+    for name in plan.unfit:  # refused only when the job alone is too big
+        assert memory.pack_bytes([by_name[name]]) > plan.budget_bytes
+    for row in schedule.filter(pl.col("status") == "planned").iter_rows(named=True):
+        assert 0 <= row["gpu"] < gpus
+        assert row["pack_start_s"] <= row["job_end_s"] <= row["pack_end_s"] + 1e-9
+    if len(plan.unfit) < len(jobs):
+        simulated = simulate_makespan(schedule, jobs, THROUGHPUT, SEQ)
+        assert simulated == pytest.approx(plan.makespan_s, rel=1e-9)
+        assert plan.makespan_s <= plan.baseline_makespan_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_planned_packs_beat_one_job_per_pack_in_a_step_by_step_simulation(gpus):
+    specs = [
+        (r, b, s)
+        for r, b, s in zip(
+            [8, 16, 32, 64] * 4, [1, 2, 3, 4] * 4, [300, 200, 300, 100] * 4, strict=True
+        )
+    ]
+    jobs = make_jobs(specs)
+    memory = MemoryModel(SHAPE, seq_len=SEQ)
+    kwargs = dict(gpu_memory_bytes=141 * GIB, num_gpus=gpus, time_limit_s=5)
+    plan = plan_lora_jobs(jobs, memory, THROUGHPUT, **kwargs)
+    alone = plan_lora_jobs(jobs, memory, THROUGHPUT, max_pack_size=1, **kwargs)
+    assert alone.schedule["pack_jobs"].max() == 1
+    packed_time = simulate_makespan(plan.schedule, jobs, THROUGHPUT, SEQ)
+    alone_time = simulate_makespan(alone.schedule, jobs, THROUGHPUT, SEQ)
+    assert alone_time == pytest.approx(plan.baseline_makespan_s, rel=1e-9)
+    assert packed_time < 0.7 * alone_time
+    milp = plan_lora_jobs(jobs, memory, THROUGHPUT, solver="milp", **kwargs)
+    greedy = plan_lora_jobs(jobs, memory, THROUGHPUT, solver="greedy", **kwargs)
+    assert milp.solver.startswith("milp") and greedy.solver == "greedy"
+    assert plan.makespan_s == min(milp.makespan_s, greedy.makespan_s)
+    if "optimal" in milp.solver:  # the greedy's packs are among the ILP's candidates
+        assert milp.makespan_s <= greedy.makespan_s * (1 + 1e-9)
+    packs = plan.packs()
+    assert sorted(n for p in packs for n in p) == sorted(j.name for j in jobs)
+
+
+def test_a_job_that_cannot_fit_is_reported_and_the_others_are_planned():
+    jobs = [
+        *make_jobs([(8, 1, 10), (16, 2, 10)]),
+        LoraJobConfig("huge", 16, 16, 1e-4, 4096, steps=5),
+    ]
+    plan = plan_lora_jobs(
+        jobs, MemoryModel(SHAPE, seq_len=SEQ), THROUGHPUT, gpu_memory_bytes=80 * GIB
+    )
+    assert plan.unfit == ["huge"]
+    row = plan.schedule.filter(pl.col("job") == "huge").row(0, named=True)
+    assert row["status"] == "does_not_fit" and row["gpu"] is None
+    assert "GiB alone" in row["reason"] and "budget 72.00 GiB" in row["reason"]
+    assert plan.packs() == [["j0", "j1"]]
+    with pytest.raises(ValueError, match="unique"):
+        plan_lora_jobs(
+            [jobs[0], jobs[0]], MemoryModel(SHAPE, seq_len=SEQ), THROUGHPUT, gpu_memory_bytes=GIB
+        )
+
+
+def test_throughput_fit_recovers_a_linear_model_and_reads_tables(tmp_path):
+    truth = ThroughputModel(0.02, 0.003, 5e-6, 1e-8, source="truth")
+    records = []
+    for n, tokens, rank in [
+        (1, 512, 8),
+        (1, 1024, 8),
+        (2, 1024, 16),
+        (4, 4096, 16),
+        (8, 4096, 64),
+        (16, 16384, 8),
+    ]:
+        jobs = [
+            LoraJobConfig(f"p{k}", rank, 16, 1e-4, tokens // (n * 512), steps=1) for k in range(n)
+        ]
+        records.append(
+            {
+                "n_adapters": n,
+                "tokens": tokens,
+                "rank_tokens": rank * tokens,
+                "step_time_s": truth.step_time(jobs, 512),
+            }
+        )
+    fitted = ThroughputModel.fit(records)
+    for key in ("overhead_s", "per_adapter_s", "per_token_s", "per_rank_token_s"):
+        assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-3, abs=1e-12)
+    pl.DataFrame(records).write_csv(tmp_path / "steps.csv")
+    assert ThroughputModel.from_table(tmp_path / "steps.csv").per_token_s == pytest.approx(
+        5e-6, rel=1e-3
+    )
+    with pytest.raises(ValueError, match="at least 2"):
+        ThroughputModel.fit(records[:1])
+    with pytest.raises(ValueError, match="step_time_s must be > 0"):
+        ThroughputModel.fit([records[0], {**records[1], "step_time_s": -1.0}])
+    pl.DataFrame(records).drop("rank_tokens").write_csv(tmp_path / "bad.csv")
+    with pytest.raises(ValueError, match=r"lacks columns \['rank_tokens'\]"):
+        ThroughputModel.from_table(tmp_path / "bad.csv")
+
+
+def small_llama(**dims):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**dims))
+
+
+def test_model_shape_counts_the_real_parameters_of_a_llama():
+    model = small_llama(
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    shape = ModelShape.from_hf_config(model.config)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    packed = convert_to_packed_lora(
+        model, [LoraJobConfig("a", 4, 8, 1e-3, 1, steps=1)], PackedLoraConfig(backend="loop")
+    )
+    assert shape.adapter_params(4) == sum(p.numel() for p in packed.adapter_parameters(0))
+    with pytest.raises(ValueError, match="lacks"):
+        ModelShape.from_hf_config({"hidden_size": 8})
+
+
+def test_memory_model_calibrates_on_measured_peaks():
+    memory = MemoryModel(SHAPE, seq_len=SEQ)
+    jobs = make_jobs([(8, 2, 1)])
+    static = memory.breakdown(jobs)
+    peak = static["base_weights"] + static["adapter_states"] + 1024 * 3000
+    calibrated = memory.calibrated([{"tokens": 1024, "peak_memory_bytes": peak}], [jobs])
+    assert calibrated.per_token_bytes() == pytest.approx(3000)
+    assert "calibrated" in calibrated.source
+    with pytest.raises(ValueError, match="no profile has a measured peak"):
+        memory.calibrated([{"tokens": 1024, "peak_memory_bytes": 0}], [jobs])
+
+
+def test_profiling_fits_a_throughput_model_on_a_small_model():
+    model = small_llama(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        vocab_size=40,
+    )
+    jobs = make_jobs([(4, 1, 1), (8, 1, 1), (4, 2, 1)])
+    fitted, profiles, packs = profile_throughput(
+        model, jobs, 8, config=PackedLoraConfig(backend="loop"), steps=1
+    )
+    assert [p.n_adapters for p in profiles] == [len(p) for p in packs] == [1, 1, 2, 3]
+    assert profiles[1].tokens == 2 * profiles[0].tokens
+    assert "cpu" in fitted.source and fitted.step_time(jobs, 8) > 0
+
+
+def test_job_configs_read_from_json_yaml_and_csv(tmp_path):
+    rows = [
+        {"name": "a", "rank": 8, "alpha": 16, "lr": 1e-4, "batch_size": 2, "steps": 100},
+        {"name": "b", "rank": 16, "alpha": 32, "lr": 3e-4, "batch_size": 1, "tokens": 100000},
+    ]
+    (tmp_path / "jobs.json").write_text(json.dumps({"jobs": rows}))
+    (tmp_path / "jobs.yaml").write_text(
+        "- {name: a, rank: 8, alpha: 16, lr: 1.0e-4, batch_size: 2, steps: 100}\n"
+        "- {name: b, rank: 16, alpha: 32, lr: 3.0e-4, batch_size: 1, tokens: 100000}\n"
+    )
+    pl.DataFrame(rows).write_csv(tmp_path / "jobs.csv")
+    expected = [LoraJobConfig.from_dict(r) for r in rows]
+    for name in ("jobs.json", "jobs.yaml", "jobs.csv"):
+        assert read_job_configs(tmp_path / name) == expected
+    (tmp_path / "bad.json").write_text(json.dumps([rows[0], {**rows[1], "rank": 0}]))
+    with pytest.raises(ValueError, match=r"bad\.json: job 1: .*rank must be an integer >= 1"):
+        read_job_configs(tmp_path / "bad.json")
+    (tmp_path / "twice.json").write_text(json.dumps([rows[0], rows[0]]))
+    with pytest.raises(ValueError, match=r"repeated: \['a'\]"):
+        read_job_configs(tmp_path / "twice.json")
+
+
+def test_cli_writes_the_schedule_and_fails_on_a_job_that_cannot_fit(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 24,
+                "hidden_size": 1536,
+                "intermediate_size": 4096,
+                "vocab_size": 32000,
+                "num_attention_heads": 12,
+                "num_key_value_heads": 4,
+            }
+        )
+    )
+    jobs = [
+        {
+            "name": f"j{n}",
+            "rank": 8 * (1 + n % 3),
+            "alpha": 16,
+            "lr": 1e-4,
+            "batch_size": 1 + n % 4,
+            "steps": 100,
+        }
+        for n in range(6)
+    ]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    out = tmp_path / "plan" / "schedule.csv"
+    args = ["lora-plan", str(tmp_path / "jobs.json"), "--model", str(tmp_path), "--gpus", "2"]
+    assert main([*args, "--gpu-memory", "80GiB", "--out", str(out)]) == 0
+    schedule = pl.read_csv(out)
+    assert sorted(schedule["job"]) == [j["name"] for j in jobs]
+    assert set(schedule["status"]) == {"planned"}
+    assert "analytic estimate" in capsys.readouterr().err
+    (tmp_path / "jobs.json").write_text(
+        json.dumps([*jobs, {**jobs[0], "name": "huge", "batch_size": 4096}])
+    )
+    assert main([*args, "--gpu-memory", "80GiB"]) == 1
+    assert "huge does not fit" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--gpu-memory", "eighty"])
