@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loka.kernels.runtime import autotuning, require_triton_device
+
 __all__ = [
     "MultiLoraLayout",
     "lora_expand",
@@ -241,9 +243,7 @@ def _check_common(name: str, layout: MultiLoraLayout, *tensors: torch.Tensor) ->
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
         raise TypeError(f"{name}: operands must share one dtype, got {sorted(map(str, dtypes))}")
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"{name}: tensors must be on one device, got {sorted(map(str, devices))}")
+    require_triton_device(*tensors)
     if not multi_lora_kernels_available(tensors[0].device):
         raise RuntimeError(
             f"{name}: Triton kernels need a CUDA GPU, or the CPU with TRITON_INTERPRET=1 set "
@@ -266,24 +266,27 @@ def multi_lora_kernels_available(device: torch.device | str) -> bool:
 
 
 def _autotuned(kernel, configs: list[triton.Config], key: list[str]):
-    """The kernel autotuned on GPU; the interpreter gets the first config directly."""
+    """The plain kernel (interpreter, heuristic tile) and its autotuned wrapper (GPU)."""
     return kernel, triton.autotune(configs=configs, key=key)(kernel)
 
 
-# The interpreter pays ~50 ms per program whatever its tile size, so it gets large tiles.
-def _launch(pair, device: torch.device, grid, default: triton.Config, args, **constexprs) -> None:
+def _launch(pair, device: torch.device, grid, tiles, args, **constexprs) -> None:
+    """tiles: (the interpreter's config, the GPU's heuristic config); on the GPU the
+    autotuner picks among the configs unless LOKA_KERNELS_AUTOTUNE=0."""
     plain, tuned = pair
-    if device.type == "cuda":
+    interpreted, heuristic = tiles
+    if device.type == "cuda" and autotuning():
         tuned[grid](*args, **constexprs, INTERPRETER=False)
-    else:
-        plain[grid](
-            *args,
-            **constexprs,
-            **default.kwargs,
-            INTERPRETER=True,
-            num_warps=default.num_warps,
-            num_stages=default.num_stages,
-        )
+        return
+    config = heuristic if device.type == "cuda" else interpreted
+    plain[grid](
+        *args,
+        **constexprs,
+        **config.kwargs,
+        INTERPRETER=device.type != "cuda",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -291,14 +294,11 @@ def _launch(pair, device: torch.device, grid, default: triton.Config, args, **co
 # --------------------------------------------------------------------------------------
 
 
-# Loop bounds (K here, R_MAX in expand) are constexpr: Triton 3.6's interpreter under
-# numpy 2 cannot use a runtime integer as a range() bound, and the autotuner keys on these
-# dimensions anyway, so compiled kernels lose nothing by specializing on them.
 @triton.jit
 def _shrink_kernel(
-    x_ptr, w_ptr, out_ptr, meta_ptr, scale_ptr, num_adapters, R_OUT, stride_xt, stride_xk,
+    x_ptr, w_ptr, out_ptr, meta_ptr, scale_ptr, num_adapters, K, R_OUT, stride_xt, stride_xk,
     stride_wr, stride_wk, stride_ot, stride_or,
-    K: tl.constexpr, SCALED: tl.constexpr, INTERPRETER: tl.constexpr,
+    SCALED: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
@@ -332,6 +332,7 @@ _SHRINK_CONFIGS = [
     triton.Config({"BLOCK_T": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
 ]
 _SHRINK = _autotuned(_shrink_kernel, _SHRINK_CONFIGS, key=["K", "R_OUT", "SCALED"])
+# The interpreter pays ~50 ms per program whatever its tile size, so it gets large tiles.
 _SHRINK_INTERPRETED = triton.Config({"BLOCK_T": 32, "BLOCK_K": 64})
 
 
@@ -365,10 +366,9 @@ def lora_shrink(
         _SHRINK,
         x.device,
         grid,
-        _SHRINK_INTERPRETED,
-        (x, weight, out, layout.meta, layout.scale_tensor, layout.num_adapters, layout.max_rank,
-         *x.stride(), *weight.stride(), *out.stride()),
-        K=x.shape[1],
+        (_SHRINK_INTERPRETED, _SHRINK_CONFIGS[0]),
+        (x, weight, out, layout.meta, layout.scale_tensor, layout.num_adapters, x.shape[1],
+         layout.max_rank, *x.stride(), *weight.stride(), *out.stride()),
         SCALED=scaled,
         BLOCK_R=block_r,
     )  # fmt: skip
@@ -393,9 +393,9 @@ def lora_shrink_reference(
 
 @triton.jit
 def _expand_kernel(
-    h_ptr, w_ptr, base_ptr, out_ptr, meta_ptr, scale_ptr, num_adapters, N, stride_ht, stride_hr,
-    stride_wn, stride_wr, stride_bt, stride_bn, stride_ot, stride_on,
-    R_MAX: tl.constexpr, SCALED: tl.constexpr, HAS_BASE: tl.constexpr, INTERPRETER: tl.constexpr,
+    h_ptr, w_ptr, base_ptr, out_ptr, meta_ptr, scale_ptr, num_adapters, N, R_MAX, stride_ht,
+    stride_hr, stride_wn, stride_wr, stride_bt, stride_bn, stride_ot, stride_on,
+    SCALED: tl.constexpr, HAS_BASE: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -411,10 +411,7 @@ def _expand_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    # The bound is the batch's largest rank rather than this adapter's: the interpreter
-    # cannot use a loaded scalar as a loop bound, and one BLOCK_R usually covers every
-    # rank, so the loop runs once either way.
-    for r0 in range(0, R_MAX, BLOCK_R):
+    for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         h = _load_tile(h_ptr, offs_t, offs_r, stride_ht, stride_hr, mask_t, mask_r)
@@ -479,10 +476,9 @@ def lora_expand(
         _EXPAND,
         h.device,
         grid,
-        _EXPAND_INTERPRETED,
+        (_EXPAND_INTERPRETED, _EXPAND_CONFIGS[0]),
         (h, weight, base_arg, out, layout.meta, layout.scale_tensor, layout.num_adapters, n,
-         *h.stride(), *weight.stride(), *base_arg.stride(), *out.stride()),
-        R_MAX=layout.max_rank,
+         layout.max_rank, *h.stride(), *weight.stride(), *base_arg.stride(), *out.stride()),
         SCALED=scaled,
         HAS_BASE=base is not None,
         BLOCK_R=block_r,
@@ -511,19 +507,6 @@ def lora_expand_reference(
 # --------------------------------------------------------------------------------------
 # Wgrad: out_i = s? * left_i^T @ right_i, summed over adapter i's own tokens only
 # --------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _wgrad_step(
-    left_ptr, right_ptr, acc, t0, end, offs_p, offs_q, mask_p, mask_q, stride_lt, stride_lp,
-    stride_rt, stride_rq,
-    INTERPRETER: tl.constexpr, BLOCK_T: tl.constexpr,
-):  # fmt: skip
-    offs_t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
-    mask_t = offs_t < end
-    lhs = _load_tile(left_ptr, offs_p, offs_t, stride_lp, stride_lt, mask_p, mask_t)
-    rhs = _load_tile(right_ptr, offs_t, offs_q, stride_rt, stride_rq, mask_t, mask_q)
-    return _mma(lhs, rhs, acc, INTERPRETER)
 
 
 @triton.jit
@@ -558,22 +541,12 @@ def _wgrad_kernel(
     mask_p = offs_p < p_limit
     mask_q = offs_q < q_limit
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    if INTERPRETER:
-        # The interpreter cannot use a loaded scalar as a range() bound; a while loop works
-        # there, but compiled it would not be software-pipelined, hence the two loops.
-        t0 = start
-        while t0 < end:
-            acc = _wgrad_step(
-                left_ptr, right_ptr, acc, t0, end, offs_p, offs_q, mask_p, mask_q,
-                stride_lt, stride_lp, stride_rt, stride_rq, INTERPRETER, BLOCK_T,
-            )  # fmt: skip
-            t0 += BLOCK_T
-    else:
-        for t0 in range(start, end, BLOCK_T):
-            acc = _wgrad_step(
-                left_ptr, right_ptr, acc, t0, end, offs_p, offs_q, mask_p, mask_q,
-                stride_lt, stride_lp, stride_rt, stride_rq, INTERPRETER, BLOCK_T,
-            )  # fmt: skip
+    for t0 in range(start, end, BLOCK_T):
+        offs_t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+        mask_t = offs_t < end
+        lhs = _load_tile(left_ptr, offs_p, offs_t, stride_lp, stride_lt, mask_p, mask_t)
+        rhs = _load_tile(right_ptr, offs_t, offs_q, stride_rt, stride_rq, mask_t, mask_q)
+        acc = _mma(lhs, rhs, acc, INTERPRETER)
     if SCALED:
         acc = acc * tl.load(scale_ptr + adapter)
     _store_tile(out_ptr + out_base, acc, offs_p, offs_q, stride_op, stride_oq, mask_p, mask_q)
@@ -633,7 +606,7 @@ def lora_wgrad(
         _WGRAD,
         left.device,
         grid,
-        _WGRAD_INTERPRETED,
+        (_WGRAD_INTERPRETED, _WGRAD_CONFIGS[0]),
         (left, right, out, layout.meta, layout.scale_tensor, layout.num_adapters, p, q,
          *left.stride(), *right.stride(), *out.stride()),
         RANK_ON_LEFT=rank_on_left,
