@@ -18,7 +18,12 @@ from loka.kernels.epilogue import ACTIVATION_IDS, activation_tl, apply_epilogue,
 from loka.kernels.formats import check_activation, check_out_dtype
 from loka.kernels.fp8_bits import FORMAT_IDS, fp8_decode_tl
 from loka.kernels.fp8_tensor import Fp8Tensor
-from loka.kernels.runtime import FP8_MIN_CAPABILITY, interpreting, require_triton_device
+from loka.kernels.runtime import (
+    FP8_MIN_CAPABILITY,
+    autotuning,
+    interpreting,
+    require_triton_device,
+)
 
 SCALE_MODES = {"tensor": 0, "row": 1, "block": 2}
 SCALE_BLOCK_K = 128
@@ -109,8 +114,7 @@ def _fp8_gemm_kernel(
 def _configs() -> list[triton.Config]:
     shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages: Hopper FP8 tiles for LRM shapes
         (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4),
-        (128, 128, 128, 4, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
-        (64, 64, 128, 4, 5), (128, 256, 64, 8, 4), (128, 128, 64, 4, 5), (64, 256, 128, 8, 3),
+        (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (64, 64, 128, 4, 5),
     ]  # fmt: skip
     return [
         triton.Config(
@@ -128,8 +132,27 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
+def _interpreter_tile(M: int, N: int) -> dict:
+    bm = min(64, max(16, triton.next_power_of_2(M)))
+    bn = min(64, max(16, triton.next_power_of_2(N)))
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8}
+
+
+def _heuristic_tile(M: int, N: int) -> dict:
+    big = M >= 128 and N >= 128
+    bm, bn = (128, 128) if big else (64, 64)
+    return {
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "BLOCK_K": 128,
+        "GROUP_M": 8,
+        "num_warps": 8 if big else 4,
+        "num_stages": 3,
+    }
+
+
 def _quick_bench(fn, quantiles=None):
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+    return triton.testing.do_bench(fn, warmup=5, rep=15, quantiles=quantiles)
 
 
 _fp8_gemm_autotuned = triton.autotune(
@@ -209,12 +232,11 @@ def triton_fp8_mm(
         HAS_BIAS=bias is not None, ACTIVATION=ACTIVATION_IDS[activation], FAST_ACCUM=fast_accum,
         SOFT_FP8=soft, A_FMT=FORMAT_IDS[a.fmt], B_FMT=FORMAT_IDS[b.fmt],
     )  # fmt: skip
-    if soft:
-        # The interpreter runs one fixed tile (autotuning it would only cost time).
-        bm = min(64, max(16, triton.next_power_of_2(M)))
-        bn = min(64, max(16, triton.next_power_of_2(N)))
-        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-        _fp8_gemm_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, GROUP_M=8)
+    if soft or not autotuning():
+        # One tile: the interpreter's (autotuning it would only cost time), or a heuristic one.
+        cfg = _interpreter_tile(M, N) if soft else _heuristic_tile(M, N)
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        _fp8_gemm_kernel[grid](*args, **meta, **cfg)
     else:
 
         def grid(meta):

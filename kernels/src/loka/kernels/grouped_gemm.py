@@ -20,7 +20,7 @@ from loka.kernels.formats import check_activation, check_high_precision_2d, chec
 from loka.kernels.fp8_bits import fp8_decode_tl
 from loka.kernels.fp8_gemm import check_fp8_operands, mm_reference
 from loka.kernels.fp8_tensor import Fp8Tensor
-from loka.kernels.runtime import interpreting, require_triton_device
+from loka.kernels.runtime import autotuning, interpreting, require_triton_device
 from loka.kernels.torch_gemm import bf16_mm, scaled_mm
 
 # Operand element kinds: how the kernel types a pointer it reads from the metadata.
@@ -222,8 +222,10 @@ def triton_grouped_mm(
             sum(triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]) for m, n in sizes),
         )
 
-    if soft:  # one fixed tile in the interpreter: autotuning would only cost time
+    if soft or not autotuning():  # one tile: the interpreter's, or a heuristic one
         fixed = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}
+        if not soft:
+            fixed = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
         _grouped_gemm_kernel[grid(fixed)](meta_t, G, 0, max_k, **args, **fixed)
     else:
         work = triton.next_power_of_2(sum(m * n for m, n in sizes))

@@ -14,6 +14,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def autotuning() -> bool:
+    """False when LOKA_KERNELS_AUTOTUNE=0: GEMMs then launch one heuristic tile instead of
+    timing every candidate (a fast first compile, e.g. for a quick correctness run)."""
+    return os.environ.get("LOKA_KERNELS_AUTOTUNE", "1") not in ("0", "")
+
+
 def capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
     """Compute capability of a CUDA device, or None when the device is not a CUDA GPU."""
     device = resolve_device(device)
