@@ -1,0 +1,569 @@
+"""PLoRA on the GPU: packed concurrent LoRA vs one job after another, kernels vs a loop.
+
+A Llama-style model of ~0.7B parameters with random weights (LlamaConfig, no download),
+LoRA on all seven linears of every layer, 32 job configurations (ranks 8-64, per-job batch
+sizes 1-4, lr, alpha, 12-20 steps each); everything in one run:
+- kernels:  the segmented multi-LoRA op (Triton shrink/expand/wgrad, forward + backward)
+            against the same computation as a Python loop over adapters, and the base
+            GEMMs (forward + input gradient) for scale, at the model's linear shapes and
+            the 32-job token count; each checked against a float64 reference first.
+- steps:    one packed training step (all jobs active) for packs of 1, 2, 4, 8, 16, 32 jobs
+            with the Triton kernels; the loop backend for 8 and 32; and one job alone with
+            peft (its defaults, fused AdamW) for every (rank, batch size) pair used. These
+            records (plora_steps_*.csv) are what `loka lora-plan --throughput` fits.
+- makespan: 8 and 32 jobs trained to their step counts: packed (one pack: jobs leave it as
+            they finish) against each job alone with peft, one after another, wall clock.
+
+    python bench/plora.py --smoke     # CPU, Triton interpreter, tiny model, < 1 min
+    python bench/plora.py             # one H200, about 4 min
+Results in --out (default $OUT, else bench/results/): plora_<mode>_<utc>.json (every raw
+record, the summary, the metadata), plora_steps_<mode>_<utc>.csv (step profiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU (Triton interpreter)")
+    p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (512; smoke 16)")
+    p.add_argument("--sections", default="kernels,steps,makespan")
+    p.add_argument("--no-autotune", action="store_true", help="heuristic kernel tiles only")
+    p.add_argument("--budget-s", type=float, default=None, help="wall budget (270 s; smoke 60)")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+MODE = "smoke" if ARGS.smoke else "full"
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    if not ARGS.smoke:
+        raise SystemExit("bench/plora.py needs a CUDA GPU; use --smoke on CPU")
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is created
+if ARGS.no_autotune:
+    os.environ["LOKA_KERNELS_AUTOTUNE"] = "0"
+
+import torch.nn.functional as F  # noqa: E402
+
+from loka.kernels.multi_lora import (  # noqa: E402
+    MultiLoraLayout,
+    multi_lora_linear,
+    multi_lora_linear_reference,
+)
+from loka.mods.packed_lora import (  # noqa: E402
+    LoraJobConfig,
+    PackedLoraConfig,
+    PerAdapterOptimizer,
+    convert_to_packed_lora,
+    packed_train_step,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+SEQ = ARGS.seq_len or (8 if ARGS.smoke else 512)
+BUDGET_S = ARGS.budget_s or (60.0 if ARGS.smoke else 270.0)
+START = time.perf_counter()
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+if ARGS.smoke:
+    MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    JOB_COUNTS, PACK_SIZES, STEPS = (2,), (1, 2), (1, 2)
+    TIMED, WARMUP = 1, 1
+else:
+    MODEL = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=24,
+                 num_attention_heads=12, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
+    JOB_COUNTS, PACK_SIZES, STEPS = (8, 32), (1, 2, 4, 8, 16, 32), (12, 16, 20)
+    TIMED, WARMUP = 5, 2
+RANKS, BATCH_SIZES = (8, 16, 32, 64), (1, 2, 3, 4)
+
+
+def make_jobs(n: int) -> list[LoraJobConfig]:
+    # Ranks cycle fastest and batch sizes every 4 jobs, so 16 jobs cover every pair.
+    return [
+        LoraJobConfig(
+            f"job{i:02d}",
+            rank=RANKS[i % 4],
+            alpha=2.0 * RANKS[i % 4],
+            lr=(1e-4, 3e-4, 1e-3)[i % 3],
+            batch_size=BATCH_SIZES[(i // 4) % 4],
+            steps=STEPS[i % len(STEPS)],
+            seed=i,
+        )
+        for i in range(n)
+    ]
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def over_budget() -> bool:
+    return time.perf_counter() - START > BUDGET_S
+
+
+def time_fn(fn, reps: int = 20) -> float:
+    """Median milliseconds of fn(): triton's do_bench on the GPU, wall clock on CPU."""
+    if DEVICE.type == "cuda":
+        import triton
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=reps * 5, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(2):
+        begin = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------------------
+# kernels: the segmented op vs a Python loop over adapters, at the model's linear shapes
+# ---------------------------------------------------------------------------------------
+
+
+def bench_kernels(jobs: list[LoraJobConfig]) -> list[dict]:
+    h, i = MODEL["hidden_size"], MODEL["intermediate_size"]
+    kv = MODEL["num_key_value_heads"] * (h // MODEL["num_attention_heads"])
+    tokens = [j.batch_size * SEQ for j in jobs]
+    layout = MultiLoraLayout.from_token_counts(
+        tokens, [j.rank for j in jobs], [j.scale for j in jobs], DEVICE
+    )
+    rows = []
+    shapes = {"q/o": (h, h), "k/v": (h, kv), "gate/up": (h, i), "down": (i, h)}
+    for name, (k, n) in list(shapes.items())[: 1 if ARGS.smoke else None]:
+        if over_budget():
+            rows.append({"shape": name, "error": "skipped: over the time budget"})
+            continue
+        try:
+            rows.append(_bench_shape(name, k, n, jobs, layout))
+        except Exception as err:  # one failing shape is a row, not a crash
+            rows.append({"shape": name, "K": k, "N": n, "error": f"{type(err).__name__}: {err}",
+                         "trace": traceback.format_exc(limit=3)})  # fmt: skip
+    return rows
+
+
+def _bench_shape(name, k, n, jobs, layout) -> dict:
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    t = layout.num_tokens
+    x = torch.randn(t, k, device=DEVICE, generator=gen).to(DTYPE)
+    w = (torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5).to(DTYPE)
+    dy = torch.randn(t, n, device=DEVICE, generator=gen).to(DTYPE)
+    a_list = [
+        (torch.randn(j.rank, k, device=DEVICE, generator=gen) / k**0.5).to(DTYPE) for j in jobs
+    ]
+    b_list = [
+        (torch.randn(n, j.rank, device=DEVICE, generator=gen) / j.rank**0.5).to(DTYPE) for j in jobs
+    ]
+
+    def leaves():
+        return [v.clone().requires_grad_() for v in (x, *a_list, *b_list)]
+
+    def run_triton(vs):
+        xs, a_s, b_s = vs[0], vs[1 : len(jobs) + 1], vs[len(jobs) + 1 :]
+        base = xs @ w.t()
+        y = multi_lora_linear(xs, base, torch.cat(a_s), torch.cat(b_s, dim=1), layout)
+        y.backward(dy)
+        return y
+
+    def run_loop(vs):
+        xs, a_s, b_s = vs[0], vs[1 : len(jobs) + 1], vs[len(jobs) + 1 :]
+        y = multi_lora_linear_reference(xs, xs @ w.t(), a_s, b_s, layout)
+        y.backward(dy)
+        return y
+
+    # Correctness first: both paths against float64.
+    ref_vs = [v.double().requires_grad_() for v in (x, *a_list, *b_list)]
+    y_ref = multi_lora_linear_reference(ref_vs[0], ref_vs[0] @ w.double().t(), ref_vs[1 : len(jobs) + 1],
+                                        ref_vs[len(jobs) + 1 :], layout)  # fmt: skip
+    y_ref.backward(dy.double())
+    errors = {}
+    for label, runner in (("triton", run_triton), ("loop", run_loop)):
+        vs = leaves()
+        y = runner(vs)
+        errors[label] = {
+            "y": rel_err(y.detach(), y_ref.detach()),
+            "dx": rel_err(vs[0].grad, ref_vs[0].grad),
+            "dA": max(rel_err(v.grad, r.grad) for v, r in zip(vs[1 : len(jobs) + 1], ref_vs[1 : len(jobs) + 1], strict=True)),
+            "dB": max(rel_err(v.grad, r.grad) for v, r in zip(vs[len(jobs) + 1 :], ref_vs[len(jobs) + 1 :], strict=True)),
+        }  # fmt: skip
+    bound = 2e-2 if DTYPE is torch.bfloat16 else 1e-4
+    ok = all(e <= bound for path in errors.values() for e in path.values())
+
+    vs_t, vs_l = leaves(), leaves()
+    t_triton = time_fn(lambda: run_triton(vs_t))
+    t_loop = time_fn(lambda: run_loop(vs_l))
+    xg = x.clone().requires_grad_()
+    t_base = time_fn(lambda: (xg @ w.t()).backward(dy))
+    return {
+        "shape": name, "K": k, "N": n, "tokens": t, "adapters": len(jobs),
+        "t_triton_ms": t_triton, "t_loop_ms": t_loop, "t_base_ms": t_base,
+        "loop_over_triton": t_loop / t_triton,
+        "lora_overhead_triton": (t_triton - t_base) / t_base,
+        "lora_overhead_loop": (t_loop - t_base) / t_base,
+        "rel_err": errors, "err_bound": bound, "ok": ok,
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# steps: packed steps of growing packs, the loop backend, and single jobs with peft
+# ---------------------------------------------------------------------------------------
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**MODEL, max_position_embeddings=max(2048, SEQ))
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(DTYPE)
+    model.config.use_cache = False
+    return model
+
+
+def token_batches(jobs, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = MODEL["vocab_size"]
+    return [
+        (i, torch.randint(0, vocab, (j.batch_size, SEQ + 1), generator=gen))
+        for i, j in enumerate(jobs)
+    ]
+
+
+def packed_step_profile(model, jobs, backend: str) -> dict:
+    packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend=backend))
+    try:
+        opt = PerAdapterOptimizer(packed)
+        batches = token_batches(jobs)
+        if DEVICE.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(WARMUP):
+            packed_train_step(packed, opt, batches)
+        sync()
+        begin = time.perf_counter()
+        for _ in range(TIMED):
+            packed_train_step(packed, opt, batches)
+        sync()
+        step = (time.perf_counter() - begin) / TIMED
+        peak = torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
+    finally:
+        packed.remove()
+    tokens = sum(j.batch_size * SEQ for j in jobs)
+    return {
+        "kind": "packed", "backend": backend, "n_adapters": len(jobs), "tokens": tokens,
+        "rank_tokens": sum(j.rank * j.batch_size * SEQ for j in jobs), "step_time_s": step,
+        "tokens_per_s": tokens / step, "peak_memory_bytes": int(peak), "device": str(DEVICE),
+    }  # fmt: skip
+
+
+def peft_wrap(model, job):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=job.rank, lora_alpha=job.alpha, lora_dropout=0.0, target_modules=list(TARGETS)
+    )
+    peft_model = get_peft_model(model, config)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    fused = DEVICE.type == "cuda"
+    opt = torch.optim.AdamW(params, lr=job.lr, fused=fused, foreach=None if fused else True)
+    return peft_model, params, opt
+
+
+def peft_step(peft_model, params, opt, job, ids) -> float:
+    ids = ids.to(DEVICE, non_blocking=True)
+    logits = peft_model(input_ids=ids[:, :-1], use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, job.max_grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    # A trainer logs its loss: one sync per step, as the packed step has.
+    return float(loss.detach())
+
+
+def peft_step_profile(model, job) -> dict:
+    peft_model, params, opt = peft_wrap(model, job)
+    try:
+        ids = token_batches([job])[0][1]
+        for _ in range(WARMUP):
+            peft_step(peft_model, params, opt, job, ids)
+        sync()
+        begin = time.perf_counter()
+        for _ in range(TIMED):
+            peft_step(peft_model, params, opt, job, ids)
+        sync()
+        step = (time.perf_counter() - begin) / TIMED
+    finally:
+        peft_model.unload()
+    tokens = job.batch_size * SEQ
+    return {
+        "kind": "solo_peft", "backend": "peft", "n_adapters": 1, "rank": job.rank,
+        "batch_size": job.batch_size, "tokens": tokens, "rank_tokens": job.rank * tokens,
+        "step_time_s": step, "tokens_per_s": tokens / step, "device": str(DEVICE),
+    }  # fmt: skip
+
+
+def bench_steps(model, jobs) -> list[dict]:
+    plans = [("triton", jobs[:n]) for n in PACK_SIZES]
+    first = jobs[0]
+    doubled = LoraJobConfig(
+        first.name + "x2", first.rank, first.alpha, first.lr, 2 * first.batch_size, steps=1
+    )
+    # Tokens change alone: separates the per-token from the per-step cost.
+    plans.append(("triton", [doubled]))
+    plans += [("loop", jobs[:n]) for n in JOB_COUNTS]
+    rows = []
+    for backend, pack in plans:
+        rows.append(_guarded(lambda b=backend, p=pack: packed_step_profile(model, p, b),
+                             {"kind": "packed", "backend": backend, "n_adapters": len(pack)}))  # fmt: skip
+    pairs = sorted({(j.rank, j.batch_size) for j in jobs})
+    for rank, batch in pairs:
+        job = next(j for j in jobs if (j.rank, j.batch_size) == (rank, batch))
+        rows.append(_guarded(lambda j=job: peft_step_profile(model, j),
+                             {"kind": "solo_peft", "rank": rank, "batch_size": batch}))  # fmt: skip
+    return rows
+
+
+def _guarded(fn, context: dict) -> dict:
+    if over_budget():
+        return {**context, "error": "skipped: over the time budget"}
+    try:
+        return fn()
+    except Exception as err:
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+        return {
+            **context,
+            "error": f"{type(err).__name__}: {err}",
+            "trace": traceback.format_exc(limit=3),
+        }
+
+
+# ---------------------------------------------------------------------------------------
+# makespan: train the jobs to their step counts, packed vs one after another
+# ---------------------------------------------------------------------------------------
+
+
+def run_packed(model, jobs) -> dict:
+    """One pack (one GPU, everything fits): jobs leave the pack as they finish."""
+    sync()
+    begin = time.perf_counter()
+    packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend="triton"))
+    try:
+        opt = PerAdapterOptimizer(packed)
+        gens = [torch.Generator().manual_seed(100 + i) for i in range(len(jobs))]
+        left = [j.steps for j in jobs]
+        steps = 0
+        while any(left):
+            active = [i for i, n in enumerate(left) if n > 0]
+            batches = [(i, torch.randint(0, MODEL["vocab_size"], (jobs[i].batch_size, SEQ + 1), generator=gens[i]))
+                       for i in active]  # fmt: skip
+            packed_train_step(packed, opt, batches)
+            for i in active:
+                left[i] -= 1
+            steps += 1
+        sync()
+    finally:
+        packed.remove()
+    wall = time.perf_counter() - begin
+    tokens = sum(j.steps * j.batch_size * SEQ for j in jobs)
+    return {"kind": "packed", "jobs": len(jobs), "pack_steps": steps, "tokens": tokens,
+            "wall_s": wall, "tokens_per_s": tokens / wall}  # fmt: skip
+
+
+def run_sequential(model, jobs) -> dict:
+    """Each job alone with peft, one after another (wrapping and unwrapping included)."""
+    sync()
+    begin = time.perf_counter()
+    for i, job in enumerate(jobs):
+        peft_model, params, opt = peft_wrap(model, job)
+        gen = torch.Generator().manual_seed(100 + i)
+        for _ in range(job.steps):
+            ids = torch.randint(0, MODEL["vocab_size"], (job.batch_size, SEQ + 1), generator=gen)
+            peft_step(peft_model, params, opt, job, ids)
+        peft_model.unload()
+    sync()
+    wall = time.perf_counter() - begin
+    tokens = sum(j.steps * j.batch_size * SEQ for j in jobs)
+    return {"kind": "sequential_peft", "jobs": len(jobs), "tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall}  # fmt: skip
+
+
+def bench_makespan(model, jobs) -> list[dict]:
+    rows = []
+    for n in JOB_COUNTS:
+        rows.append(
+            _guarded(lambda n=n: run_packed(model, jobs[:n]), {"kind": "packed", "jobs": n})
+        )
+        rows.append(
+            _guarded(
+                lambda n=n: run_sequential(model, jobs[:n]), {"kind": "sequential_peft", "jobs": n}
+            )
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# summary, metadata, output
+# ---------------------------------------------------------------------------------------
+
+
+def summarize(kernels, steps, makespans, jobs) -> dict:
+    ok_steps = [r for r in steps if "error" not in r]
+    packed = {
+        (r["backend"], r["n_adapters"]): r
+        for r in ok_steps
+        if r["kind"] == "packed"
+        and r["tokens"] == sum(j.batch_size * SEQ for j in jobs[: r["n_adapters"]])
+    }
+    solo = {(r["rank"], r["batch_size"]): r for r in ok_steps if r["kind"] == "solo_peft"}
+    summary: dict = {"throughput": [], "makespan": [], "kernels": [], "loop_vs_triton_step": []}
+    for n in JOB_COUNTS:
+        row = packed.get(("triton", n))
+        group = jobs[:n]
+        if row is None or not all((j.rank, j.batch_size) in solo for j in group):
+            continue
+        seq_time = sum(solo[(j.rank, j.batch_size)]["step_time_s"] for j in group)
+        seq_tps = sum(j.batch_size * SEQ for j in group) / seq_time
+        per_bs = {}
+        for b in BATCH_SIZES:
+            rows_b = [solo[(j.rank, j.batch_size)] for j in group if j.batch_size == b]
+            if rows_b:
+                per_bs[b] = row["tokens_per_s"] / (
+                    sum(r["tokens"] for r in rows_b) / sum(r["step_time_s"] for r in rows_b)
+                )
+        summary["throughput"].append({
+            "jobs": n, "packed_tokens_per_s": row["tokens_per_s"], "sequential_tokens_per_s": seq_tps,
+            "ratio": row["tokens_per_s"] / seq_tps, "ratio_by_batch_size": per_bs,
+        })  # fmt: skip
+        loop = packed.get(("loop", n))
+        if loop is not None:
+            summary["loop_vs_triton_step"].append({"jobs": n, "triton_step_s": row["step_time_s"],
+                                                   "loop_step_s": loop["step_time_s"],
+                                                   "ratio": loop["step_time_s"] / row["step_time_s"]})  # fmt: skip
+    by = {(r["kind"], r["jobs"]): r for r in makespans if "error" not in r}
+    for n in JOB_COUNTS:
+        p, s = by.get(("packed", n)), by.get(("sequential_peft", n))
+        if p and s:
+            summary["makespan"].append({"jobs": n, "packed_s": p["wall_s"], "sequential_s": s["wall_s"],
+                                        "ratio": s["wall_s"] / p["wall_s"],
+                                        "tokens_per_s_ratio": p["tokens_per_s"] / s["tokens_per_s"]})  # fmt: skip
+    for r in kernels:
+        if "error" not in r:
+            keys = ("shape", "t_triton_ms", "t_loop_ms", "t_base_ms", "loop_over_triton", "ok")
+            summary["kernels"].append({k: r[k] for k in keys})
+    return summary
+
+
+def metadata(wall: float) -> dict:
+    import transformers
+
+    try:
+        import peft
+
+        peft_version = peft.__version__
+    except ImportError:
+        peft_version = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    import triton
+
+    return {
+        "command": " ".join([sys.executable, *sys.argv]), "mode": MODE,
+        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else platform.processor() or "cpu",
+        "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+        "transformers": transformers.__version__, "peft": peft_version, "git_commit": commit,
+        "model": MODEL, "seq_len": SEQ, "dtype": str(DTYPE), "autotune": not ARGS.no_autotune,
+        "timed_steps": TIMED, "warmup_steps": WARMUP, "wall_s": wall,
+        "baseline": "peft LoraConfig defaults (fp32 adapters), fused AdamW, grad clipping, one job at a time",
+        "packed": "loka PackedLoraConfig defaults (fp32 adapters, bf16 GEMMs), per-adapter fused AdamW and clipping",
+    }  # fmt: skip
+
+
+def print_summary(summary: dict) -> None:
+    print("\nPLoRA summary (ratios measured in this run)")
+    for r in summary["kernels"]:
+        print(f"  kernel {r['shape']:8s} triton {r['t_triton_ms']:8.3f} ms  loop {r['t_loop_ms']:8.3f} ms  "
+              f"base {r['t_base_ms']:8.3f} ms  loop/triton {r['loop_over_triton']:5.2f}x  ok={r['ok']}")  # fmt: skip
+    for r in summary["loop_vs_triton_step"]:
+        print(f"  step {r['jobs']:2d} jobs: triton {r['triton_step_s'] * 1e3:8.1f} ms  loop {r['loop_step_s'] * 1e3:8.1f} ms  "
+              f"loop/triton {r['ratio']:5.2f}x")  # fmt: skip
+    for r in summary["throughput"]:
+        per_bs = "  ".join(f"bs{b}: {v:.2f}x" for b, v in r["ratio_by_batch_size"].items())
+        print(f"  throughput {r['jobs']:2d} jobs: packed {r['packed_tokens_per_s']:9.0f} tok/s  sequential "
+              f"{r['sequential_tokens_per_s']:9.0f} tok/s  {r['ratio']:5.2f}x  ({per_bs})")  # fmt: skip
+    for r in summary["makespan"]:
+        print(f"  makespan {r['jobs']:2d} jobs: packed {r['packed_s']:7.2f} s  sequential {r['sequential_s']:7.2f} s  "
+              f"{r['ratio']:5.2f}x shorter")  # fmt: skip
+
+
+def main() -> int:
+    sections = set(ARGS.sections.split(","))
+    out = Path(ARGS.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    jobs = make_jobs(max(JOB_COUNTS))
+    kernels = bench_kernels(jobs) if "kernels" in sections else []
+    model = build_model() if sections & {"steps", "makespan"} else None
+    steps = bench_steps(model, jobs) if "steps" in sections else []
+    makespans = bench_makespan(model, jobs) if "makespan" in sections else []
+    summary = summarize(kernels, steps, makespans, jobs)
+    meta = metadata(time.perf_counter() - START)
+    record = {"meta": meta, "jobs": [j.to_dict() for j in jobs], "kernels": kernels, "steps": steps,
+              "makespan": makespans, "summary": summary}  # fmt: skip
+    _write(out / f"plora_{MODE}_{stamp}.json", json.dumps(record, indent=2, default=str))
+    fields = ["kind", "backend", "n_adapters", "rank", "batch_size", "tokens", "rank_tokens",
+              "step_time_s", "tokens_per_s", "peak_memory_bytes", "device"]  # fmt: skip
+    rows = [r for r in steps if "error" not in r]
+    steps_csv = out / f"plora_steps_{MODE}_{stamp}.csv"
+    tmp = steps_csv.with_name(f".{steps_csv.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, steps_csv)
+    print_summary(summary)
+    errors = [r for r in (*kernels, *steps, *makespans) if "error" in r]
+    for r in errors:
+        context = {k: v for k, v in r.items() if k not in ("error", "trace")}
+        print(f"  error: {context}: {r['error']}")
+    bad = [r["shape"] for r in kernels if "error" not in r and not r["ok"]]
+    if bad:
+        print(f"  CORRECTNESS FAILED for {bad}")
+    print(f"wrote {out}/plora_{MODE}_{stamp}.json and plora_steps_{MODE}_{stamp}.csv "
+          f"({time.perf_counter() - START:.0f} s)")  # fmt: skip
+    return 1 if bad or (errors and ARGS.smoke) else 0
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
