@@ -166,3 +166,19 @@ def test_launchers_name_shape_and_dtype_errors():
     base = torch.zeros(layout.num_tokens, N, device=DEVICE)
     with pytest.raises(ValueError, match="b_cat shape"):
         multi_lora_linear(x, base, a_cat, b_cat[:, 1:], layout)
+
+
+def test_registered_backends_compute_the_same_op():
+    from loka.kernels import registry
+
+    names = registry.names("multi_lora")
+    assert names == ["triton.multi_lora", "torch.multi_lora_loop"]  # highest priority first
+    layout = _layout()
+    a, b = _factors(layout, torch.float32, seed=6)
+    x = torch.randn(layout.num_tokens, K, device=DEVICE)
+    base = torch.randn(layout.num_tokens, N, device=DEVICE)
+    args = (x, base, torch.cat(a), torch.cat(b, dim=1), layout)
+    outputs = [registry.get(name)(*args) for name in names]
+    _close(outputs[0], outputs[1], torch.float32)
+    _close(outputs[0], registry.get(names[0]).reference(*args), torch.float32)
+    assert registry.get("torch.multi_lora_loop").runnable_reason("cpu") is None

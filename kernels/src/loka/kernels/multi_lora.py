@@ -38,6 +38,7 @@ __all__ = [
     "lora_wgrad_reference",
     "multi_lora_kernels_available",
     "multi_lora_linear",
+    "multi_lora_linear_loop",
     "multi_lora_linear_reference",
 ]
 
@@ -732,3 +733,58 @@ def _check_linear_shapes(x, base_out, a_cat, b_cat, layout: MultiLoraLayout) -> 
             f"b_cat shape {tuple(b_cat.shape)} != (N {base_out.shape[1]}, "
             f"sum of ranks {layout.total_rank})"
         )
+
+
+# --------------------------------------------------------------------------------------
+# Registry: op "multi_lora", signature run(x, base_out, a_cat, b_cat, layout) -> y
+# --------------------------------------------------------------------------------------
+
+
+def multi_lora_linear_loop(
+    x: torch.Tensor,
+    base_out: torch.Tensor,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    layout: MultiLoraLayout,
+) -> torch.Tensor:
+    """`multi_lora_linear`'s signature over the Python loop (differentiable torch ops)."""
+    _check_linear_shapes(x, base_out, a_cat, b_cat, layout)
+    a_list = [a_cat[o : o + r] for o, r in zip(layout.rank_offsets, layout.ranks, strict=True)]
+    b_list = [b_cat[:, o : o + r] for o, r in zip(layout.rank_offsets, layout.ranks, strict=True)]
+    return multi_lora_linear_reference(x, base_out, a_list, b_list, layout)
+
+
+def _register() -> None:
+    from loka.kernels.registry import BF16, Backend, registry
+
+    common = dict(
+        op="multi_lora",
+        reference=multi_lora_linear_loop,
+        formats=frozenset({(BF16, BF16)}),
+        granularities=frozenset({"none"}),
+        min_capability=None,
+    )
+    registry.register(
+        Backend(
+            name="triton.multi_lora",
+            run=multi_lora_linear,
+            description="segmented shrink/expand/wgrad over N LoRA adapters in one launch each",
+            triton=True,
+            priority=1,
+            **common,
+        ),
+        replace=True,
+    )
+    registry.register(
+        Backend(
+            name="torch.multi_lora_loop",
+            run=multi_lora_linear_loop,
+            description="a Python loop over the adapters with plain torch GEMMs",
+            runs_on_cpu=True,
+            **common,
+        ),
+        replace=True,
+    )
+
+
+_register()
