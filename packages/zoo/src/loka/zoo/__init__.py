@@ -1,3 +1,52 @@
-"""loka.zoo"""
+"""loka.zoo: reference recommendation models and their data, tiny (CPU tests) to large
+(one H200).
 
-__all__: list[str] = []
+    setup = loka.zoo.create("dhen", "tiny")
+    losses = loka.zoo.train(setup, steps=50)
+    print(setup.metrics(setup.model, setup.eval_batches()))
+"""
+
+from loka.zoo.layers import RMSNorm
+from loka.zoo.metrics import binary_auc, ctr_metrics, ranking_metrics
+from loka.zoo.models import (
+    DHEN,
+    DLRM,
+    HSTU,
+    DHENConfig,
+    DLRMConfig,
+    HSTUConfig,
+    PopularityModel,
+    SASRec,
+    SASRecConfig,
+    Wukong,
+    WukongConfig,
+)
+from loka.zoo.registry import PRESETS, SPECS, SequenceDataConfig, ZooSetup, create
+from loka.zoo.train import train, training_step
+
+MODELS = tuple(SPECS)
+
+__all__ = [
+    "DHEN",
+    "DLRM",
+    "HSTU",
+    "MODELS",
+    "PRESETS",
+    "DHENConfig",
+    "DLRMConfig",
+    "HSTUConfig",
+    "PopularityModel",
+    "RMSNorm",
+    "SASRec",
+    "SASRecConfig",
+    "SequenceDataConfig",
+    "Wukong",
+    "WukongConfig",
+    "ZooSetup",
+    "binary_auc",
+    "create",
+    "ctr_metrics",
+    "ranking_metrics",
+    "train",
+    "training_step",
+]

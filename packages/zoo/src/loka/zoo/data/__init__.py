@@ -1,0 +1,18 @@
+"""Data for the zoo: a synthetic Criteo-like stream, synthetic sequences, Amazon 5-core."""
+
+from loka.zoo.data.criteo import (
+    CRITEO_CARDINALITIES,
+    SyntheticCriteo,
+    SyntheticCriteoConfig,
+    criteo_cardinalities,
+)
+from loka.zoo.data.sequences import SyntheticSequences, SyntheticSequencesConfig
+
+__all__ = [
+    "CRITEO_CARDINALITIES",
+    "SyntheticCriteo",
+    "SyntheticCriteoConfig",
+    "SyntheticSequences",
+    "SyntheticSequencesConfig",
+    "criteo_cardinalities",
+]

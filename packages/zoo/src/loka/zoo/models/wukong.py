@@ -1,0 +1,102 @@
+"""Wukong-style stack (after Zang et al. 2024, "Wukong: Towards a Scaling Law for
+Large-Scale Recommendation").
+
+The n feature embeddings `[B, n, d]` (the categorical tables plus the dense features'
+bottom-MLP vector) go through layers of a factorization-machine block (FMB) and a linear
+compression block (LCB), concatenated, added to a residual and normalized over d:
+- FMB: `X (X^T W)` with W a Linear(n, k) (the rank-k optimized FM), flattened, norm ->
+  Linear -> activation -> Linear to `fm_outputs` embeddings;
+- LCB: a Linear(n, `lcb_outputs`) mixing embeddings.
+Several of these GEMMs are deliberately skinny (K or N = n or k, tens), as in the paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from loka.zoo.layers import make_activation, make_norm, mlp
+from loka.zoo.models.features import CTRStackConfig, FeatureInputs, require_positive
+
+
+@dataclass(frozen=True)
+class WukongConfig(CTRStackConfig):
+    fm_outputs: int = 4
+    lcb_outputs: int = 4
+    fm_rank: int = 8
+    fm_hidden: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_positive(self, "fm_outputs", "lcb_outputs", "fm_rank", "fm_hidden")
+
+
+class FactorizationMachineBlock(nn.Module):
+    def __init__(self, config: WukongConfig, num_inputs: int) -> None:
+        super().__init__()
+        flat = num_inputs * config.fm_rank
+        self.outputs, self.dim = config.fm_outputs, config.embedding_dim
+        self.compress = nn.Linear(num_inputs, config.fm_rank, bias=False)
+        self.mlp = nn.Sequential(
+            make_norm(config.norm, flat),
+            nn.Linear(flat, config.fm_hidden),
+            make_activation(config.activation),
+            nn.Linear(config.fm_hidden, config.fm_outputs * config.embedding_dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compressed = self.compress(x.transpose(1, 2))  # [B, d, k]
+        interactions = torch.bmm(x.to(compressed.dtype), compressed)  # [B, n, k]
+        return self.mlp(interactions.flatten(1)).view(-1, self.outputs, self.dim)
+
+
+class LinearCompressionBlock(nn.Module):
+    def __init__(self, num_inputs: int, num_outputs: int) -> None:
+        super().__init__()
+        self.compress = nn.Linear(num_inputs, num_outputs, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.compress(x.transpose(1, 2)).transpose(1, 2)
+
+
+class WukongLayer(nn.Module):
+    def __init__(self, config: WukongConfig, num_inputs: int) -> None:
+        super().__init__()
+        num_outputs = config.fm_outputs + config.lcb_outputs
+        self.fmb = FactorizationMachineBlock(config, num_inputs)
+        self.lcb = LinearCompressionBlock(num_inputs, config.lcb_outputs)
+        # The residual needs its own compression when the embedding count changes.
+        self.residual = (
+            LinearCompressionBlock(num_inputs, num_outputs) if num_inputs != num_outputs else None
+        )
+        self.norm = make_norm(config.norm, config.embedding_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([self.fmb(x), self.lcb(x)], dim=1)
+        residual = x if self.residual is None else self.residual(x)
+        return self.norm(out + residual)
+
+
+class Wukong(nn.Module):
+    """`forward(batch) -> logits [B]` from `batch["dense"]` and `batch["sparse"]`."""
+
+    def __init__(self, config: WukongConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.embedding_dim
+        self.inputs = FeatureInputs(config)
+        inputs = config.num_sparse + 1
+        outputs = config.fm_outputs + config.lcb_outputs
+        self.layers = nn.ModuleList(
+            WukongLayer(config, inputs if i == 0 else outputs) for i in range(config.num_layers)
+        )
+        self.head = mlp(outputs * dim, (*config.head_widths, 1), activate_last=False)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        dense_vector, pooled = self.inputs(batch)
+        x = torch.cat([dense_vector.unsqueeze(1), pooled], dim=1)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.flatten(1)).squeeze(-1)
