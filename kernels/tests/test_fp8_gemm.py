@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from loka.kernels import QuantConfig, quantize_with
+from loka.kernels import GemmSpec, QuantConfig, quantize_with, registry
 from loka.kernels.fp8_gemm import mm_reference, triton_fp8_mm
+from loka.kernels.fp8_gemm_tma import triton_fp8_mm_tma
 
 # (M, K, N): M=1, K or N of 16, sizes that are not multiples of any tile, more than one K block.
 SHAPES = [(1, 16, 16), (37, 200, 19), (130, 272, 48), (16, 384, 130)]
@@ -99,3 +100,21 @@ def test_bad_requests_are_refused(make, err, match):
     wide = quantize_with(torch.cat([w, w], 1), QuantConfig("e4m3", "row"))
     with pytest.raises(err, match=match):
         make(a, b, wide)
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 16), (37, 208, 24), (70, 64, 40)])
+@pytest.mark.parametrize("recipe", [RECIPES[0], RECIPES[2]], ids=["tensor", "e5m2-row"])
+def test_tma_kernel_matches_reference(shape, recipe):
+    x, w = operands(*shape, seed=5)
+    a, b = quantized(x, w, *recipe)
+    bias = torch.linspace(-2, 2, shape[2]).bfloat16()
+    out = triton_fp8_mm_tma(a, b, bias=bias, activation="gelu")
+    assert_matches(out, mm_reference(a, b, bias=bias, activation="gelu"))
+
+
+def test_tma_kernel_refuses_unaligned_rows():
+    x, w = operands(8, 40, 16)
+    a, b = quantized(x, w, "e4m3", "e4m3", "row", None, None)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        triton_fp8_mm_tma(a, b)
+    assert "multiple of 16" in registry.get("triton.fp8.tma").refuse(GemmSpec.of(a, b))

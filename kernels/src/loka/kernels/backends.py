@@ -11,6 +11,7 @@ import functools
 import itertools
 
 from loka.kernels.fp8_gemm import mm_reference, triton_fp8_mm
+from loka.kernels.fp8_gemm_tma import tma_refusal, triton_fp8_mm_tma
 from loka.kernels.grouped_gemm import grouped_mm_reference, loop_grouped_mm, triton_grouped_mm
 from loka.kernels.registry import BF16, Backend, GemmSpec, registry
 from loka.kernels.torch_gemm import bf16_mm, scaled_mm, scaled_mm_refusal
@@ -67,6 +68,19 @@ def _register_builtins() -> None:
         )
         registry.register(cublas, replace=True)
         registry.register(triton_gemm, replace=True)
+    tma = _fp8_backend(
+        "triton.fp8.tma",
+        triton_fp8_mm_tma,
+        "persistent Triton FP8 GEMM with TMA loads (Hopper), tensor/row scales, fused epilogue",
+        granularities=frozenset({"tensor", "row"}),
+        align=(("k", 16), ("n", 8)),
+        min_capability=(9, 0),
+        triton=True,
+        fused_epilogue=True,
+        priority=8,
+        check=lambda spec: tma_refusal(spec.k, spec.n, spec.out_dtype),
+    )
+    registry.register(tma, replace=True)
     grouped_formats = FP8_PAIRS | {(BF16, BF16)}
     grouped = Backend(
         name="triton.grouped",
