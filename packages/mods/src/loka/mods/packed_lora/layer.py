@@ -84,11 +84,14 @@ class PackedLoraLinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         layout = self.batch.require(x2.shape[0], self.name)
         out2 = base_out.reshape(-1, base_out.shape[-1])
-        a_list = [a.to(x.dtype) for a in self.lora_A]
-        b_list = [b.to(x.dtype) for b in self.lora_B]
         if self._use_triton(x.device):
-            y = multi_lora_linear(x2, out2, torch.cat(a_list), torch.cat(b_list, dim=1), layout)
+            # Concatenate, then cast once: a launch per factor rather than one per adapter.
+            a_cat = torch.cat(tuple(self.lora_A)).to(x.dtype)
+            b_cat = torch.cat(tuple(self.lora_B), dim=1).to(x.dtype)
+            y = multi_lora_linear(x2, out2, a_cat, b_cat, layout)
         else:
+            a_list = [a.to(x.dtype) for a in self.lora_A]
+            b_list = [b.to(x.dtype) for b in self.lora_B]
             y = multi_lora_linear_reference(x2, out2, a_list, b_list, layout)
         return y.view(base_out.shape)
 
