@@ -399,11 +399,9 @@ def _expand_kernel(
     SCALED: tl.constexpr, HAS_BASE: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    adapter = tl.program_id(1)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_t = pid // num_n
-    pid_n = pid % num_n
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    adapter = tl.program_id(2)
     t0, end, offs_t, mask_t, rank, rank_offset = _token_block(
         meta_ptr, num_adapters, adapter, pid_t, BLOCK_T
     )
@@ -468,7 +466,8 @@ def lora_expand(
 
     def grid(meta):
         return (
-            triton.cdiv(layout.max_segment, meta["BLOCK_T"]) * triton.cdiv(n, meta["BLOCK_N"]),
+            triton.cdiv(layout.max_segment, meta["BLOCK_T"]),
+            triton.cdiv(n, meta["BLOCK_N"]),
             layout.num_adapters,
         )
 
@@ -517,11 +516,9 @@ def _wgrad_kernel(
     RANK_ON_LEFT: tl.constexpr, SCALED: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    adapter = tl.program_id(1)
-    num_q = tl.cdiv(Q, BLOCK_Q)
-    pid_p = pid // num_q
-    pid_q = pid % num_q
+    pid_p = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    adapter = tl.program_id(2)
     start, end, rank, rank_offset = _load_adapter(meta_ptr, num_adapters, adapter)
     # The rank side of the product is limited by this adapter's rank and lands at its
     # rank offset in the concatenated gradient; the other side spans the full dimension.
@@ -599,7 +596,8 @@ def lora_wgrad(
 
     def grid(meta):
         return (
-            triton.cdiv(p, meta["BLOCK_P"]) * triton.cdiv(q, meta["BLOCK_Q"]),
+            triton.cdiv(p, meta["BLOCK_P"]),
+            triton.cdiv(q, meta["BLOCK_Q"]),
             layout.num_adapters,
         )
 
