@@ -1,0 +1,150 @@
+"""`ProbeConfig`: what Probe samples, which recipes it tries, and how it decides."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from loka.schema import PASSES, Recipe
+
+DEFAULT_RECIPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "fwd": (
+            "e4m3:e4m3/tensor/dynamic",
+            "e4m3:e4m3/row/dynamic",
+            "e4m3:e4m3/block/dynamic",
+            "e4m3:e4m3/tensor/dynamic/pow2",
+            "e4m3:e4m3/row/dynamic/pow2",
+            "e4m3:e4m3/block/dynamic/pow2",
+            "e4m3:e4m3/tensor/delayed16",
+        ),
+        # The gradient is the first operand of both backward passes.
+        "dgrad": (
+            "e5m2:e4m3/tensor/dynamic",
+            "e4m3:e4m3/tensor/dynamic",
+            "e4m3:e4m3/row/dynamic",
+        ),
+        "wgrad": (
+            "e5m2:e4m3/tensor/dynamic",
+            "e4m3:e4m3/tensor/dynamic",
+            "e4m3:e4m3/row/dynamic",
+        ),
+    }
+)
+"""Candidate recipes per pass (README: "Default recipes")."""
+
+DEFAULT_BUDGETS: Mapping[str, float] = MappingProxyType({"fwd": 0.06, "dgrad": 0.09, "wgrad": 0.09})
+"""Largest acceptable balanced relative error per pass (README: "Default budgets")."""
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """Everything Probe can be told. Defaults keep the step-time overhead within ~3% on an
+    H200-sized recommendation model (bench/probe_overhead.py)."""
+
+    # Schedule: steps 0, warmup_every, 2*warmup_every, ... below warmup_steps, then every
+    # `every` steps. A site whose verdicts are all decided is captured on one sampled step
+    # in `decided_every` (re-verification), so sampling concentrates on undecided sites.
+    every: int = 25
+    warmup_steps: int = 100
+    warmup_every: int = 10
+    decided_every: int = 4
+    max_sites_per_step: int | None = None
+    # Rows sampled per GEMM call (activations and gradients; same rows for x and dY) and
+    # per weight (for its statistics).
+    rows: int = 256
+    recipes: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_RECIPES))
+    budgets: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BUDGETS))
+    # Per-site overrides: {glob pattern on the site name: {pass: budget}}; the last
+    # matching pattern wins.
+    site_budgets: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    confidence: float = 0.95
+    min_batches: int = 5
+    # A site whose |x| tail (p99.9, amax) or mean error moves by more than this factor
+    # between two windows is flagged and re-verified from the newer window on.
+    drift_tolerance: float = 2.0
+    window_steps: int = 200
+    # Sampled steps whose statistics may wait for the background thread; a step that
+    # finds the queue full is dropped and counted.
+    queue_size: int = 2
+    timing: bool = True
+    # Sites with K * N at most this compute their error GEMMs on the CPU, where hundreds
+    # of tiny kernels cost the GPU nothing.
+    host_error_max_size: int = 512 * 512
+    real_fp8: bool = True
+    exclude: tuple[str, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("every", "warmup_every", "decided_every", "rows", "min_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ProbeConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("warmup_steps", "host_error_max_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"ProbeConfig.{name} must be a non-negative integer, got {value!r}"
+                )
+        if self.window_steps < 1 or self.queue_size < 1:
+            raise ValueError("ProbeConfig.window_steps and queue_size must be at least 1")
+        if self.max_sites_per_step is not None and self.max_sites_per_step < 1:
+            raise ValueError("ProbeConfig.max_sites_per_step must be >= 1 or None")
+        if not 0.5 <= self.confidence < 1:
+            raise ValueError(f"ProbeConfig.confidence must be in [0.5, 1), got {self.confidence}")
+        if not self.drift_tolerance > 1:
+            raise ValueError(
+                f"ProbeConfig.drift_tolerance is a factor > 1, got {self.drift_tolerance}"
+            )
+        unknown = set(self.recipes) - set(PASSES)
+        if unknown:
+            raise ValueError(
+                f"ProbeConfig.recipes has unknown passes {sorted(unknown)}; use {PASSES}"
+            )
+        for pass_, texts in self.recipes.items():
+            if isinstance(texts, str):
+                raise TypeError(
+                    f"ProbeConfig.recipes[{pass_!r}] must be a sequence of recipe strings"
+                )
+            for text in texts:
+                if Recipe.parse(text).is_bf16:
+                    raise ValueError(
+                        f"ProbeConfig.recipes[{pass_!r}]: bf16 is the reference, not a candidate"
+                    )
+        for budgets in (self.budgets, *self.site_budgets.values()):
+            for pass_, value in budgets.items():
+                if pass_ not in PASSES:
+                    raise ValueError(f"budget for unknown pass {pass_!r}; use {PASSES}")
+                if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                    raise ValueError(
+                        f"budget for {pass_!r} must be a positive number, got {value!r}"
+                    )
+        missing = [p for p in self.recipes if self.recipes[p] and p not in self.budgets]
+        if missing:
+            raise ValueError(f"ProbeConfig.budgets has no budget for pass(es) {missing}")
+
+    def parsed_recipes(self) -> dict[str, list[Recipe]]:
+        return {p: [Recipe.parse(t) for t in self.recipes.get(p, ())] for p in PASSES}
+
+    def budget(self, site: str, pass_: str) -> float:
+        value = self.budgets[pass_]
+        for pattern, budgets in self.site_budgets.items():
+            if pass_ in budgets and fnmatch.fnmatchcase(site, pattern):
+                value = budgets[pass_]
+        return float(value)
+
+    def excluded(self, site: str) -> bool:
+        return any(fnmatch.fnmatchcase(site, pattern) for pattern in self.exclude)
+
+    def is_sampled(self, step: int) -> bool:
+        if step < self.warmup_steps:
+            return step % self.warmup_every == 0
+        return (step - self.warmup_steps) % self.every == 0
+
+    def history_lengths(self) -> set[int]:
+        return {
+            r.history for recipes in self.parsed_recipes().values() for r in recipes if r.history
+        }

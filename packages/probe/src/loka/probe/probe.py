@@ -1,0 +1,295 @@
+"""`Probe`: attach to a model, mark steps, read the tables."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import traceback
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import torch
+from rich.console import Console
+from torch import nn
+
+from loka.probe.analyze import Analyzer, StepJob
+from loka.probe.capture import AmaxCapture, StepCapture
+from loka.probe.config import ProbeConfig
+from loka.probe.distributed import merged_states, world_size
+from loka.probe.report import render_summary
+from loka.probe.sites import SiteSpec, find_sites
+from loka.probe.state import SiteState
+from loka.probe.tables import build_tables
+from loka.probe.worker import Worker
+from loka.schema import TableWriteError, write_table
+
+TABLE_NAMES = ("sites", "tensor_stats", "site_errors")
+
+
+class Probe:
+    """Online, sampled FP8 profiling of every GEMM site of `model`.
+
+        probe = Probe(model, ProbeConfig())
+        for batch in batches:
+            loss = model(batch).mean(); loss.backward(); optimizer.step()
+            probe.step()
+        probe.save("probe/"); probe.summary(); probe.detach()
+
+    Attaching adds hooks on sampled steps only and never changes what the model computes.
+    `step()` marks the end of a training step. Statistics are computed on a background
+    thread; `tables()`, `save()` and `summary()` wait for it. Under `torch.distributed`
+    those three are collectives: every rank calls them and gets the same tables.
+    """
+
+    def __init__(self, model: nn.Module, config: ProbeConfig | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Probe needs an nn.Module, got {type(model).__name__}")
+        self.config = config or ProbeConfig()
+        specs = find_sites(model, self.config.excluded)
+        if not specs:
+            raise ValueError(
+                f"{type(model).__name__} has no GEMM sites: no nn.Linear and no module with "
+                "loka_gemm_operands(); make custom GEMM modules sites with "
+                "loka.probe.register_site(cls, operands)"
+                + (f" (excluded: {list(self.config.exclude)})" if self.config.exclude else "")
+            )
+        self.model = model
+        self._specs: list[SiteSpec] = specs
+        self._states: dict[str, SiteState] = {}
+        for spec in specs:
+            state = SiteState(spec.name, spec.kind)
+            if isinstance(spec.module, nn.Linear) and spec.kind == "linear":
+                state.K, state.N = spec.module.in_features, spec.module.out_features
+            self._states[spec.name] = state
+        self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._lock = threading.Lock()
+        self._generators: dict[str, torch.Generator] = {}
+        self._errors: list[str] = []
+        self._needs_history = bool(self.config.history_lengths())
+        self._history_len = max(self.config.history_lengths(), default=0)
+        self._amax_history: dict[tuple[str, int, str], deque[tuple[int, torch.Tensor]]] = {}
+        self._analyzer = Analyzer(self.config, self._states, self._lock)
+        self._worker = Worker(self._analyzer.process, self.config.queue_size, self._record_error)
+        self._step = 0
+        self._sampled_steps = 0
+        self._dropped_steps = 0
+        self._dropped_samples = 0
+        self._plans: dict[int, list[SiteSpec]] = {}
+        self._capture: StepCapture | None = None
+        self._amax_capture: AmaxCapture | None = None
+        self._step_start: Any = None
+        self._attached = True
+        self._arm()
+
+    # -- training-loop API -------------------------------------------------------------
+
+    def step(self) -> None:
+        """Mark the end of a training step (after the optimizer step)."""
+        if not self._attached:
+            raise RuntimeError("this Probe is detached; attach a new Probe to keep profiling")
+        self._close_step()
+        self._step += 1
+        self._arm()
+
+    def flush(self) -> None:
+        """Wait until the background thread has processed every submitted step."""
+        self._worker.flush()
+
+    def detach(self) -> None:
+        """Remove every hook and stop the background thread after it has finished its queue.
+        The model is left exactly as it was; the tables stay available."""
+        if not self._attached:
+            return
+        for capture in (self._capture, self._amax_capture):
+            if capture is not None:
+                capture.remove()
+        self._capture = self._amax_capture = None
+        self._amax_history.clear()
+        self._worker.close()
+        self._attached = False
+
+    def __enter__(self) -> Probe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    # -- results -------------------------------------------------------------------
+
+    @property
+    def counters(self) -> dict[str, Any]:
+        """Progress and health: steps, sampled and dropped steps, background-thread time."""
+        return {
+            "step": self._step,
+            "sampled_steps": self._sampled_steps,
+            "dropped_steps": self._dropped_steps,
+            "dropped_samples": self._dropped_samples,
+            "errors": len(self._errors),
+            "worker_busy_s": self._worker.busy_s,
+            "worker_jobs": self._worker.jobs_done,
+            "device_ms": self._analyzer.device_ms,
+        }
+
+    @property
+    def errors(self) -> list[str]:
+        """Messages of hooks or analyses that failed (training went on without them)."""
+        return list(self._errors)
+
+    def tables(self) -> dict[str, pl.DataFrame]:
+        """The schema-validated `sites`, `tensor_stats` and `site_errors` tables."""
+        self.flush()
+        if self._errors:
+            warnings.warn(
+                f"loka.probe: {len(self._errors)} capture/analysis error(s), first: "
+                f"{self._errors[0]}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        with self._lock:
+            states = merged_states(self._states)
+        return build_tables(states, self.config)
+
+    def save(self, directory: str | os.PathLike[str]) -> dict[str, Path]:
+        """Write the three tables as parquet into `directory` (created if missing).
+
+        All three are written to a temporary folder beside the destination first and then
+        renamed into place, so a failure leaves the directory as it was. Raises
+        `loka.schema.TableWriteError` naming the path when the place is not writable.
+        """
+        frames = self.tables()
+        directory = Path(directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".loka-probe-", dir=directory))
+        except OSError as exc:
+            raise TableWriteError(
+                f"cannot save probe tables to {directory}: {exc.strerror or exc}"
+            ) from exc
+        metadata = {
+            "producer": "loka-probe",
+            "step": str(self._step),
+            "world_size": str(world_size()),
+            "config": repr(self.config),
+        }
+        try:
+            staged = {
+                name: write_table(
+                    frames[name], staging / f"{name}.parquet", name, metadata=metadata
+                )
+                for name in TABLE_NAMES
+            }
+            out = {}
+            for name, path in staged.items():
+                out[name] = directory / path.name
+                os.replace(path, out[name])
+            return out
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def summary(self, console: Console | None = None) -> str:
+        """Print one line per site with its verdicts (rich) and return the text."""
+        return render_summary(self.tables(), self.counters, console)
+
+    # -- internals -----------------------------------------------------------------
+
+    def _record_error(self, where: str, exc: BaseException) -> None:
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        self._errors.append(f"{where}: {detail}")
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            rank = torch.distributed.get_rank() if world_size() > 1 else 0
+            g = torch.Generator(device=device)
+            g.manual_seed(self.config.seed * 1_000_003 + rank)
+            self._generators[key] = g
+        return self._generators[key]
+
+    def _on_amax(self, site: str, index: int, role: str, step: int, amax: torch.Tensor) -> None:
+        if not self._needs_history:
+            return
+        key = (site, index, role)
+        entries = self._amax_history.setdefault(key, deque(maxlen=self._history_len + 1))
+        entries.append((step, amax))
+
+    def _plan(self, step: int) -> list[SiteSpec]:
+        """The sites captured on sampled step `step`: every undecided site, and each decided
+        site on one sampled step in `decided_every`, staggered so the load is even."""
+        if step in self._plans:
+            return self._plans.pop(step)
+        k = self._sampled_steps
+        every = self.config.decided_every
+        undecided, decided = [], []
+        for i, spec in enumerate(self._specs):
+            state = self._states[spec.name]
+            if state.undecided:
+                undecided.append(spec)
+            elif (k + i) % every == 0:
+                decided.append(spec)
+        cap = self.config.max_sites_per_step
+        if cap is not None:
+            key = lambda s: self._states[s.name].last_captured  # noqa: E731
+            undecided.sort(key=key)
+            decided.sort(key=key)
+            return (undecided + decided)[:cap]
+        return undecided + decided
+
+    def _arm(self) -> None:
+        step = self._step
+        if self.config.is_sampled(step):
+            plan = self._plan(step)
+            self._sampled_steps += 1
+            self._capture = StepCapture(
+                step,
+                plan,
+                rows=self.config.rows,
+                generator=self._generator,
+                timing=self.config.timing,
+                on_error=self._record_error,
+                on_amax=self._on_amax,
+            )
+            if self.config.timing and self._device.type == "cuda":
+                self._step_start = torch.cuda.Event(enable_timing=True)
+                self._step_start.record()
+        elif self._needs_history and self.config.is_sampled(step + 1):
+            plan = self._plans[step + 1] = self._plan(step + 1)
+            self._amax_capture = AmaxCapture(
+                step, plan, on_error=self._record_error, on_amax=self._on_amax
+            )
+
+    def _close_step(self) -> None:
+        if self._amax_capture is not None:
+            self._amax_capture.remove()
+            self._amax_capture = None
+        capture = self._capture
+        if capture is None:
+            return
+        capture.remove()
+        self._capture = None
+        samples = [s for s in capture.samples.values() if s.calls]
+        for sample in samples:
+            for gemm in sample.gemms:
+                gemm.history = {
+                    role: [
+                        (s, t)
+                        for s, t in self._amax_history.get((sample.site, gemm.index, role), ())
+                        if s < capture.step
+                    ]
+                    for role in ("input", "weight", "grad_output")
+                }
+        if not samples:
+            return
+        ready = None
+        if self._device.type == "cuda":
+            ready = torch.cuda.Event(enable_timing=self.config.timing)
+            ready.record()
+        job = StepJob(capture.step, self._device, samples, ready, self._step_start)
+        self._step_start = None
+        if not self._worker.submit(job):
+            self._dropped_steps += 1
+            self._dropped_samples += len(samples)
