@@ -5,6 +5,9 @@ Sections (each row of the CSV is one path at one shape; ratios are within the se
            bf16 torch.mm, pre-quantized torch._scaled_mm (tensorwise, rowwise: the ceiling),
            compiled dynamic quantization + _scaled_mm, and torchao's dynamic FP8 (if present).
 - gemm:    the GEMMs alone on the same pre-quantized operands: Triton FP8 vs cuBLAS/CUTLASS.
+- lnfwd:   LayerNorm -> Linear, the site where quantization fuses into a pass that reads the
+           activation anyway: norm_quantize + FP8 GEMM against LayerNorm + bf16 torch.mm, and
+           against LayerNorm + a pre-quantized GEMM (quantization for free: the ceiling).
 - norm:    fused LayerNorm/RMSNorm + rowwise quantization vs the norm alone, vs norm + a
            separate quantization, vs torch.compile of norm + quantization.
 - bwd:     dgrad and wgrad with transpose-quantization of dY, against bf16.
@@ -49,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     mode.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU")
     mode.add_argument("--quick", action="store_true", help="a few GPU shapes, about a minute")
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
-    p.add_argument("--sections", default="fwd,gemm,norm,bwd,grouped")
+    p.add_argument("--sections", default="fwd,gemm,lnfwd,norm,bwd,grouped")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines")
     p.add_argument("--M", help="comma-separated batch sizes replacing the mode's (full/quick)")
     p.add_argument("--KN", help="comma-separated KxN pairs replacing the mode's, e.g. 1024x4096")
@@ -89,7 +92,7 @@ GPU = DEVICE.type == "cuda"
 ROWS: list[dict] = []
 CHECKS: list[dict] = []
 DEADLINE = [math.inf]  # end of the current section's share of the time budget
-SECTION_SHARE = {"fwd": 0.5, "norm": 0.12, "bwd": 0.28, "grouped": 0.1}
+SECTION_SHARE = {"fwd": 0.42, "lnfwd": 0.13, "norm": 0.1, "bwd": 0.25, "grouped": 0.1}
 
 
 def shapes() -> dict:
@@ -274,6 +277,70 @@ def bench_fwd_and_gemm(M: int, K: int, N: int, compiled: Callable | None) -> Non
             alone = lambda b=backend, qx=qx, qw=qw: b.run(qx, qw)  # noqa: E731
             record("gemm", f"{backend.name} {gran}", alone, backend=backend.name,
                    recipe=f"e4m3:e4m3/{gran}", check=err_of(alone), bound=ERR_BOUND["e4m3"], **shape)  # fmt: skip
+
+
+# ------------------------------------------------------------------- LayerNorm -> Linear fwd
+def compiled_ln_linear() -> Callable:
+    """torch.compile of LayerNorm + rowwise quantization + _scaled_mm (Inductor fuses the first two)."""
+
+    def fwd(x, ln_w, ln_b, w_fp8, w_inv):
+        y = F.layer_norm(x, (x.shape[1],), ln_w, ln_b, 1e-5).float()
+        scale = 448.0 / y.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+        yq = (y * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(
+            yq, w_fp8.t(), scale_a=1.0 / scale, scale_b=w_inv, out_dtype=torch.bfloat16
+        )
+
+    return torch.compile(fwd)
+
+
+def bench_ln_linear(M: int, K: int, N: int, compiled: Callable | None) -> None:
+    g = torch.Generator(device=DEVICE).manual_seed(5 * M + K + N)
+    x = (torch.randn(M, K, device=DEVICE, generator=g) * 2 + 0.5).to(torch.bfloat16)
+    ln_w = (torch.rand(K, device=DEVICE, generator=g) + 0.5).to(torch.bfloat16)
+    ln_b = (torch.randn(K, device=DEVICE, generator=g) * 0.1).to(torch.bfloat16)
+    w = torch.randn(N, K, device=DEVICE, generator=g).to(torch.bfloat16)
+    rows = sample_rows(M)
+    ref = F.layer_norm(x[rows].double(), (K,), ln_w.double(), ln_b.double(), 1e-5) @ w.double().T
+    shape = {"M": M, "K": K, "N": N, "flops": 2.0 * M * K * N}
+
+    def ln():
+        return F.layer_norm(x, (K,), ln_w, ln_b, 1e-5)
+
+    def check(run):
+        return lambda: rel_err(run()[rows], ref)
+
+    base = lambda: torch.mm(ln(), w.t())  # noqa: E731
+    record("lnfwd", "bf16 layer_norm + mm", base, backend="torch", check=check(base), **shape)
+    row = QuantConfig("e4m3", "row")
+    qw = quantize_with(w, row)
+    qy = quantize_with(ln(), row)
+    scale_a, scale_b = qy.inv_scale[:, None], qw.inv_scale[None, :]
+
+    def ceiling():  # LayerNorm, then a GEMM on already-quantized rows: quantization for free
+        ln()
+        return torch._scaled_mm(
+            qy.data, qw.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16
+        )
+
+    if GPU:
+        record("lnfwd", "layer_norm + prequant scaled_mm row", ceiling, backend="torch._scaled_mm",
+               recipe="e4m3:e4m3/row", check=check(ceiling), bound=ERR_BOUND["e4m3"], **shape)  # fmt: skip
+    for backend in registry.backends("mm"):
+        if backend.name.endswith(".fast") or backend.name == "torch.bf16":
+            continue
+        if (GPU and backend.unavailable_reason(DEVICE)) or (not GPU and not backend.triton):
+            continue
+        if backend.supports(KernelRecipe("e4m3", "e4m3", "row"), M, K, N) is not None:
+            continue
+        fused = lambda b=backend: b.run(norm_quantize(x, ln_w, ln_b, kind="layernorm").q, qw)  # noqa: E731
+        record("lnfwd", f"ours layernorm+quantize + {backend.name} row", fused, backend=backend.name,
+               recipe="e4m3:e4m3/row", check=check(fused), bound=ERR_BOUND["e4m3"], **shape)  # fmt: skip
+    if compiled is not None:
+        torch._dynamo.mark_dynamic(x, 0)
+        comp = lambda: compiled(x, ln_w, ln_b, qw.data, scale_b)  # noqa: E731
+        record("lnfwd", "compiled layernorm+quant + scaled_mm row", comp, backend="torch.compile",
+               recipe="e4m3:e4m3/row", check=check(comp), bound=ERR_BOUND["e4m3"], **shape)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- norms
@@ -499,6 +566,16 @@ def derive() -> None:
                 cub = find("gemm", f"prequant scaled_mm {r['recipe'].split('/')[-1]}", M, K, N)
                 if cub:
                     r["ratio"], r["ratio_to"] = cub / t, "cuBLAS/CUTLASS time / this time"
+        elif s == "lnfwd":
+            bf = find("lnfwd", "bf16 layer_norm + mm", M, K, N)
+            ceil = find("lnfwd", "layer_norm + prequant scaled_mm row", M, K, N)
+            if bf:
+                r["speedup_vs_bf16"] = bf / t
+                if ceil:
+                    r["ratio"], r["ratio_to"] = (
+                        (bf / t) / (bf / ceil),
+                        "share of the free-quantization speedup",
+                    )
         elif s == "norm":
             base = find("norm", "F.rms_norm" if "rms" in r["path"] else "F.layer_norm", M, K, N)
             if base:
@@ -517,20 +594,24 @@ def derive() -> None:
 def aims() -> dict:
     """The issue's aims, evaluated on the rows: met or missed, by how much, where."""
     out = {}
-    fused = [r for r in ROWS if r["section"] == "fwd" and r["path"].startswith("ours quantize")
-             and r["recipe"].endswith("/row") and r.get("ratio") and min(r["K"], r["N"]) >= 2048]  # fmt: skip
-    best: dict = {}
-    for r in fused:
-        key = (r["M"], r["K"], r["N"])
-        if key not in best or r["ratio"] > best[key]["ratio"]:
-            best[key] = r
-    if best:
-        worst = min(best.values(), key=lambda r: r["ratio"])
-        out["fused_fwd_share_of_prequant_speedup>=0.90 (K,N>=2048, rowwise, best backend)"] = {
-            "met": sum(r["ratio"] >= 0.9 for r in best.values()),
-            "of": len(best),
-            "worst": {k: worst[k] for k in ("M", "K", "N", "path", "ratio")},
-        }
+    for section, prefix, name in (
+        ("fwd", "ours quantize", "quantize + GEMM: share of pre-quantized rowwise speedup >= 0.90"),
+        ("lnfwd", "ours layernorm+quantize", "LayerNorm+quantize + GEMM: share of free-quantization speedup >= 0.90"),
+    ):  # fmt: skip
+        best: dict = {}
+        for r in ROWS:  # the best backend per shape, rowwise, K and N >= 2048
+            if (r["section"] == section and r["path"].startswith(prefix) and r["recipe"].endswith("/row")
+                    and r.get("ratio") and min(r["K"], r["N"]) >= 2048):  # fmt: skip
+                key = (r["M"], r["K"], r["N"])
+                if key not in best or r["ratio"] > best[key]["ratio"]:
+                    best[key] = r
+        if best:
+            worst = min(best.values(), key=lambda r: r["ratio"])
+            out[name + " (K,N>=2048, best backend)"] = {
+                "met": sum(r["ratio"] >= 0.9 for r in best.values()),
+                "of": len(best),
+                "worst": {k: worst[k] for k in ("M", "K", "N", "path", "ratio")},
+            }
     best_tri: dict = {}
     for r in ROWS:  # the best Triton kernel (plain or TMA, float32 accumulation) per shape
         if (
@@ -600,6 +681,17 @@ def print_summary(aim: dict) -> None:
                   f"{fmt(comp and bf / comp, 2):>8} {fmt(ao and bf / ao, 2):>8} "
                   f"{fmt(best and best['speedup_vs_bf16'], 2):>6} {fmt(best and best.get('ratio'), 2):>6}  "
                   f"{best['path'] if best else '-'}")  # fmt: skip
+    print(
+        "\nLayerNorm -> Linear forward, speedup over LayerNorm + bf16 mm (share: of free quantization):"
+    )
+    for r in ROWS:
+        if (
+            r["section"] == "lnfwd"
+            and r.get("speedup_vs_bf16")
+            and not r["path"].startswith("bf16")
+        ):
+            print(f"{r['M']:>7} {r['K']:>5} {r['N']:>5} {r['path'][:56]:56} "
+                  f"{fmt(r['speedup_vs_bf16'], 2):>6} {fmt(r.get('ratio'), 2):>6}")  # fmt: skip
     print(
         "\nGEMM alone on the same FP8 operands: cuBLAS/CUTLASS time / Triton time (>1: Triton faster):"
     )
@@ -697,11 +789,21 @@ def main() -> int:
     torch._dynamo.config.cache_size_limit = 64  # never fall back to eager silently
     compiled = compiled_dynamic_rowwise() if use_compile else None
     compiled_norm = compiled_norm_quant() if use_compile else None
+    compiled_ln = compiled_ln_linear() if use_compile else None
     budget = ARGS.budget_s or {"smoke": 60.0, "quick": 150.0, "full": 330.0}[MODE]
     for name, run in (
         (
             "fwd",
             lambda: [bench_fwd_and_gemm(M, K, N, compiled) for M in sh["M"] for K, N in sh["KN"]],
+        ),
+        (
+            "lnfwd",
+            lambda: [
+                bench_ln_linear(M, K, N, compiled_ln)
+                for M in sh["M"]
+                for K, N in sh["KN"]
+                if MODE != "full" or min(K, N) >= 1024
+            ],
         ),
         ("norm", lambda: [bench_norm(M, N, compiled_norm) for M in sh["M"] for N in sh["norm_N"]]),
         ("bwd", lambda: [bench_bwd(M, K, N) for M in sh["M"] for K, N in sh["KN"]]),
