@@ -57,60 +57,36 @@ pub fn bf16_to_f32(src: &[u16], dst: &mut [f32]) {
 struct ChunkScan {
     sum: f64,
     sum_sq: f64,
-    /// Signed extremes as order-preserving integers (see `ordered`).
-    min_ordered: i32,
-    max_ordered: i32,
+    /// Signed extremes (meaningful only when the chunk has no NaN).
+    min: f32,
+    max: f32,
     max_abs_bits: u32,
-    min_abs_bits: u32,
+    /// Smallest nonzero |x| bits (u32::MAX when all are zero).
+    min_nonzero_abs_bits: u32,
     zeros: u32,
-    source_subnormals: u32,
-    /// Zeros and float32 subnormals.
-    below_normal: u32,
-    /// Normal values that sit on the lower edge of their bucket.
+    /// Values whose bits below the bucket resolution are all zero (zeros included).
     edges: u32,
 }
 
-/// Map float bits to integers that sort like the floats (for non-NaN values).
+/// The exact-integer and extreme-value half of a chunk scan, in `W` independent lanes so
+/// that the compiler vectorizes it.
 #[inline(always)]
-fn ordered(bits: u32) -> i32 {
-    let i = bits as i32;
-    i ^ (((i >> 31) as u32) >> 1) as i32
-}
-
-#[inline(always)]
-fn unordered(o: i32) -> f32 {
-    f32::from_bits((o ^ (((o >> 31) as u32) >> 1) as i32) as u32)
-}
-
-#[inline(always)]
-fn scan_generic(values: &[f32], subnormal_below: u32, low_mask: u32) -> ChunkScan {
-    const W: usize = 8;
-    let mut sum = [0f64; W];
-    let mut sum_sq = [0f64; W];
-    let mut min_o = [i32::MAX; W];
-    let mut max_o = [i32::MIN; W];
+fn scan_bits<const W: usize>(values: &[f32], low_mask: u32) -> ChunkScan {
+    let mut min = [f32::INFINITY; W];
+    let mut max = [f32::NEG_INFINITY; W];
     let mut max_a = [0u32; W];
-    let mut min_a = [u32::MAX; W];
+    let mut min_nz = [u32::MAX; W];
     let mut zeros = [0u32; W];
-    let mut sub = [0u32; W];
-    let mut below = [0u32; W];
     let mut edges = [0u32; W];
     let mut step = |j: usize, x: f32| {
-        let bits = x.to_bits();
-        let a = bits & 0x7fff_ffff;
-        let v = x as f64;
-        sum[j] += v;
-        sum_sq[j] += v * v;
-        let o = ordered(bits);
-        min_o[j] = min_o[j].min(o);
-        max_o[j] = max_o[j].max(o);
+        let a = x.to_bits() & 0x7fff_ffff;
+        min[j] = if x < min[j] { x } else { min[j] };
+        max[j] = if x > max[j] { x } else { max[j] };
         max_a[j] = max_a[j].max(a);
-        min_a[j] = min_a[j].min(a);
+        // a - 1 wraps for zero, so zeros never win the minimum.
+        min_nz[j] = min_nz[j].min(a.wrapping_sub(1));
         zeros[j] += (a == 0) as u32;
-        sub[j] += (a.wrapping_sub(1) < subnormal_below - 1) as u32;
-        let is_below = a < F32_MIN_NORMAL_BITS;
-        below[j] += is_below as u32;
-        edges[j] += ((a & low_mask == 0) & !is_below) as u32;
+        edges[j] += (a & low_mask == 0) as u32;
     };
     let mut blocks = values.chunks_exact(W);
     for block in &mut blocks {
@@ -122,34 +98,161 @@ fn scan_generic(values: &[f32], subnormal_below: u32, low_mask: u32) -> ChunkSca
         step(j, x);
     }
     ChunkScan {
-        sum: sum.iter().sum(),
-        sum_sq: sum_sq.iter().sum(),
-        min_ordered: *min_o.iter().min().unwrap(),
-        max_ordered: *max_o.iter().max().unwrap(),
+        sum: 0.0,
+        sum_sq: 0.0,
+        min: min.iter().copied().fold(f32::INFINITY, f32::min),
+        max: max.iter().copied().fold(f32::NEG_INFINITY, f32::max),
         max_abs_bits: *max_a.iter().max().unwrap(),
-        min_abs_bits: *min_a.iter().min().unwrap(),
+        min_nonzero_abs_bits: min_nz.iter().min().unwrap().wrapping_add(1),
         zeros: zeros.iter().sum(),
-        source_subnormals: sub.iter().sum(),
-        below_normal: below.iter().sum(),
         edges: edges.iter().sum(),
+    }
+}
+
+/// Sum and sum of squares in float64, four lanes at a time (portable fallback).
+fn moments_scalar(values: &[f32]) -> (f64, f64) {
+    let (mut sum, mut sum_sq) = ([0f64; 4], [0f64; 4]);
+    let mut blocks = values.chunks_exact(4);
+    for block in &mut blocks {
+        for (j, &x) in block.iter().enumerate() {
+            let v = x as f64;
+            sum[j] += v;
+            sum_sq[j] += v * v;
+        }
+    }
+    for &x in blocks.remainder() {
+        sum[0] += x as f64;
+        sum_sq[0] += (x as f64) * (x as f64);
+    }
+    (sum.iter().sum(), sum_sq.iter().sum())
+}
+
+/// `moments_scalar` with AVX2: the compiler pairs x with x*x instead of vectorizing across
+/// values, so this is written out.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn moments_avx2(values: &[f32]) -> (f64, f64) {
+    use std::arch::x86_64::*;
+    let mut sum = [_mm256_setzero_pd(); 4];
+    let mut sum_sq = [_mm256_setzero_pd(); 4];
+    let mut blocks = values.chunks_exact(16);
+    for block in &mut blocks {
+        // SAFETY: the block holds 16 floats; unaligned loads are allowed.
+        let (lo, hi) = unsafe {
+            (
+                _mm256_loadu_ps(block.as_ptr()),
+                _mm256_loadu_ps(block.as_ptr().add(8)),
+            )
+        };
+        let wide = [
+            _mm256_cvtps_pd(_mm256_castps256_ps128(lo)),
+            _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(lo)),
+            _mm256_cvtps_pd(_mm256_castps256_ps128(hi)),
+            _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(hi)),
+        ];
+        for k in 0..4 {
+            sum[k] = _mm256_add_pd(sum[k], wide[k]);
+            sum_sq[k] = _mm256_add_pd(sum_sq[k], _mm256_mul_pd(wide[k], wide[k]));
+        }
+    }
+    let (tail_sum, tail_sq) = moments_scalar(blocks.remainder());
+    let (mut s, mut q) = ([0f64; 4], [0f64; 4]);
+    let (mut total, mut total_sq) = (tail_sum, tail_sq);
+    for k in 0..4 {
+        // SAFETY: four doubles fit the arrays.
+        unsafe {
+            _mm256_storeu_pd(s.as_mut_ptr(), sum[k]);
+            _mm256_storeu_pd(q.as_mut_ptr(), sum_sq[k]);
+        }
+        total += s.iter().sum::<f64>();
+        total_sq += q.iter().sum::<f64>();
+    }
+    (total, total_sq)
+}
+
+/// `moments_avx2` with AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn moments_avx512(values: &[f32]) -> (f64, f64) {
+    use std::arch::x86_64::*;
+    let mut sum = [_mm512_setzero_pd(); 4];
+    let mut sum_sq = [_mm512_setzero_pd(); 4];
+    let mut blocks = values.chunks_exact(32);
+    for block in &mut blocks {
+        // SAFETY: the block holds 32 floats; unaligned loads are allowed.
+        let (lo, hi) = unsafe {
+            (
+                _mm512_loadu_ps(block.as_ptr()),
+                _mm512_loadu_ps(block.as_ptr().add(16)),
+            )
+        };
+        let upper = |v: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        let wide = [
+            _mm512_cvtps_pd(_mm512_castps512_ps256(lo)),
+            _mm512_cvtps_pd(upper(lo)),
+            _mm512_cvtps_pd(_mm512_castps512_ps256(hi)),
+            _mm512_cvtps_pd(upper(hi)),
+        ];
+        for k in 0..4 {
+            sum[k] = _mm512_add_pd(sum[k], wide[k]);
+            sum_sq[k] = _mm512_fmadd_pd(wide[k], wide[k], sum_sq[k]);
+        }
+    }
+    let (tail_sum, tail_sq) = moments_scalar(blocks.remainder());
+    let (mut total, mut total_sq) = (tail_sum, tail_sq);
+    for k in 0..4 {
+        total += _mm512_reduce_add_pd(sum[k]);
+        total_sq += _mm512_reduce_add_pd(sum_sq[k]);
+    }
+    (total, total_sq)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scan_avx512(values: &[f32], low_mask: u32) -> ChunkScan {
+    let (sum, sum_sq) = unsafe { moments_avx512(values) };
+    ChunkScan {
+        sum,
+        sum_sq,
+        ..scan_bits::<16>(values, low_mask)
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn scan_avx2(values: &[f32], subnormal_below: u32, low_mask: u32) -> ChunkScan {
-    scan_generic(values, subnormal_below, low_mask)
+unsafe fn scan_avx2(values: &[f32], low_mask: u32) -> ChunkScan {
+    let (sum, sum_sq) = unsafe { moments_avx2(values) };
+    ChunkScan {
+        sum,
+        sum_sq,
+        ..scan_bits::<8>(values, low_mask)
+    }
 }
 
-fn scan(values: &[f32], subnormal_below: u32, low_mask: u32) -> ChunkScan {
+/// The widest variant this CPU runs (chosen at run time: the wheel targets baseline x86-64).
+fn scan(values: &[f32], low_mask: u32) -> ChunkScan {
     #[cfg(target_arch = "x86_64")]
     {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { scan_avx512(values, low_mask) };
+        }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { scan_avx2(values, subnormal_below, low_mask) };
+            return unsafe { scan_avx2(values, low_mask) };
         }
     }
-    scan_generic(values, subnormal_below, low_mask)
+    scan_portable(values, low_mask)
+}
+
+/// The scan without SIMD instructions beyond the baseline.
+fn scan_portable(values: &[f32], low_mask: u32) -> ChunkScan {
+    let (sum, sum_sq) = moments_scalar(values);
+    ChunkScan {
+        sum,
+        sum_sq,
+        ..scan_bits::<8>(values, low_mask)
+    }
 }
 
 /// Thread-local counters for one resolution: `[2][LANES][256 << m]`, off-edge then edge.
@@ -184,22 +287,64 @@ fn return_scratch(scratch: Scratch) {
     SCRATCH_POOL.with(|pool| pool.borrow_mut().push(scratch));
 }
 
-/// Increment `table[lane][key]` for every value, all counters of one kind.
+/// Hint the CPU to fetch the cache line at `p` (a hint: it never faults).
 #[inline(always)]
-fn scatter(table: &mut [u32], width: usize, values: &[f32], drop: u32) {
-    let (l0, rest) = table.split_at_mut(width);
-    let (l1, rest) = rest.split_at_mut(width);
-    let (l2, l3) = rest.split_at_mut(width);
-    let mut quads = values.chunks_exact(LANES);
-    for q in &mut quads {
-        l0[((q[0].to_bits() & 0x7fff_ffff) >> drop) as usize] += 1;
-        l1[((q[1].to_bits() & 0x7fff_ffff) >> drop) as usize] += 1;
-        l2[((q[2].to_bits() & 0x7fff_ffff) >> drop) as usize] += 1;
-        l3[((q[3].to_bits() & 0x7fff_ffff) >> drop) as usize] += 1;
+fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetching is a hint and does not access memory architecturally.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(p.cast());
     }
-    for &x in quads.remainder() {
-        l0[((x.to_bits() & 0x7fff_ffff) >> drop) as usize] += 1;
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Increment `table[lane][key]` for every value, all counters of one kind. While it works
+/// from L1 it prefetches `ahead` (the next chunk's source bytes): otherwise memory would sit
+/// idle for this half of the work and the next scan would wait on it.
+#[inline(always)]
+fn scatter(table: &mut [u32], width: usize, values: &[f32], drop: u32, ahead: &[u8]) {
+    // Every key (|bits| >> drop) is below 2^(31 - drop) = width, so indexing cannot fail.
+    assert!(width == 1usize << (31 - drop) && table.len() >= LANES * width);
+    let mut keys = [0u32; CHUNK];
+    let keys = &mut keys[..values.len()];
+    for (k, x) in keys.iter_mut().zip(values) {
+        *k = (x.to_bits() & 0x7fff_ffff) >> drop;
     }
+    let base = table.as_mut_ptr();
+    let bump = |lane: usize, key: u32| {
+        // SAFETY: key < width (above) and lane < LANES, inside `table`.
+        unsafe { *base.add(lane * width + key as usize) += 1 };
+    };
+    let lines = ahead.len().div_ceil(64).max(1);
+    let quads_per_line = (keys.len() / LANES / lines).max(1);
+    let mut quads = keys.chunks_exact(LANES);
+    let mut line = 0;
+    while quads.len() > 0 {
+        if line * 64 < ahead.len() {
+            prefetch(ahead[line * 64..].as_ptr());
+        }
+        line += 1;
+        for q in (&mut quads).take(quads_per_line) {
+            bump(0, q[0]);
+            bump(1, q[1]);
+            bump(2, q[2]);
+            bump(3, q[3]);
+        }
+    }
+    for &k in quads.remainder() {
+        bump(0, k);
+    }
+}
+
+/// The bytes of the chunk after chunk `i` (empty after the last).
+fn next_chunk_bytes<T>(values: &[T], i: usize) -> &[u8] {
+    let start = ((i + 1) * CHUNK).min(values.len());
+    let end = ((i + 2) * CHUNK).min(values.len());
+    let next = &values[start..end];
+    // SAFETY: any initialized memory can be viewed as bytes; only its address is used.
+    unsafe { std::slice::from_raw_parts(next.as_ptr().cast::<u8>(), std::mem::size_of_val(next)) }
 }
 
 /// Feeds values into a sketch; call `finish` to fold what it gathered.
@@ -227,26 +372,27 @@ impl<'a> Ingestor<'a> {
 
     /// Add float32 values (any length).
     pub fn feed(&mut self, values: &[f32]) {
-        for chunk in values.chunks(CHUNK) {
-            self.feed_chunk(chunk);
+        for (i, chunk) in values.chunks(CHUNK).enumerate() {
+            self.feed_chunk(chunk, next_chunk_bytes(values, i));
         }
     }
 
     /// Add values of another type, converted to float32 one chunk at a time.
     pub fn feed_converted<T>(&mut self, values: &[T], convert: fn(&[T], &mut [f32])) {
         let mut buffer = [0f32; CHUNK];
-        for chunk in values.chunks(CHUNK) {
+        for (i, chunk) in values.chunks(CHUNK).enumerate() {
             let out = &mut buffer[..chunk.len()];
             convert(chunk, out);
-            self.feed(out);
+            self.feed_chunk(out, next_chunk_bytes(values, i));
         }
     }
 
-    fn feed_chunk(&mut self, chunk: &[f32]) {
+    /// Add at most `CHUNK` values; `ahead` is what to prefetch meanwhile.
+    fn feed_chunk(&mut self, chunk: &[f32], ahead: &[u8]) {
         let m = self.sketch.mantissa_bits();
         let drop = 23 - m;
         let low_mask = (1u32 << drop) - 1;
-        let scan = scan(chunk, self.source.subnormal_below_bits(), low_mask);
+        let scan = scan(chunk, low_mask);
         if scan.max_abs_bits >= F32_INF_BITS {
             for &x in chunk {
                 self.sketch.insert_reference(x, self.source);
@@ -256,32 +402,39 @@ impl<'a> Ingestor<'a> {
         let s = &mut *self.sketch;
         s.count += chunk.len() as u64;
         s.zeros += scan.zeros as u64;
-        s.subnormals += scan.source_subnormals as u64;
         s.sum += scan.sum;
         s.sum_sq += scan.sum_sq;
-        s.min = s.min.min(unordered(scan.min_ordered));
-        s.max = s.max.max(unordered(scan.max_ordered));
-        if scan.below_normal > scan.zeros {
+        s.min = s.min.min(scan.min);
+        s.max = s.max.max(scan.max);
+        let subnormal_below = self.source.subnormal_below_bits();
+        // Float32 subnormals go straight to the histogram; the scratch ignores their keys.
+        let (mut f32_subnormals, mut f32_subnormal_edges) = (0u32, 0u32);
+        if scan.min_nonzero_abs_bits < subnormal_below.max(F32_MIN_NORMAL_BITS) {
             for &x in chunk {
                 let a = x.to_bits() & 0x7fff_ffff;
+                if a.wrapping_sub(1) < subnormal_below - 1 {
+                    s.subnormals += 1;
+                }
                 if a != 0 && a < F32_MIN_NORMAL_BITS {
                     let (key, edge) = histogram::key_of(a, m);
                     s.hist.add(key, 1, edge as u64);
+                    f32_subnormals += 1;
+                    f32_subnormal_edges += (a & low_mask == 0) as u32;
                 }
             }
         }
-        let normals = chunk.len() as u32 - scan.below_normal;
+        let normals = chunk.len() as u32 - scan.zeros - f32_subnormals;
         if normals == 0 {
             return;
         }
-        // Zeros and subnormals also land in the scratch, below key 1 << m; the fold skips them.
+        let normal_edges = scan.edges - scan.zeros - f32_subnormal_edges;
         let scratch = self.scratch.get_or_insert_with(|| take_scratch(m));
         let width = scratch.width();
         let (off_edge, on_edge) = scratch.counters.split_at_mut(LANES * width);
-        if scan.edges == 0 {
-            scatter(off_edge, width, chunk, drop);
-        } else if scan.edges == normals {
-            scatter(on_edge, width, chunk, drop);
+        if normal_edges == 0 {
+            scatter(off_edge, width, chunk, drop, ahead);
+        } else if normal_edges == normals {
+            scatter(on_edge, width, chunk, drop, ahead);
         } else {
             for &x in chunk {
                 let a = x.to_bits() & 0x7fff_ffff;
@@ -295,7 +448,7 @@ impl<'a> Ingestor<'a> {
         }
         self.lo_raw = self
             .lo_raw
-            .min(scan.min_abs_bits.max(F32_MIN_NORMAL_BITS) >> drop);
+            .min(scan.min_nonzero_abs_bits.max(F32_MIN_NORMAL_BITS) >> drop);
         self.hi_raw = self.hi_raw.max(scan.max_abs_bits >> drop);
         self.pending += chunk.len() as u64;
         if self.pending >= FOLD_EVERY {
@@ -465,6 +618,49 @@ mod tests {
         s.update_f16(&values);
         assert_eq!(s.subnormals, 400); // 1e-5 and 6e-8 are below 2^-14
         assert_eq!(s.zeros, 200);
+    }
+
+    #[test]
+    fn every_scan_variant_agrees() {
+        let values = lcg_values(CHUNK - 3, 5, |r| match r % 50 {
+            0 => 0.0,
+            1 => 2.0,
+            _ => (r % 100_000) as f32 * 1e-3 - 50.0,
+        });
+        let low_mask = (1 << 16) - 1;
+        let want = scan_portable(&values, low_mask);
+        let mut variants = vec![];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                variants.push(unsafe { scan_avx2(&values, low_mask) });
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                variants.push(unsafe { scan_avx512(&values, low_mask) });
+            }
+        }
+        for got in variants {
+            assert_eq!(
+                (
+                    got.min,
+                    got.max,
+                    got.max_abs_bits,
+                    got.min_nonzero_abs_bits,
+                    got.zeros,
+                    got.edges
+                ),
+                (
+                    want.min,
+                    want.max,
+                    want.max_abs_bits,
+                    want.min_nonzero_abs_bits,
+                    want.zeros,
+                    want.edges
+                )
+            );
+            assert!((got.sum - want.sum).abs() <= 1e-9 * want.sum_sq.sqrt() * 50.0);
+            assert!((got.sum_sq - want.sum_sq).abs() <= 1e-12 * want.sum_sq);
+        }
     }
 
     proptest! {

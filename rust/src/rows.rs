@@ -6,7 +6,7 @@
 
 use crate::histogram::F32_INF_BITS;
 use crate::ingest::{bf16_to_f32, f16_to_f32, Ingestor, Source, CHUNK};
-use crate::sketch::Sketch;
+use crate::sketch::{RowSketches, Sketch};
 
 /// Largest |x| over the finite values (0 when there are none).
 #[inline]
@@ -30,7 +30,11 @@ fn finite_amax(values: &[f32]) -> f32 {
 #[inline]
 fn push_normalized(out: &mut Vec<f32>, values: &[f32], amax: f32) {
     let divisor = if amax > 0.0 { amax } else { 1.0 };
-    out.extend(values.iter().map(|x| x.abs() / divisor));
+    let start = out.len();
+    out.resize(start + values.len(), 0.0);
+    for (o, x) in out[start..].iter_mut().zip(values) {
+        *o = x.abs() / divisor;
+    }
 }
 
 /// Collects values in chunk-sized batches so that short rows still feed whole chunks.
@@ -60,14 +64,48 @@ impl<'a> Staged<'a> {
     }
 }
 
-fn kernel(
-    sketch: &mut Sketch,
+/// The row and tile distributions of a `[rows_count, cols]` matrix whose rows `row_at`
+/// writes as float32 (the values themselves are added by the caller).
+fn row_distributions(
+    rows: &mut RowSketches,
+    rows_count: usize,
+    cols: usize,
+    mut row_at: impl FnMut(usize, &mut [f32]),
+) {
+    let block = rows.block as usize;
+    let mut row_amaxes = Vec::with_capacity(rows_count);
+    let mut block_amaxes = Vec::with_capacity(rows_count * cols.div_ceil(block));
+    {
+        let mut row_normalized = Staged::new(&mut rows.row_normalized, Source::F32);
+        let mut block_normalized = Staged::new(&mut rows.block_normalized, Source::F32);
+        let mut row = vec![0f32; cols];
+        for r in 0..rows_count {
+            row_at(r, &mut row);
+            let row_amax = finite_amax(&row);
+            row_amaxes.push(row_amax);
+            push_normalized(&mut row_normalized.buffer, &row, row_amax);
+            row_normalized.flush_if_full();
+            for tile in row.chunks(block) {
+                let tile_amax = finite_amax(tile);
+                block_amaxes.push(tile_amax);
+                push_normalized(&mut block_normalized.buffer, tile, tile_amax);
+            }
+            block_normalized.flush_if_full();
+        }
+        row_normalized.finish();
+        block_normalized.finish();
+    }
+    rows.row_amax.update_f32(&row_amaxes);
+    rows.block_amax.update_f32(&block_amaxes);
+}
+
+/// Check `block` against the sketch, and say whether there is anything to add.
+fn check_rows(
+    sketch: &Sketch,
     rows_count: usize,
     cols: usize,
     block: usize,
-    source: Source,
-    mut row_at: impl FnMut(usize, &mut [f32]),
-) -> Result<(), String> {
+) -> Result<bool, String> {
     if block == 0 {
         return Err("block must be at least 1".into());
     }
@@ -80,43 +118,7 @@ fn kernel(
             ));
         }
     }
-    if rows_count == 0 || cols == 0 {
-        return Ok(());
-    }
-    sketch.rows_mut(block)?;
-    let block = block as usize;
-    let mut rows = sketch.rows.take().expect("created above");
-    let mut row_amaxes = Vec::with_capacity(rows_count);
-    let mut block_amaxes = Vec::with_capacity(rows_count * cols.div_ceil(block));
-    {
-        let mut main = Staged::new(sketch, source);
-        let mut row_normalized = Staged::new(&mut rows.row_normalized, Source::F32);
-        let mut block_normalized = Staged::new(&mut rows.block_normalized, Source::F32);
-        let mut converted = vec![0f32; cols];
-        for r in 0..rows_count {
-            row_at(r, &mut converted);
-            let row: &[f32] = &converted;
-            main.buffer.extend_from_slice(row);
-            main.flush_if_full();
-            let row_amax = finite_amax(row);
-            row_amaxes.push(row_amax);
-            push_normalized(&mut row_normalized.buffer, row, row_amax);
-            row_normalized.flush_if_full();
-            for tile in row.chunks(block) {
-                let tile_amax = finite_amax(tile);
-                block_amaxes.push(tile_amax);
-                push_normalized(&mut block_normalized.buffer, tile, tile_amax);
-            }
-            block_normalized.flush_if_full();
-        }
-        main.finish();
-        row_normalized.finish();
-        block_normalized.finish();
-    }
-    rows.row_amax.update_f32(&row_amaxes);
-    rows.block_amax.update_f32(&block_amaxes);
-    sketch.rows = Some(rows);
-    Ok(())
+    Ok(rows_count > 0 && cols > 0)
 }
 
 impl Sketch {
@@ -127,10 +129,15 @@ impl Sketch {
         cols: usize,
         block: usize,
     ) -> Result<(), String> {
-        let rows = check_shape(data.len(), cols)?;
-        kernel(self, rows, cols, block, Source::F32, |r, out| {
-            out.copy_from_slice(&data[r * cols..(r + 1) * cols])
-        })
+        let rows_count = check_shape(data.len(), cols)?;
+        if check_rows(self, rows_count, cols, block)? {
+            self.update_f32(data);
+            let rows = self.rows_mut(block as u32)?;
+            row_distributions(rows, rows_count, cols, |r, out| {
+                out.copy_from_slice(&data[r * cols..(r + 1) * cols])
+            });
+        }
+        Ok(())
     }
 
     /// Add a row-major `[rows, cols]` float16 matrix and its row/tile distributions.
@@ -140,10 +147,15 @@ impl Sketch {
         cols: usize,
         block: usize,
     ) -> Result<(), String> {
-        let rows = check_shape(data.len(), cols)?;
-        kernel(self, rows, cols, block, Source::F16, |r, out| {
-            f16_to_f32(&data[r * cols..(r + 1) * cols], out)
-        })
+        let rows_count = check_shape(data.len(), cols)?;
+        if check_rows(self, rows_count, cols, block)? {
+            self.update_f16(data);
+            let rows = self.rows_mut(block as u32)?;
+            row_distributions(rows, rows_count, cols, |r, out| {
+                f16_to_f32(&data[r * cols..(r + 1) * cols], out)
+            });
+        }
+        Ok(())
     }
 
     /// Add a row-major `[rows, cols]` bfloat16 matrix (16-bit patterns).
@@ -153,10 +165,15 @@ impl Sketch {
         cols: usize,
         block: usize,
     ) -> Result<(), String> {
-        let rows = check_shape(bits.len(), cols)?;
-        kernel(self, rows, cols, block, Source::Bf16, |r, out| {
-            bf16_to_f32(&bits[r * cols..(r + 1) * cols], out)
-        })
+        let rows_count = check_shape(bits.len(), cols)?;
+        if check_rows(self, rows_count, cols, block)? {
+            self.update_bf16(bits);
+            let rows = self.rows_mut(block as u32)?;
+            row_distributions(rows, rows_count, cols, |r, out| {
+                bf16_to_f32(&bits[r * cols..(r + 1) * cols], out)
+            });
+        }
+        Ok(())
     }
 }
 
