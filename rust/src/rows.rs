@@ -129,15 +129,9 @@ impl Sketch {
         cols: usize,
         block: usize,
     ) -> Result<(), String> {
-        let rows_count = check_shape(data.len(), cols)?;
-        if check_rows(self, rows_count, cols, block)? {
-            self.update_f32(data);
-            let rows = self.rows_mut(block as u32)?;
-            row_distributions(rows, rows_count, cols, |r, out| {
-                out.copy_from_slice(&data[r * cols..(r + 1) * cols])
-            });
-        }
-        Ok(())
+        self.update_rows_with(data, cols, block, Sketch::update_f32, |src, dst| {
+            dst.copy_from_slice(src)
+        })
     }
 
     /// Add a row-major `[rows, cols]` float16 matrix and its row/tile distributions.
@@ -147,15 +141,7 @@ impl Sketch {
         cols: usize,
         block: usize,
     ) -> Result<(), String> {
-        let rows_count = check_shape(data.len(), cols)?;
-        if check_rows(self, rows_count, cols, block)? {
-            self.update_f16(data);
-            let rows = self.rows_mut(block as u32)?;
-            row_distributions(rows, rows_count, cols, |r, out| {
-                f16_to_f32(&data[r * cols..(r + 1) * cols], out)
-            });
-        }
-        Ok(())
+        self.update_rows_with(data, cols, block, Sketch::update_f16, f16_to_f32)
     }
 
     /// Add a row-major `[rows, cols]` bfloat16 matrix (16-bit patterns).
@@ -165,12 +151,25 @@ impl Sketch {
         cols: usize,
         block: usize,
     ) -> Result<(), String> {
-        let rows_count = check_shape(bits.len(), cols)?;
+        self.update_rows_with(bits, cols, block, Sketch::update_bf16, bf16_to_f32)
+    }
+
+    /// The values through `update`, then the row and tile distributions of the rows
+    /// `convert` turns into float32. Nothing changes if the shape or block is refused.
+    fn update_rows_with<T>(
+        &mut self,
+        data: &[T],
+        cols: usize,
+        block: usize,
+        update: fn(&mut Sketch, &[T]),
+        convert: fn(&[T], &mut [f32]),
+    ) -> Result<(), String> {
+        let rows_count = check_shape(data.len(), cols)?;
         if check_rows(self, rows_count, cols, block)? {
-            self.update_bf16(bits);
+            update(self, data);
             let rows = self.rows_mut(block as u32)?;
             row_distributions(rows, rows_count, cols, |r, out| {
-                bf16_to_f32(&bits[r * cols..(r + 1) * cols], out)
+                convert(&data[r * cols..(r + 1) * cols], out)
             });
         }
         Ok(())
