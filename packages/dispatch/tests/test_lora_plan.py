@@ -164,10 +164,17 @@ def test_throughput_fit_recovers_a_linear_model_and_reads_tables(tmp_path):
     fitted = ThroughputModel.fit(records)
     for key in ("overhead_s", "per_adapter_s", "per_token_s", "per_rank_token_s"):
         assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-3, abs=1e-12)
-    pl.DataFrame(records).write_csv(tmp_path / "steps.csv")
-    assert ThroughputModel.from_table(tmp_path / "steps.csv").per_token_s == pytest.approx(
-        5e-6, rel=1e-3
-    )
+    # The bench's table also holds baselines (other backends, solo peft steps): not fit.
+    noise = {"n_adapters": 1, "tokens": 512, "rank_tokens": 4096, "step_time_s": 9.0}
+    rows = [{**r, "kind": "packed", "backend": "triton"} for r in records]
+    rows += [
+        {**noise, "kind": "packed", "backend": "loop"},
+        {**noise, "kind": "solo_peft", "backend": "peft"},
+    ]
+    pl.DataFrame(rows).write_csv(tmp_path / "steps.csv")
+    from_csv = ThroughputModel.from_table(tmp_path / "steps.csv")
+    assert from_csv.per_token_s == pytest.approx(5e-6, rel=1e-3)
+    assert "(triton)" in from_csv.source
     with pytest.raises(ValueError, match="at least 2"):
         ThroughputModel.fit(records[:1])
     with pytest.raises(ValueError, match="step_time_s must be > 0"):

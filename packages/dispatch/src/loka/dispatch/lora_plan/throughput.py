@@ -90,9 +90,11 @@ class ThroughputModel:
         )
 
     @classmethod
-    def from_table(cls, path: str | Path) -> ThroughputModel:
+    def from_table(cls, path: str | Path, backend: str = "triton") -> ThroughputModel:
         """Fit on a recorded table (CSV, JSON records or parquet) of profiled steps, e.g.
-        `bench/results/plora_steps_*.csv` written by `bench/plora.py` on the GPU."""
+        `bench/results/plora_steps_*.csv` written by `bench/plora.py` on the GPU. When the
+        table has `kind` and `backend` columns (the bench's does), only packed steps of
+        `backend` are fit: its baselines are other programs."""
         import polars as pl
 
         path = Path(path)
@@ -109,8 +111,12 @@ class ThroughputModel:
         missing = [c for c in (*FEATURES, "step_time_s") if c not in table.columns]
         if missing:
             raise ValueError(f"{path}: throughput table lacks columns {missing}")
+        if "kind" in table.columns:
+            table = table.filter(pl.col("kind") == "packed")
+        if "backend" in table.columns:
+            table = table.filter(pl.col("backend") == backend)
         fitted = cls.fit(table.to_dicts())
-        return replace(fitted, source=f"table {path.name}: {fitted.source}")
+        return replace(fitted, source=f"table {path.name} ({backend}): {fitted.source}")
 
     @classmethod
     def analytic(
