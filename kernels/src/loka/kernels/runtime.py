@@ -9,9 +9,15 @@ import torch
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
 
 
+# Triton decides between compiling and interpreting when a kernel is defined, i.e. when
+# loka.kernels is imported; later changes of TRITON_INTERPRET do not apply to our kernels.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when our kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 was set
+    before loka.kernels was imported)."""
+    return _INTERPRETING
 
 
 def autotuning() -> bool:
@@ -43,11 +49,9 @@ def triton_unavailable_reason(
 ) -> str | None:
     """Why a Triton kernel cannot run on `device` (None when it can)."""
     if device.type == "cpu":
-        return (
-            None
-            if interpreting()
-            else "Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 on CPU"
-        )
+        if interpreting():
+            return None
+        return "Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before importing loka.kernels"
     if device.type != "cuda":
         return f"Triton kernels do not run on {device.type}"
     cap = capability(device)
