@@ -85,17 +85,20 @@ def packed_train_step(
     owners = [i for i, b in batches for _ in range(b.shape[0])]
     seq_len = ids.shape[1] - 1
     packed.set_batch(owners, seq_len)
-    logits = packed.model(input_ids=ids[:, :-1], use_cache=False).logits
-    token_loss = F.cross_entropy(
-        logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none"
-    )
-    owner = torch.tensor(owners, device=device).repeat_interleave(seq_len)
-    n = packed.num_adapters
-    sums = torch.zeros(n, device=device).index_add(0, owner, token_loss)
-    counts = torch.bincount(owner, minlength=n).clamp_min(1)
-    losses = sums / counts
     active = [i for i, _ in batches]
-    losses[active].sum().backward()
+    try:
+        logits = packed.model(input_ids=ids[:, :-1], use_cache=False).logits
+        token_loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none"
+        )
+        owner = torch.tensor(owners, device=device).repeat_interleave(seq_len)
+        n = packed.num_adapters
+        sums = torch.zeros(n, device=device).index_add(0, owner, token_loss)
+        losses = sums / torch.bincount(owner, minlength=n).clamp_min(1)
+        losses[active].sum().backward()
+    except BaseException:
+        optimizer.zero_grad()  # a half-done backward must not leak into the next step
+        raise
     reports = optimizer.step(active)
     host = losses.detach().cpu().tolist()
     present = set(active)
