@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     sketch = sketch_of(x, args.block, args.bf16)
     shape = "x".join(map(str, x.shape)) or "scalar"
     kind = "bfloat16" if args.bf16 else str(x.dtype)
-    print(report(f"loka.stats: {name}, {kind} [{shape}], {x.size} values", sketch))
+    try:
+        print(report(f"loka.stats: {name}, {kind} [{shape}], {x.size} values", sketch))
+    except BrokenPipeError:  # e.g. piped into `head`
+        sys.stderr.close()
     return 0
 
 
