@@ -53,7 +53,7 @@ def _grouped_gemm_kernel(
     meta_ptr, G, TOTAL_TILES_BUCKET, MAX_K,
     A_KIND: tl.constexpr, B_KIND: tl.constexpr, C_KIND: tl.constexpr, BIAS_KIND: tl.constexpr,
     SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    SOFT_FP8: tl.constexpr, G_POW2: tl.constexpr,
+    SOFT_FP8: tl.constexpr, G_POW2: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """SCALE: 0 none (high precision), 1 tensor, 2 row."""
@@ -71,12 +71,18 @@ def _grouped_gemm_kernel(
     M = tl.load(meta + 6).to(tl.int32)
     N = tl.load(meta + 7).to(tl.int32)
     K = tl.load(meta + 8).to(tl.int32)
-    lda = tl.load(meta + 9)
-    ldb = tl.load(meta + 10)
-    ldc = tl.load(meta + 11)
+    lda = tl.load(meta + 9).to(tl.int32)
+    ldb = tl.load(meta + 10).to(tl.int32)
+    ldc = tl.load(meta + 11).to(tl.int32)
     a_ptr = _pointer(meta, 0, A_KIND, SOFT_FP8)
     b_ptr = _pointer(meta, 1, B_KIND, SOFT_FP8)
     c_ptr = _pointer(meta, 2, C_KIND, SOFT_FP8)
+    if ALIGNED:  # checked on the host: lets the compiler vectorize and pipeline the loads
+        K = tl.multiple_of(K, 16)
+        a_ptr = tl.multiple_of(a_ptr, 16)
+        b_ptr = tl.multiple_of(b_ptr, 16)
+        lda = tl.multiple_of(lda, 16)
+        ldb = tl.multiple_of(ldb, 16)
     grid_n = tl.cdiv(N, BLOCK_N)
     offs_m = (local // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (local % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -214,6 +220,10 @@ def triton_grouped_mm(
         BIAS_KIND=KINDS[bias[0].dtype] if bias is not None else 0,
         SCALE={None: 0, "tensor": 1, "row": 2}[granularity], HAS_BIAS=bias is not None,
         ACTIVATION=ACTIVATION_IDS[activation], SOFT_FP8=soft, G_POW2=triton.next_power_of_2(G),
+        ALIGNED=all(
+            _data(t).data_ptr() % 16 == 0 and _data(t).stride(0) % 16 == 0 and _data(t).shape[1] % 16 == 0
+            for t in (*a, *b)
+        ),
     )  # fmt: skip
     max_k = triton.next_power_of_2(max(_data(t).shape[1] for t in a))
 
