@@ -1,0 +1,85 @@
+"""Launch-side helpers shared by the sign-GEMM launchers: operand checks, tiles, launching."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from loka.kernels.runtime import autotuning, require_triton_device
+from loka.kernels.sign_gemm.packing import check_packed_signs
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_float(tensor: torch.Tensor, name: str) -> None:
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected one of float32/float16/bfloat16, got {tensor.dtype}")
+
+
+def check_matrix(tensor: torch.Tensor, name: str, shape: tuple[int, int]) -> None:
+    """Check a 2-D float operand's shape (``-1`` matches any size)."""
+    check_float(tensor, name)
+    if tensor.dim() != 2 or any(
+        want not in (-1, got) for want, got in zip(shape, tensor.shape, strict=True)
+    ):
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(tensor.shape)}")
+
+
+def check_vector(tensor: torch.Tensor | None, name: str, length: int) -> None:
+    if tensor is None:
+        return
+    check_float(tensor, name)
+    if tuple(tensor.shape) != (length,):
+        raise ValueError(f"{name}: expected shape ({length},), got {tuple(tensor.shape)}")
+
+
+def check_signs(packed: torch.Tensor, rank: int, length: int, name: str) -> None:
+    check_packed_signs(packed, rank, length, name)
+
+
+def packed_rank(packed: torch.Tensor) -> int:
+    """Rows of a packed sign tensor (-1 when it is not 2-D, which the checks then report)."""
+    return packed.shape[0] if packed.dim() == 2 else -1
+
+
+def rank_block(rank: int) -> int:
+    """Padded rank tile: a power of two, at least 16 (the smallest ``tl.dot`` dimension)."""
+    return max(16, triton.next_power_of_2(rank))
+
+
+def unit_stride_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """The kernels walk rows with a stride and columns with stride 1."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def m_bucket(rows: int) -> int:
+    """Autotuning key for the token count: its power-of-two bucket, so a new M seldom retunes."""
+    return min(triton.next_power_of_2(max(rows, 1)), 1 << 16)
+
+
+def tuning_configs(blocks: list[dict[str, int]], warps: tuple[int, ...], stages: tuple[int, ...]):
+    return [
+        triton.Config(dict(block), num_warps=w, num_stages=s)
+        for block in blocks
+        for w in warps
+        for s in stages
+    ]
+
+
+def launch(kernel, tuned, grid, args, *, device, interpreted, heuristic, **constexprs) -> None:
+    """Run ``kernel`` on the GPU through its autotuner (one ``heuristic`` config when
+    LOKA_KERNELS_AUTOTUNE=0), or under the CPU interpreter with the small ``interpreted``
+    tile, which keeps tests exercising the loops and masks."""
+    require_triton_device(*(a for a in args if isinstance(a, torch.Tensor)))
+    if device.type == "cuda" and autotuning():
+        tuned[grid](*args, **constexprs, INTERPRETER=False)
+        return
+    config = heuristic if device.type == "cuda" else interpreted
+    kernel[grid](
+        *args,
+        **constexprs,
+        **config.kwargs,
+        INTERPRETER=device.type != "cuda",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )

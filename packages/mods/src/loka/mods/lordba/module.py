@@ -1,0 +1,249 @@
+"""``LoRDBALinear``: a frozen base linear plus a binary-sign low-rank adapter.
+
+    out = base(x) + s * p * (sign(B) @ (m * (sign(A) @ (q * x))))
+
+``A: [r, K]`` and ``B: [N, r]`` are latent full-precision factors that only enter through
+their signs; ``q: [K]`` (optional), ``m: [r]`` and ``p: [N]`` are channel scales; ``s`` is a
+fixed multiplier. The effective update ``diag(p) sign(B) diag(m) sign(A) diag(q)`` equals the
+LoRA update ``B A`` whenever each factor's magnitude ``|A|``, ``|B|`` has rank one (see
+:mod:`loka.mods.lordba.fit`).
+
+Training: the sign's gradient goes straight through to its latent, gated off where the
+latent has saturated (``|latent| > ste_clip * rms at init``); scales get exact gradients.
+Use an Adam-type optimizer: the sign gradient's scale is not the latent's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from loka.mods.lordba.config import LoRDBAConfig
+from loka.mods.lordba.fit import LoRDBAFit, fit_lora
+from loka.mods.lordba.function import (
+    LoRDBAFunction,
+    PackedSigns,
+    pack_factor_signs,
+    select_ops,
+)
+
+
+def base_features(base: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of a linear-like module."""
+    in_features = getattr(base, "in_features", None)
+    out_features = getattr(base, "out_features", None)
+    if isinstance(in_features, int) and isinstance(out_features, int):
+        return in_features, out_features
+    weight = getattr(base, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return weight.shape[1], weight.shape[0]
+    raise TypeError(
+        f"cannot tell the shape of {type(base).__name__}: give it in_features/out_features "
+        "or a 2-D weight [out, in]"
+    )
+
+
+def latent_rms(values: torch.Tensor) -> float:
+    """RMS of a latent factor (1.0 for an all-zero or non-finite one)."""
+    rms = float(values.detach().float().square().mean().sqrt()) if values.numel() else 0.0
+    return rms if rms > 0 and math.isfinite(rms) else 1.0
+
+
+class LoRDBALinear(nn.Module):
+    """A frozen ``base`` (``nn.Linear`` or any module with ``in_features``/``out_features``)
+    plus a trainable LoRDBA adapter. A fresh adapter starts at zero output (``p = 0``)."""
+
+    def __init__(self, base: nn.Module, config: LoRDBAConfig | None = None) -> None:
+        super().__init__()
+        config = config or LoRDBAConfig()
+        self.config = config
+        self.in_features, self.out_features = base_features(base)
+        self.base = base.requires_grad_(False)
+        weight = getattr(base, "weight", None)
+        device = weight.device if isinstance(weight, torch.Tensor) else None
+        rank, k, n = config.rank, self.in_features, self.out_features
+        f32 = {"device": device, "dtype": torch.float32}
+        bound_a = 1.0 / math.sqrt(k)
+        self.latent_a = nn.Parameter(torch.empty(rank, k, **f32).uniform_(-bound_a, bound_a))
+        self.latent_b = nn.Parameter(torch.empty(n, rank, **f32).uniform_(-1.0, 1.0) / math.sqrt(n))
+        self.scale_in = nn.Parameter(torch.ones(k, **f32)) if config.input_scale else None
+        # ||sign(A) x|| ~ sqrt(K) ||x||: m keeps the rank activations at the input's scale.
+        self.scale_rank = nn.Parameter(torch.full((rank,), bound_a, **f32))
+        self.scale_out = nn.Parameter(torch.zeros(n, **f32))
+        self.scaling = float(config.scaling)
+        self.latent_rms_a = latent_rms(self.latent_a)
+        self.latent_rms_b = latent_rms(self.latent_b)
+        self._packed_cache: tuple[tuple, PackedSigns] | None = None
+
+    # ---- construction -----------------------------------------------------------------
+
+    @classmethod
+    def from_lora(
+        cls,
+        base: nn.Module,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scaling: float = 1.0,
+        config: LoRDBAConfig | None = None,
+    ) -> tuple[LoRDBALinear, LoRDBAFit]:
+        """Wrap ``base`` with the LoRDBA fit of the LoRA ``scaling * lora_b @ lora_a``.
+
+        The adapter's rank is the LoRA's; ``config.scaling`` is replaced by 1 (the LoRA's
+        scaling is folded into ``p``). Returns the module and the fit report.
+        """
+        in_features, out_features = base_features(base)
+        if lora_a.dim() != 2 or lora_b.dim() != 2:
+            raise ValueError(
+                f"LoRA factors must be 2-D, got A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)}"
+            )
+        if lora_a.shape[1] != in_features or lora_b.shape[0] != out_features:
+            raise ValueError(
+                f"LoRA shapes A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} do not fit a base "
+                f"with in_features={in_features}, out_features={out_features}"
+            )
+        config = config or LoRDBAConfig(rank=lora_a.shape[0])
+        fit = fit_lora(lora_a, lora_b, scaling, input_scale=config.input_scale)
+        module = cls(base, replace(config, rank=lora_a.shape[0], scaling=1.0))
+        module.load_fit(fit)
+        return module, fit
+
+    @torch.no_grad()
+    def load_fit(self, fit: LoRDBAFit) -> None:
+        """Set latents and scales from a :class:`LoRDBAFit` (shapes must match)."""
+        pairs = [
+            (self.latent_a, fit.latent_a, "latent_a"),
+            (self.latent_b, fit.latent_b, "latent_b"),
+            (self.scale_rank, fit.scale_rank, "scale_rank"),
+            (self.scale_out, fit.scale_out, "scale_out"),
+        ]
+        if (self.scale_in is None) != (fit.scale_in is None):
+            raise ValueError(
+                f"input_scale mismatch: module {'has' if self.scale_in is not None else 'has no'} "
+                f"scale_in, the fit {'has' if fit.scale_in is not None else 'has none'}"
+            )
+        if self.scale_in is not None:
+            pairs.append((self.scale_in, fit.scale_in, "scale_in"))
+        for param, value, name in pairs:
+            if param.shape != value.shape:
+                raise ValueError(
+                    f"{name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}"
+                )
+        for param, value, _ in pairs:
+            param.copy_(value)
+        self.latent_rms_a = latent_rms(self.latent_a)
+        self.latent_rms_b = latent_rms(self.latent_b)
+
+    # ---- forward ------------------------------------------------------------------------
+
+    @property
+    def clip_a(self) -> float:
+        return self.config.ste_clip * self.latent_rms_a
+
+    @property
+    def clip_b(self) -> float:
+        return self.config.ste_clip * self.latent_rms_b
+
+    def packed_signs(self) -> PackedSigns:
+        """Current signs, packed; reused while the latents are unchanged."""
+        key = (
+            self.latent_a.data_ptr(),
+            self.latent_a._version,
+            self.latent_b.data_ptr(),
+            self.latent_b._version,
+            self.latent_a.device,
+        )
+        if self._packed_cache is None or self._packed_cache[0] != key:
+            self._packed_cache = (key, pack_factor_signs(self.latent_a, self.latent_b))
+        return self._packed_cache[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"LoRDBALinear expects inputs [..., {self.in_features}], got {tuple(x.shape)}"
+            )
+        if not x.is_floating_point():
+            raise TypeError(f"LoRDBALinear expects a floating-point input, got {x.dtype}")
+        ops = select_ops(self.config.backend, x.device)
+        packed = self.packed_signs()
+        x2 = x.reshape(-1, self.in_features)
+        if self._fused_linear_ok(x2):
+            return self._linear_inference(x2, packed, ops).reshape(*x.shape[:-1], -1)
+        y = self.base(x)
+        y2 = y.reshape(-1, self.out_features)
+        # Under autocast the base runs in a lower precision than x: the adapter follows it.
+        x2 = x2.to(y2.dtype)
+        out = LoRDBAFunction.apply(
+            x2,
+            y2,
+            self.latent_a,
+            self.latent_b,
+            self.scale_in,
+            self.scale_rank,
+            self.scale_out,
+            self.scaling,
+            self.clip_a,
+            self.clip_b,
+            packed,
+            ops,
+        )
+        return out.reshape(y.shape)
+
+    def _fused_linear_ok(self, x2: torch.Tensor) -> bool:
+        """Inference on a plain ``nn.Linear`` base of x's dtype, outside autocast."""
+        if type(self.base) is not nn.Linear or x2.dtype != self.base.weight.dtype:
+            return False
+        if torch.is_autocast_enabled(x2.device.type):
+            return False
+        if not torch.is_grad_enabled():
+            return True
+        return not (x2.requires_grad or any(p.requires_grad for p in self.parameters()))
+
+    def _linear_inference(self, x2: torch.Tensor, packed: PackedSigns, ops) -> torch.Tensor:
+        """The adapter output becomes the GEMM's accumulator input: one ``addmm`` reads it in
+        its epilogue instead of a separate pass over ``y``; the bias rides in the adapter."""
+        base: nn.Linear = self.base
+        t = ops.down(x2, packed.a, self.scale_in)
+        bias = None if base.bias is None else base.bias.expand(x2.shape[0], -1)
+        update = ops.up(
+            t,
+            packed.b,
+            self.out_features,
+            row_scale=self.scale_rank,
+            col_scale=self.scale_out,
+            alpha=self.scaling,
+            addend=bias,
+            out_dtype=x2.dtype,
+        )
+        return torch.addmm(update, x2, base.weight.t())
+
+    # ---- inspection ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """The dense update ``s * diag(p) sign(B) diag(m) sign(A) diag(q)``, float32 ``[N, K]``."""
+        signs_a = torch.where(self.latent_a < 0, -1.0, 1.0)
+        signs_b = torch.where(self.latent_b < 0, -1.0, 1.0)
+        right = signs_a if self.scale_in is None else signs_a * self.scale_in.float()
+        left = self.scaling * self.scale_out.float()[:, None] * signs_b * self.scale_rank.float()
+        return left @ right
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"rank={self.config.rank}, input_scale={self.config.input_scale}"
+        )
+
+    def get_extra_state(self) -> dict:
+        return {
+            "scaling": self.scaling,
+            "latent_rms_a": self.latent_rms_a,
+            "latent_rms_b": self.latent_rms_b,
+        }
+
+    def set_extra_state(self, state: dict) -> None:
+        self.scaling = float(state["scaling"])
+        self.latent_rms_a = float(state["latent_rms_a"])
+        self.latent_rms_b = float(state["latent_rms_b"])
