@@ -298,6 +298,9 @@ pub fn error_acc_from_bytes(bytes: &[u8]) -> Result<ErrorAccumulator, String> {
         row_errors: read_sketch_body(&mut r, true)?,
     };
     close(r)?;
+    if acc.row_errors.mantissa_bits() != ErrorAccumulator::new().row_errors.mantissa_bits() {
+        return Err("per-row error sketch has an unexpected resolution".into());
+    }
     let non_negative = |v: f64| v >= 0.0; // also false for NaN
     if ![
         acc.sum_sq_error,
@@ -354,6 +357,23 @@ mod tests {
             error_acc_to_bytes(&error_acc_from_bytes(&bytes).unwrap()),
             bytes
         );
+    }
+
+    #[test]
+    fn accumulator_with_a_foreign_row_sketch_is_refused() {
+        let mut w = Writer::default();
+        w.header(ERROR_ACC_MAGIC);
+        w.varint(0);
+        for _ in 0..3 {
+            w.f64(0.0);
+        }
+        w.varint(0);
+        w.f64(0.0);
+        w.f64(0.0);
+        write_sketch_body(&mut w, &Sketch::new(9));
+        assert!(error_acc_from_bytes(&w.finish())
+            .unwrap_err()
+            .contains("resolution"));
     }
 
     #[test]

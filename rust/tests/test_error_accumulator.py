@@ -55,6 +55,8 @@ def test_merge_equals_sequential(rng):
             assert merged.summary()[key] == pytest.approx(value, rel=1e-12), key
     left.merge(right)
     assert left.n_batches == 9
+    left.merge(left)
+    assert left.n_batches == 18 and left.rel_fro == pytest.approx(whole.rel_fro, rel=1e-12)
 
 
 def test_float64_batches_and_three_dimensions(rng):

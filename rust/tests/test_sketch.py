@@ -177,6 +177,15 @@ def test_merge_of_row_distributions(rng):
     assert plain.block == 64
 
 
+def test_merge_with_itself_doubles(rng):
+    s = Sketch()
+    s.update_rows(rng.standard_normal((8, 300)).astype(np.float32))
+    twice = Sketch.merged(s, s)
+    s.merge(s)
+    assert s.to_bytes() == twice.to_bytes()
+    assert s.count == 2 * 8 * 300 and s.row_amax.count == 16
+
+
 def test_merge_refuses_mismatches():
     a, b = Sketch(7), Sketch(8)
     with pytest.raises(ValueError, match="mantissa_bits 7 and 8"):

@@ -152,15 +152,17 @@ impl PyErrorAccumulator {
         })
     }
 
-    fn merge(&mut self, other: &PyErrorAccumulator) {
-        self.inner.merge(&other.inner);
+    /// Add another accumulator's batches in place (`acc.merge(acc)` counts them twice).
+    fn merge(slf: &Bound<'_, Self>, other: &Bound<'_, Self>) {
+        let other = other.borrow().inner.clone();
+        slf.borrow_mut().inner.merge(&other);
     }
 
     #[staticmethod]
     fn merged(a: &PyErrorAccumulator, b: &PyErrorAccumulator) -> PyErrorAccumulator {
-        let mut out = a.clone();
-        out.merge(b);
-        out
+        let mut inner = a.inner.clone();
+        inner.merge(&b.inner);
+        PyErrorAccumulator { inner }
     }
 
     fn __add__(&self, other: &PyErrorAccumulator) -> PyErrorAccumulator {

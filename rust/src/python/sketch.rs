@@ -305,18 +305,22 @@ impl PySketch {
     }
 
     /// Add another sketch's contents in place (exact for counts and the histogram).
-    fn merge(&mut self, other: &PySketch) -> PyResult<()> {
-        self.inner
-            .merge(&other.inner)
+    fn merge(slf: &Bound<'_, Self>, other: &Bound<'_, Self>) -> PyResult<()> {
+        // `s.merge(s)` is legitimate: copy first rather than borrow one object twice.
+        let other = other.borrow().inner.clone();
+        slf.borrow_mut()
+            .inner
+            .merge(&other)
             .map_err(|e| PyValueError::new_err(format!("Sketch.merge: {e}")))
     }
 
     /// A new sketch holding both.
     #[staticmethod]
     fn merged(a: &PySketch, b: &PySketch) -> PyResult<PySketch> {
-        let mut out = a.clone();
-        out.merge(b)?;
-        Ok(out)
+        let mut out = a.inner.clone();
+        out.merge(&b.inner)
+            .map_err(|e| PyValueError::new_err(format!("Sketch.merged: {e}")))?;
+        Ok(PySketch::wrap(out))
     }
 
     fn __add__(&self, other: &PySketch) -> PyResult<PySketch> {
