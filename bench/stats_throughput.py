@@ -48,7 +48,10 @@ except ImportError:  # optional: the comparison is skipped and says so
     kll_floats_sketch = None
 
 
-def pin_to_one_core() -> int:
+def pin_to_one_core() -> int | None:
+    """Pin to the last CPU allowed (Linux); elsewhere run unpinned and record None."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
     cpu = sorted(os.sched_getaffinity(0))[-1]
     os.sched_setaffinity(0, {cpu})
     return cpu
@@ -80,7 +83,7 @@ def version(dist: str) -> str | None:
         return None
 
 
-def metadata(cpu: int) -> dict[str, object]:
+def metadata(cpu: int | None) -> dict[str, object]:
     return {
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
