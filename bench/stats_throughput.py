@@ -272,7 +272,7 @@ def main() -> int:
             f"{r['x_numpy']:>8.1f} {r['x_kll']:>7.1f}  {'met' if r['meets_aims'] else 'MISSED'}"
         )
     print(
-        f"\n(x numpy / x KLL: their time over sketch.update+quantiles; aims: float32 update >= "
+        f"\n(medians of CPU time; x numpy / x KLL: their time over sketch.update+quantiles; aims: float32 update >= "
         f"{AIM_VALUES_PER_S / 1e6:.0f} M/s and >= {AIM_VS_NUMPY:.0f}x numpy)"
     )
     print(f"wrote {stem}.json and .csv")
