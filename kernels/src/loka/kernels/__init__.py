@@ -22,6 +22,13 @@ from loka.kernels.registry import (
     gemm_dims,
     registry,
 )
+from loka.kernels.sign_gemm import (  # importing it registers the "sign_*" backends
+    pack_signs,
+    sign_down,
+    sign_up,
+    sign_wgrad,
+    unpack_signs,
+)
 from loka.kernels.transpose_quantization import quantize_transpose, quantize_transpose_with
 
 __all__ = [
@@ -47,10 +54,15 @@ __all__ = [
     "multi_lora_linear_loop",
     "norm_backward",
     "norm_quantize",
+    "pack_signs",
     "quantize",
     "quantize_reference",
     "quantize_transpose",
     "quantize_transpose_with",
     "quantize_with",
     "registry",
+    "sign_down",
+    "sign_up",
+    "sign_wgrad",
+    "unpack_signs",
 ]

@@ -1,5 +1,14 @@
 """loka.mods"""
 
+from loka.mods.lordba import (
+    LoRDBAConfig,
+    LoRDBALinear,
+    convert_peft_checkpoint,
+    convert_to_lordba,
+    load_lordba,
+    lordba_footprint,
+    save_lordba,
+)
 from loka.mods.packed_lora import (
     LoraJobConfig,
     PackedLora,
@@ -12,13 +21,20 @@ from loka.mods.packed_lora import (
 )
 
 __all__: list[str] = [
+    "LoRDBAConfig",
+    "LoRDBALinear",
     # packed concurrent LoRA (PLoRA)
     "LoraJobConfig",
     "PackedLora",
     "PackedLoraConfig",
     "PerAdapterOptimizer",
+    "convert_peft_checkpoint",
+    "convert_to_lordba",
     "convert_to_packed_lora",
     "load_adapter",
+    "load_lordba",
+    "lordba_footprint",
     "save_adapter",
+    "save_lordba",
     "train_packs",
 ]
