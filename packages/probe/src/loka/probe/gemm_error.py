@@ -8,13 +8,16 @@ A pass computes `A @ B.T` with operands in pass layout (see `quantize`):
 | dgrad | dY `[m, N]`          | W.T `[K, N]`       | `[m, K]`  |
 | wgrad | dY.T `[N, m]`        | x.T `[K, m]`       | `[N, K]`  |
 
-The error statistic is the *balanced* relative error: rows and columns of the reference
-output are rescaled to unit RMS (row first, then column) and the relative Frobenius error
-is taken after that rescaling. Every token (output row) and every output channel (column)
-then weighs the same, so an FP8 recipe that wipes out small rows or columns (tensorwise
-scaling next to outlier channels, e4m3 on gradients of a wide dynamic range) is seen even
-though the largest entries, which FP8 always keeps, dominate a plain Frobenius norm. On
-well-conditioned data the two agree.
+The error statistic is the *balanced* relative error: every output entry `out[i, j]` is
+divided by the norms `||A[i]|| * ||B[j]||` of the operand rows that produce it (the scale
+of a dot product's rounding error) before the relative Frobenius error is taken. Every
+token (row) and every output channel (column) then weighs the same whatever its
+magnitude, so an FP8 recipe that wipes out small rows or columns (tensorwise scaling next
+to outlier channels, e4m3 on gradients of a wide dynamic range) is seen although the
+largest entries, which FP8 always keeps, dominate a plain Frobenius norm. Dividing by the
+operands' norms rather than by the output's own rows and columns keeps outputs that
+cancel to near zero (a logit layer, N = 1) from inflating the statistic. On
+well-conditioned data the balanced and plain errors agree.
 
 Every function returns sums (numerator and denominator squares, max), so that several GEMMs
 of one site (a grouped site) combine by addition before the ratio is taken.
@@ -58,14 +61,12 @@ class PassOperands:
     history: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-def balance_weights(ref: torch.Tensor) -> torch.Tensor:
-    """Per-entry weights `1 / (row_rms * col_rms)` that give every row and then every
-    column of `ref` unit RMS; zero for all-zero rows and columns."""
-    row = ref.pow(2).mean(dim=1, keepdim=True).sqrt()
-    inv_row = torch.where(row > 0, row.reciprocal(), torch.zeros_like(row))
-    col = (ref * inv_row).pow(2).mean(dim=0, keepdim=True).sqrt()
-    inv_col = torch.where(col > 0, col.reciprocal(), torch.zeros_like(col))
-    return inv_row * inv_col
+def balance_weights(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-entry weights `1 / (||a[i]|| * ||b[j]||)` of the output `a @ b.T` (float64);
+    zero where an operand row is all zero."""
+    norms = [t.double().pow(2).sum(dim=1).sqrt() for t in (a, b)]
+    inv = [torch.where(n > 0, n.reciprocal(), torch.zeros_like(n)) for n in norms]
+    return inv[0][:, None] * inv[1][None, :]
 
 
 def error_sums(out: torch.Tensor, ref: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,7 @@ def pass_error_sums(
     A delayed recipe whose history is missing gets NaN sums (no measurement).
     """
     ref = ops.a.double() @ ops.b.double().T
-    weights = balance_weights(ref)
+    weights = balance_weights(ops.a, ops.b)
     rows = [error_sums(bf16_gemm(ops.a, ops.b), ref, weights)]
     emulated: list[bool] = []
     quantized = _Quantized(ops)

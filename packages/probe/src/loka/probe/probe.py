@@ -243,7 +243,6 @@ class Probe:
         step = self._step
         if self.config.is_sampled(step):
             plan = self._plan(step)
-            self._sampled_steps += 1
             self._capture = StepCapture(
                 step,
                 plan,
@@ -271,6 +270,7 @@ class Probe:
             return
         capture.remove()
         self._capture = None
+        self._sampled_steps += 1
         samples = [s for s in capture.samples.values() if s.calls]
         for sample in samples:
             for gemm in sample.gemms:

@@ -1,0 +1,98 @@
+"""Per-pass error sums: anchor values on normal data, the balanced statistic, real FP8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loka.probe.gemm_error import (
+    PassOperands,
+    balance_weights,
+    pass_error_sums,
+    relative_errors,
+)
+from loka.probe.scaled_mm import has_fp8_gemm
+from loka.schema import Recipe
+
+RECIPES = [
+    Recipe.parse(t)
+    for t in ("e4m3:e4m3/tensor/dynamic", "e4m3:e4m3/row/dynamic", "e4m3:e4m3/block/dynamic", "e5m2:e4m3/tensor/dynamic")
+]
+
+
+def _fwd(x: torch.Tensor, w: torch.Tensor) -> PassOperands:
+    return PassOperands(x, w, False, True, x.abs().amax(), w.abs().amax())
+
+
+def test_normal_data_reproduces_the_h200_anchor_errors() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 512, generator=g).bfloat16()
+    w = (torch.randn(512, 512, generator=g) / 512**0.5).bfloat16()
+    sums, emulated = pass_error_sums(_fwd(x, w), RECIPES, out_dtype=torch.bfloat16)
+    balanced, frob = relative_errors(sums)
+    # anchors/h200_gemm_bf16_vs_fp8: bf16 about 1.7e-3, e4m3 about 3.7e-2 on normal data
+    assert balanced[0] == pytest.approx(1.7e-3, rel=0.25)
+    assert balanced[1:4] == pytest.approx([3.7e-2] * 3, rel=0.08)
+    assert 1.4 < balanced[4] / balanced[1] < 1.8  # e5m2 gradient operand: one bit less
+    assert torch.allclose(balanced, frob, rtol=0.06)  # well-conditioned: both statistics agree
+    assert emulated == [True] * 4
+
+
+def test_balanced_error_weighs_every_row_alike() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 256, generator=g)
+    w = torch.randn(48, 256, generator=g) / 16
+    row = [Recipe.parse("e4m3:e4m3/row/dynamic")]
+    base = pass_error_sums(_fwd(x, w), row, out_dtype=torch.float32)[0]
+    # Power-of-two row scales pass through rowwise FP8 exactly: the balanced error cannot
+    # change, while the plain one follows whichever rows are now the largest.
+    spread = torch.exp2(torch.randint(-12, 12, (64, 1), generator=g).float())
+    x_spread = x * spread
+    x_spread[3] = 0.0  # an all-zero row carries no weight
+    scaled = pass_error_sums(_fwd(x_spread, w), row, out_dtype=torch.float32)[0]
+    keep = torch.ones(64, dtype=torch.bool)
+    keep[3] = False
+    base_kept = pass_error_sums(_fwd(x[keep], w), row, out_dtype=torch.float32)[0]
+    kept = float(relative_errors(base_kept)[0][1])
+    assert float(relative_errors(scaled)[0][1]) == pytest.approx(kept, rel=1e-9)
+    assert float(relative_errors(base)[0][1]) == pytest.approx(kept, rel=0.05)
+    assert float(relative_errors(scaled)[1][1]) != pytest.approx(kept, rel=0.05)
+    weights = balance_weights(x_spread, w)
+    assert torch.all(weights[3] == 0) and weights.dtype == torch.float64
+
+
+def test_grouped_gemms_combine_by_adding_sums() -> None:
+    g = torch.Generator().manual_seed(3)
+    a = [torch.randn(64, 128, generator=g) for _ in range(2)]
+    b = [torch.randn(32, 128, generator=g) for _ in range(2)]
+    parts = [pass_error_sums(_fwd(x, w), RECIPES[:1], out_dtype=torch.float32)[0] for x, w in zip(a, b, strict=True)]
+    joint = relative_errors(parts[0] + parts[1])[0][1]
+    each = [relative_errors(p)[0][1] for p in parts]
+    assert min(each) <= joint <= max(each)
+
+
+def test_delayed_recipe_without_history_is_not_measured() -> None:
+    x, w = torch.randn(32, 64), torch.randn(16, 64)
+    delayed = Recipe.parse("e4m3:e4m3/tensor/delayed4")
+    sums, _ = pass_error_sums(_fwd(x, w), [delayed], out_dtype=torch.float32)
+    assert torch.isnan(sums[1]).all() and torch.isfinite(sums[0]).all()
+    ops = _fwd(x, w)
+    ops.history = {4: (x.abs().amax() / 8, w.abs().amax())}  # amax grew 8x since
+    sums, _ = pass_error_sums(ops, [delayed, RECIPES[0]], out_dtype=torch.float32)
+    stale, fresh = relative_errors(sums)[0][1:]
+    assert stale > 5 * fresh
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and has_fp8_gemm(torch.device("cuda"))),
+    reason="needs a GPU with FP8 tensor cores (compute capability >= 8.9)",
+)
+def test_real_fp8_gemm_matches_emulation() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(256, 1024, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(512, 1024, device="cuda", generator=g) / 32).bfloat16()
+    recipes = RECIPES[:2] + [Recipe.parse("e4m3:e4m3/tensor/dynamic/pow2")]
+    real, emulated_flags = pass_error_sums(_fwd(x, w), recipes, out_dtype=torch.bfloat16, real_fp8=True)
+    emulated, _ = pass_error_sums(_fwd(x, w), recipes, out_dtype=torch.bfloat16)
+    assert not emulated_flags[0], "tensorwise e4m3 should run on torch._scaled_mm"
+    assert torch.allclose(relative_errors(real)[0], relative_errors(emulated)[0], rtol=0.03)
