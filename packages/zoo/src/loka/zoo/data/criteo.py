@@ -98,6 +98,7 @@ class _Dataset:
     dense_std: torch.Tensor  # [D]
     term_mean: torch.Tensor  # [3], standardizes the three teacher terms
     term_std: torch.Tensor  # [3]
+    mix: torch.Tensor  # [3], weights of the standardized terms (variance shares, unit sum)
     bias: torch.Tensor  # [], sets the mean click rate
 
     def to(self, device: torch.device) -> _Dataset:
@@ -134,9 +135,10 @@ def _build_dataset(config: SyntheticCriteoConfig) -> _Dataset:
         dense_std=torch.ones(n_dense),
         term_mean=torch.zeros(3),
         term_std=torch.ones(3),
+        mix=torch.tensor(_TEACHER_MIX).sqrt() / torch.tensor(_TEACHER_MIX).sum().sqrt(),
         bias=torch.zeros(()),
     )
-    dense, sparse = _sample_features(dataset, _CALIBRATION_SAMPLES, g)
+    dense, sparse = _sample_features(dataset, _CALIBRATION_SAMPLES, int(bag_len.max()), g)
     dataset.dense_mean, dataset.dense_std = dense.mean(0), dense.std(0).clamp_min(1e-6)
     terms = _teacher_terms(dataset, dense, sparse)
     dataset.term_mean, dataset.term_std = terms.mean(0), terms.std(0).clamp_min(1e-6)
@@ -155,11 +157,12 @@ def _bias_for_rate(logits: torch.Tensor, rate: float) -> torch.Tensor:
 
 
 def _sample_features(
-    dataset: _Dataset, batch_size: int, g: torch.Generator
+    dataset: _Dataset, batch_size: int, bag: int, g: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense and sparse features; `bag` (the longest bag) is passed in: reading it from the
+    device would cost a sync per batch."""
     device = dataset.sizes.device
     n_dense, n_sparse = dataset.dense_mu.numel(), dataset.sizes.numel()
-    bag = int(dataset.bag_len.max())
     normal = torch.randn(batch_size, n_dense, generator=g, device=device)
     counts = torch.exp(dataset.dense_mu + dataset.dense_sigma * normal)
     missing = torch.rand(batch_size, n_dense, generator=g, device=device) < dataset.dense_zero
@@ -192,9 +195,8 @@ def _teacher_terms(dataset: _Dataset, dense: torch.Tensor, sparse: torch.Tensor)
 
 
 def _mix_terms(dataset: _Dataset, terms: torch.Tensor, signal: float) -> torch.Tensor:
-    mix = torch.tensor(_TEACHER_MIX, device=terms.device).sqrt()
     standardized = (terms - dataset.term_mean) / dataset.term_std
-    return signal * (standardized * mix).sum(1) / mix.square().sum().sqrt()
+    return signal * (standardized * dataset.mix).sum(1)
 
 
 class SyntheticCriteo(BatchStream):
@@ -213,11 +215,9 @@ class SyntheticCriteo(BatchStream):
         seed: int = 0,
     ) -> None:
         super().__init__(config, batch_size, device=device, seed=seed)
-        self._dataset = _build_dataset(config).to(self.device)
-
-    @property
-    def bag_size(self) -> int:
-        return int(self._dataset.bag_len.max())
+        dataset = _build_dataset(config)
+        self.bag_size = int(dataset.bag_len.max())
+        self._dataset = dataset.to(self.device)
 
     def batch(self, index: int) -> dict[str, torch.Tensor]:
         return self._draw(self.seed, TRAIN_STREAM, index)
@@ -231,7 +231,7 @@ class SyntheticCriteo(BatchStream):
 
     def _draw(self, seed: int, stream: int, index: int) -> dict[str, torch.Tensor]:
         g = generator(self.device, seed, stream, index)
-        dense, sparse = _sample_features(self._dataset, self.batch_size, g)
+        dense, sparse = _sample_features(self._dataset, self.batch_size, self.bag_size, g)
         clicks = torch.sigmoid(self._logits(dense, sparse))
         label = torch.bernoulli(clicks, generator=g)
         return {"dense": dense, "sparse": sparse, "label": label}

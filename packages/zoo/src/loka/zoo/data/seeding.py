@@ -34,14 +34,24 @@ def split_stream(split: str) -> int:
 
 
 def zipf_ids(
-    uniform: torch.Tensor, sizes: torch.Tensor, alpha: torch.Tensor | float
+    uniform: torch.Tensor, sizes: torch.Tensor | int, alpha: torch.Tensor | float
 ) -> torch.Tensor:
     """Power-law ids in `[0, size)` by inverting a continuous Zipf(alpha) CDF on [1, size+1).
 
-    `P(id = k) ~ (k + 1) ** -alpha`; `alpha` must differ from 1.
+    `P(id = k) ~ (k + 1) ** -alpha`; `alpha` must differ from 1. Plain numbers stay on the
+    host (a device scalar would cost a copy per batch).
     """
-    one_minus = 1.0 - torch.as_tensor(alpha, dtype=torch.float64, device=uniform.device)
-    top = (sizes.to(torch.float64) + 1.0) ** one_minus
-    x = (1.0 + uniform.to(torch.float64) * (top - 1.0)) ** (1.0 / one_minus)
-    ids = x.floor().to(torch.int64) - 1
-    return torch.minimum(ids.clamp_min(0), sizes.to(torch.int64) - 1)
+    one_minus = 1.0 - (alpha.double() if isinstance(alpha, torch.Tensor) else float(alpha))
+    size = sizes.double() if isinstance(sizes, torch.Tensor) else float(sizes)
+    top = (size + 1.0) ** one_minus
+    x = (1.0 + uniform.double() * (top - 1.0)) ** (1.0 / one_minus)
+    ids = x.floor().long() - 1
+    upper = sizes.long() - 1 if isinstance(sizes, torch.Tensor) else int(sizes) - 1
+    return torch.clamp(ids.clamp_min(0), max=upper)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without a sync: a copy from pageable memory would wait for the stream."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

@@ -21,7 +21,14 @@ from typing import Literal
 
 import torch
 
-from loka.zoo.data.seeding import TRAIN_STREAM, generator, split_stream, stream_seed, zipf_ids
+from loka.zoo.data.seeding import (
+    TRAIN_STREAM,
+    generator,
+    split_stream,
+    stream_seed,
+    to_device,
+    zipf_ids,
+)
 from loka.zoo.data.stream import BatchStream
 
 Layout = Literal["padded", "jagged"]
@@ -51,7 +58,7 @@ def training_batch(
     offsets = torch.zeros(batch + 1, dtype=torch.int64)
     torch.cumsum(pairs, 0, out=offsets[1:])
     device = window.device
-    pairs_dev, offsets_dev = pairs.to(device), offsets.to(device)
+    pairs_dev, offsets_dev = to_device(pairs, device), to_device(offsets, device)
     row = torch.repeat_interleave(torch.arange(batch, device=device), pairs_dev, output_size=total)
     position = torch.arange(total, device=device) - offsets_dev[row]
     column = width - pairs_dev[row] + position
@@ -115,7 +122,7 @@ class SyntheticSequences(BatchStream):
         g = generator(self.device, seed, stream, index)
         dev = self.device
         first, second = torch.randint(cfg.num_clusters, (2, batch, 1), generator=g, device=dev)
-        lengths_dev = lengths.to(dev).view(-1, 1)
+        lengths_dev = to_device(lengths, dev).view(-1, 1)
         from_end = torch.arange(width - 1, -1, -1, device=dev).view(1, -1)
         progress = 1.0 - from_end / (lengths_dev - 1).clamp_min(1)
         drifted = torch.rand(batch, width, generator=g, device=dev) < progress
@@ -123,7 +130,7 @@ class SyntheticSequences(BatchStream):
         random_cluster = torch.randint(cfg.num_clusters, (batch, width), generator=g, device=dev)
         noisy = torch.rand(batch, width, generator=g, device=dev) < cfg.noise
         cluster = torch.where(noisy, random_cluster, cluster)
-        per_cluster = torch.tensor(cfg.num_items // cfg.num_clusters, device=dev)
+        per_cluster = cfg.num_items // cfg.num_clusters
         rank = zipf_ids(
             torch.rand(batch, width, generator=g, device=dev), per_cluster, cfg.zipf_alpha
         )
