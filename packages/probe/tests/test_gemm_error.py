@@ -16,7 +16,12 @@ from loka.schema import Recipe
 
 RECIPES = [
     Recipe.parse(t)
-    for t in ("e4m3:e4m3/tensor/dynamic", "e4m3:e4m3/row/dynamic", "e4m3:e4m3/block/dynamic", "e5m2:e4m3/tensor/dynamic")
+    for t in (
+        "e4m3:e4m3/tensor/dynamic",
+        "e4m3:e4m3/row/dynamic",
+        "e4m3:e4m3/block/dynamic",
+        "e5m2:e4m3/tensor/dynamic",
+    )
 ]
 
 
@@ -65,7 +70,10 @@ def test_grouped_gemms_combine_by_adding_sums() -> None:
     g = torch.Generator().manual_seed(3)
     a = [torch.randn(64, 128, generator=g) for _ in range(2)]
     b = [torch.randn(32, 128, generator=g) for _ in range(2)]
-    parts = [pass_error_sums(_fwd(x, w), RECIPES[:1], out_dtype=torch.float32)[0] for x, w in zip(a, b, strict=True)]
+    parts = [
+        pass_error_sums(_fwd(x, w), RECIPES[:1], out_dtype=torch.float32)[0]
+        for x, w in zip(a, b, strict=True)
+    ]
     joint = relative_errors(parts[0] + parts[1])[0][1]
     each = [relative_errors(p)[0][1] for p in parts]
     assert min(each) <= joint <= max(each)
@@ -91,8 +99,10 @@ def test_real_fp8_gemm_matches_emulation() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(256, 1024, device="cuda", generator=g).bfloat16()
     w = (torch.randn(512, 1024, device="cuda", generator=g) / 32).bfloat16()
-    recipes = RECIPES[:2] + [Recipe.parse("e4m3:e4m3/tensor/dynamic/pow2")]
-    real, emulated_flags = pass_error_sums(_fwd(x, w), recipes, out_dtype=torch.bfloat16, real_fp8=True)
+    recipes = [*RECIPES[:2], Recipe.parse("e4m3:e4m3/tensor/dynamic/pow2")]
+    real, emulated_flags = pass_error_sums(
+        _fwd(x, w), recipes, out_dtype=torch.bfloat16, real_fp8=True
+    )
     emulated, _ = pass_error_sums(_fwd(x, w), recipes, out_dtype=torch.bfloat16)
     assert not emulated_flags[0], "tensorwise e4m3 should run on torch._scaled_mm"
     assert torch.allclose(relative_errors(real)[0], relative_errors(emulated)[0], rtol=0.03)

@@ -35,10 +35,12 @@ def test_training_with_probe_is_bit_identical(name, overrides, autocast) -> None
     expected = zoo.train(plain, 4, autocast_dtype=autocast)
     torch.manual_seed(0)  # the same dropout stream: Probe draws rows from its own generator
     with Probe(probed.model, QUICK) as probe:
-        got = zoo.train(probed, 4, autocast_dtype=autocast, on_step=lambda s, l: probe.step())
+        got = zoo.train(probed, 4, autocast_dtype=autocast, on_step=lambda step, loss: probe.step())
         assert probe.counters["sampled_steps"] == 2 and probe.errors == []
     assert got == expected
-    for (k, a), b in zip(plain.model.state_dict().items(), probed.model.state_dict().values(), strict=True):
+    for (k, a), b in zip(
+        plain.model.state_dict().items(), probed.model.state_dict().values(), strict=True
+    ):
         assert torch.equal(a, b), k
     assert _hooks(probed.model) == 0
     plain.model.eval(), probed.model.eval()
@@ -49,7 +51,7 @@ def test_training_with_probe_is_bit_identical(name, overrides, autocast) -> None
 def test_tables_save_and_summary(tmp_path) -> None:
     setup = zoo.create("dlrm", "tiny")
     probe = Probe(setup.model, QUICK)
-    zoo.train(setup, 4, on_step=lambda s, l: probe.step())
+    zoo.train(setup, 4, on_step=lambda step, loss: probe.step())
     tables = probe.tables()
     sites = tables["sites"]
     linears = [n for n, m in setup.model.named_modules() if isinstance(m, nn.Linear)]
@@ -62,7 +64,11 @@ def test_tables_save_and_summary(tmp_path) -> None:
     assert stats.filter(pl.col("role") == "input")["samples"].min() == 2
     errors = tables["site_errors"]
     delayed = errors["recipe"].str.contains("delayed")
-    assert set(errors.filter(~delayed)["n"]) == {2} and set(errors["pass"]) == {"fwd", "dgrad", "wgrad"}
+    assert set(errors.filter(~delayed)["n"]) == {2} and set(errors["pass"]) == {
+        "fwd",
+        "dgrad",
+        "wgrad",
+    }
     assert set(errors.filter(delayed)["n"]) == {1}  # step 0 has no amax history
     tensorwise = errors.filter(pl.col("recipe") == "e4m3:e4m3/tensor/dynamic")
     assert (tensorwise["bf16_rel_err"] < tensorwise["mean_rel_err"]).all()
@@ -85,7 +91,7 @@ def test_tables_save_and_summary(tmp_path) -> None:
 def test_unwritable_destination_fails_cleanly(tmp_path, monkeypatch) -> None:
     setup = zoo.create("dlrm", "tiny")
     with Probe(setup.model, QUICK) as probe:
-        zoo.train(setup, 2, on_step=lambda s, l: probe.step())
+        zoo.train(setup, 2, on_step=lambda step, loss: probe.step())
         blocker = tmp_path / "file"
         blocker.write_text("not a directory")
         with pytest.raises(TableWriteError, match="cannot save probe tables"):
@@ -93,7 +99,7 @@ def test_unwritable_destination_fails_cleanly(tmp_path, monkeypatch) -> None:
         good = tmp_path / "good"
         probe.save(good)
         before = {p.name: p.read_bytes() for p in good.iterdir()}
-        zoo.train(setup, 2, on_step=lambda s, l: probe.step())
+        zoo.train(setup, 2, on_step=lambda step, loss: probe.step())
 
         import loka.probe.probe as probe_module
 
@@ -124,7 +130,13 @@ def test_nan_and_inf_are_counted_never_fatal(synthetic, every_step) -> None:
             x[9, 1], x[9, 2] = float("inf"), float("-inf")
         return x
 
-    tables = drive(model, {"lin": inputs}, {"lin": lambda s, g: torch.randn(128, 32, generator=g)}, 7, every_step)
+    tables = drive(
+        model,
+        {"lin": inputs},
+        {"lin": lambda s, g: torch.randn(128, 32, generator=g)},
+        7,
+        every_step,
+    )
     stats = tables["tensor_stats"].filter(pl.col("role") == "input")
     assert (stats["nan"].sum(), stats["pos_inf"].sum(), stats["neg_inf"].sum()) == (1, 1, 1)
     assert tables["sites"]["nonfinite_batches"][0] == 2
@@ -138,11 +150,11 @@ def test_nan_and_inf_are_counted_never_fatal(synthetic, every_step) -> None:
 
 
 def test_model_without_gemm_sites_gets_a_clear_message() -> None:
-    with pytest.raises(ValueError, match="no GEMM sites.*register_site"):
+    with pytest.raises(ValueError, match=r"no GEMM sites.*register_site"):
         Probe(nn.Sequential(nn.ReLU(), nn.LayerNorm(4)))
     with pytest.raises(ValueError, match="excluded"):
         Probe(nn.Sequential(nn.Linear(4, 4)), ProbeConfig(exclude=("*",)))
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         Probe("model")  # type: ignore[arg-type]
 
 
@@ -175,7 +187,13 @@ class Grouped(nn.Module):
 
     def loka_gemm_operands(self, args, output):
         return [
-            {"input": args[0][:, i], "weight": p.weight, "output": output, "grad": lambda g, i=i: g[:, i], "bias": True}
+            {
+                "input": args[0][:, i],
+                "weight": p.weight,
+                "output": output,
+                "grad": lambda g, i=i: g[:, i],
+                "bias": True,
+            }
             for i, p in enumerate(self.projections)
         ]
 
@@ -196,9 +214,16 @@ class SubclassLinear(nn.Linear):
 
 
 def test_custom_modules_are_gemm_sites() -> None:
-    register_site(PlainFp8Linear, lambda m, args, out: [{"input": args[0], "weight": m.w, "output": out}])
+    register_site(
+        PlainFp8Linear, lambda m, args, out: [{"input": args[0], "weight": m.w, "output": out}]
+    )
     model = nn.ModuleDict(
-        {"fused": FusedNormLinear(32, 48), "grouped": Grouped(16, 24, 3), "plain": PlainFp8Linear(48, 16), "sub": SubclassLinear(16, 8)}
+        {
+            "fused": FusedNormLinear(32, 48),
+            "grouped": Grouped(16, 24, 3),
+            "plain": PlainFp8Linear(48, 16),
+            "sub": SubclassLinear(16, 8),
+        }
     )
     g = torch.Generator().manual_seed(0)
     with Probe(model, ProbeConfig(every=1, warmup_steps=0, queue_size=64)) as probe:
@@ -220,7 +245,12 @@ def test_custom_modules_are_gemm_sites() -> None:
     ]
     errors = tables["site_errors"]
     assert set(errors["site"]) == {"fused", "grouped", "plain", "sub"}
-    assert errors.filter((pl.col("site") == "grouped") & ~pl.col("recipe").str.contains("delayed"))["n"].min() == 3
+    assert (
+        errors.filter((pl.col("site") == "grouped") & ~pl.col("recipe").str.contains("delayed"))[
+            "n"
+        ].min()
+        == 3
+    )
     # the fused site's input statistics are those of the normalized input
     fused = tables["tensor_stats"].filter((pl.col("site") == "fused") & (pl.col("role") == "input"))
     assert fused["rms"][0] == pytest.approx(1.0, rel=0.01)
@@ -257,7 +287,9 @@ def test_drift_is_flagged_and_reverified(synthetic, every_step) -> None:
     model = Sites({"lin": (64, 32)})
     shifted = lambda step, g: torch.randn(96, 64, generator=g) * (1.0 if step < 12 else 64.0)  # noqa: E731
     config = replace(every_step, window_steps=6)
-    tables = drive(model, {"lin": shifted}, {"lin": lambda s, g: torch.randn(96, 32, generator=g)}, 20, config)
+    tables = drive(
+        model, {"lin": shifted}, {"lin": lambda s, g: torch.randn(96, 32, generator=g)}, 20, config
+    )
     site = tables["sites"].row(0, named=True)
     assert site["drift_step"] == 12 and "input amax" in site["drift_reason"]
     assert site["verify_from"] == 12
@@ -287,9 +319,14 @@ def test_verdicts_do_not_flip_between_seeds() -> None:
         setup = zoo.create("dlrm", "tiny", seed=seed)
         config = ProbeConfig(every=1, warmup_steps=0, rows=128, queue_size=64, seed=seed)
         with Probe(setup.model, config) as probe:
-            zoo.train(setup, 10, on_step=lambda s, l: probe.step())
+            zoo.train(setup, 10, on_step=lambda step, loss: probe.step())
             errors = probe.tables()["site_errors"]
-        verdicts.append({(r["site"], r["recipe"], r["pass"]): r["verdict"] for r in errors.iter_rows(named=True)})
+        verdicts.append(
+            {
+                (r["site"], r["recipe"], r["pass"]): r["verdict"]
+                for r in errors.iter_rows(named=True)
+            }
+        )
     assert verdicts[0].keys() == verdicts[1].keys()
     flips = [k for k, v in verdicts[0].items() if {v, verdicts[1][k]} == {"safe", "unsafe"}]
     assert flips == []

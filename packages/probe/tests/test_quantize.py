@@ -22,7 +22,23 @@ def _hard_values(n: int = 20000) -> torch.Tensor:
     """Normal values over many binades plus ties, subnormals, the max and beyond."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 12, (n,), generator=g).float())
-    specials = torch.tensor([0.0, -0.0, 448.0, -448.0, 464.0, 1e6, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 57344.0, 61440.0, 2.0**-16, 2.0**-17])
+    specials = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            448.0,
+            -448.0,
+            464.0,
+            1e6,
+            2.0**-9,
+            2.0**-10,
+            3 * 2.0**-11,
+            57344.0,
+            61440.0,
+            2.0**-16,
+            2.0**-17,
+        ]
+    )
     return torch.cat([x, specials, 1.0 + torch.arange(64) / 128])  # ties of e4m3 and e5m2
 
 
@@ -39,7 +55,10 @@ def test_quantize_matches_loka_stats_bit_for_bit(fmt: str, scale: float) -> None
 def test_dynamic_scales_map_each_group_amax_to_the_format_max() -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(200, 300, generator=g) * torch.exp2(torch.randn(200, 1, generator=g) * 4)
-    for granularity, groups in (("tensor", x.abs().amax().reshape(1, 1)), ("row", x.abs().amax(1, keepdim=True))):
+    for granularity, groups in (
+        ("tensor", x.abs().amax().reshape(1, 1)),
+        ("row", x.abs().amax(1, keepdim=True)),
+    ):
         s = operand_scale(x, OperandScaling("e4m3", granularity), weight=False)
         assert torch.allclose(groups * s, torch.tensor(448.0))
     s = operand_scale(x, OperandScaling("e4m3", "block"), weight=False)
@@ -70,6 +89,11 @@ def test_pow2_and_upper_bound() -> None:
 
 def test_delayed_or_full_tensor_amax_saturates_what_exceeds_it() -> None:
     x = torch.linspace(-4, 4, 101)
-    s = operand_scale(x.reshape(1, -1), OperandScaling("e4m3", "tensor"), weight=False, tensor_amax=torch.tensor(2.0))
+    s = operand_scale(
+        x.reshape(1, -1),
+        OperandScaling("e4m3", "tensor"),
+        weight=False,
+        tensor_amax=torch.tensor(2.0),
+    )
     back = dequantize(quantize(x, s.reshape(()), "e4m3"), s.reshape(()))
     assert back.abs().max() == 2.0  # values beyond the stale amax saturate at it
