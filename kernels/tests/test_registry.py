@@ -146,3 +146,20 @@ def test_a_registry_can_be_extended():
         reg.select(GemmSpec.for_linear(KernelRecipe(), "fwd", 3, 16, 24), "cpu")
     with pytest.raises(ValueError, match="unknown format"):
         reg.register(Backend("bad", "mm", run, run, "", frozenset({("fp4", "fp4")}), frozenset()))
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_reported_unavailable(monkeypatch):
+    import importlib
+
+    # importlib, not `import ... as`: the package exports an object named `registry` too.
+    reg_mod = importlib.import_module("loka.kernels.registry")
+    rt = importlib.import_module("loka.kernels.runtime")
+
+    monkeypatch.setattr(rt, "capability", lambda device=None: (8, 0))  # an A100
+    monkeypatch.setattr(reg_mod, "capability", lambda device=None: (8, 0))
+    cuda = torch.device("cuda", 0)
+    assert "8.9" in registry.get("torch.scaled_mm").unavailable_reason(cuda)
+    assert "8.9" in registry.get("triton.fp8").unavailable_reason(cuda)
+    assert "9.0" in registry.get("triton.fp8.tma").unavailable_reason(cuda)
+    assert registry.get("torch.bf16").unavailable_reason(cuda) is None
+    assert available(cuda, op="mm") == ["torch.bf16"]
