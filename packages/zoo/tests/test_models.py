@@ -65,11 +65,11 @@ def test_learns_in_a_few_dozen_steps(name: str) -> None:
     losses = zoo.train(setup, 48, lr=3e-3)
     after = setup.metrics(setup.model, held_out)
     first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
-    assert last < 0.97 * first, f"loss {first:.4f} -> {last:.4f}"
+    assert last < 0.985 * first, f"loss {first:.4f} -> {last:.4f}"
     if name in CTR:
-        assert after["ne"] < before["ne"] - 0.02
+        assert after["ne"] < before["ne"] - 0.05
     else:
-        assert after["mrr"] > before["mrr"] + 0.02
+        assert after["mrr"] > before["mrr"] + 0.03
 
 
 @pytest.mark.parametrize("name", SEQUENTIAL)
