@@ -1,0 +1,586 @@
+"""LoRDBA on the GPU: binary-sign adapters against fp16-class LoRA, all in one run.
+
+Sections (hidden 4096, rank 16 by default; bf16 activations and base weights):
+- check:   the Triton sign-GEMM path of LoRDBALinear against its pure-torch reference on the
+           device (forward, inference addmm path, backward: dx and every adapter gradient),
+           at hidden-size and awkward shapes. Speed numbers mean nothing if this fails.
+- bytes:   adapter bytes, LoRDBA (packed signs + fp16 scales, with and without the input
+           scale q) against an fp16 LoRA of the same rank: formula and saved file sizes.
+- prefill: forward time per token count (512..8192) of the base linear alone, base + 16-bit
+           LoRA unmerged (peft's form, and a fused-addmm form), base + LoRDBA unmerged
+           (nn.Linear base: adapter output fed to the base GEMM's addmm; an opaque base:
+           add fused into the up-projection; without q), and the LoRDBA adapter alone.
+           Median of triton.testing.do_bench (eager) and do_bench_cudagraph (GPU time).
+- train:   one training step (forward, backward with dx, AdamW) of base + LoRA (fp32
+           masters, bf16 compute) and base + LoRDBA (fp32 latents and scales): peak memory
+           above what is resident before the step, adapter state bytes, step time.
+
+    python bench/lordba.py --smoke    # CPU (Triton interpreter) or GPU, tiny sizes, < 1 min
+    python bench/lordba.py            # one H200, about 2 min (mostly autotuning)
+Results in --out (default $OUT, else bench/results/): lordba_<mode>_<utc>.json (metadata,
+every raw record, the summary) and lordba_prefill_<mode>_<utc>.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import dataclasses
+import datetime as dt
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
+    p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    p.add_argument("--hidden", type=int, default=None, help="K = N (4096; smoke 64)")
+    p.add_argument("--rank", type=int, default=None, help="adapter rank (16; smoke 4)")
+    p.add_argument("--tokens", default=None, help="prefill token counts (512,...,8192; smoke 8,24)")
+    p.add_argument("--train-tokens", default=None, help="training tokens (4096,8192; smoke 16)")
+    p.add_argument("--sections", default="check,bytes,prefill,train")
+    p.add_argument("--no-autotune", action="store_true", help="one heuristic tile per kernel")
+    p.add_argument("--budget-s", type=float, default=None, help="wall budget (240 s; smoke 60)")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+MODE = "smoke" if ARGS.smoke else "full"
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    if not ARGS.smoke:
+        raise SystemExit("bench/lordba.py needs a CUDA GPU; use --smoke on CPU")
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is created
+if ARGS.no_autotune:
+    os.environ["LOKA_KERNELS_AUTOTUNE"] = "0"
+
+import safetensors.torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+from torch import nn  # noqa: E402
+
+from loka.kernels.sign_gemm import sign_down, sign_up  # noqa: E402
+from loka.mods.lordba import (  # noqa: E402
+    LoRDBAConfig,
+    LoRDBALinear,
+    lordba_footprint,
+    save_lordba,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CUDA = DEVICE.type == "cuda"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+HIDDEN = ARGS.hidden or (64 if ARGS.smoke else 4096)
+RANK = ARGS.rank or (4 if ARGS.smoke else 16)
+TOKENS = [
+    int(t)
+    for t in (ARGS.tokens or ("8,24" if ARGS.smoke else "512,1024,2048,4096,8192")).split(",")
+]
+TRAIN_TOKENS = [
+    int(t) for t in (ARGS.train_tokens or ("16" if ARGS.smoke else "4096,8192")).split(",")
+]
+BUDGET_S = ARGS.budget_s or (60.0 if ARGS.smoke else 240.0)
+PREFILL_AIM = 1.08  # the paper's "at most 8% prefill overhead at rank 16, unmerged"
+BYTES_AIM = 10.0
+START = time.monotonic()
+
+
+def elapsed() -> float:
+    return time.monotonic() - START
+
+
+def over_budget(share: float) -> bool:
+    """True once the run has spent ``share`` of the budget (later work is recorded skipped)."""
+    return elapsed() > share * BUDGET_S
+
+
+# --------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------
+
+
+def time_ms(fn) -> dict[str, float | None]:
+    """Median milliseconds: eager (do_bench) and GPU time under a CUDA graph."""
+    if not CUDA:
+        fn()
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            runs.append((time.perf_counter() - t0) * 1e3)
+        return {"eager_ms": sorted(runs)[1], "graph_ms": None}
+    eager = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    try:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            graph = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+    except Exception as error:  # a path that cannot be captured still has its eager time
+        print(f"  (no CUDA-graph time: {type(error).__name__}: {error})")
+        graph = None
+    return {"eager_ms": eager, "graph_ms": graph}
+
+
+# --------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------
+
+
+class OpaqueBase(nn.Module):
+    """A base that is not an nn.Linear (as a quantized base would be): LoRDBA adds its output
+    inside the up-projection kernel instead of handing it to addmm."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def make_base(seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    base = nn.Linear(HIDDEN, HIDDEN, bias=False, device=DEVICE, dtype=DTYPE)
+    base.weight.requires_grad_(False)
+    return base
+
+
+def trained_like(module: LoRDBALinear, seed: int = 1) -> LoRDBALinear:
+    """Nonzero scales and random latents, as after training (p = 0 at init would hide work)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for param in (module.scale_in, module.scale_rank, module.scale_out):
+            if param is not None:
+                param.copy_((torch.rand(param.shape, generator=gen) + 0.5) / math.sqrt(HIDDEN))
+        module.latent_a.copy_(torch.randn(module.latent_a.shape, generator=gen))
+        module.latent_b.copy_(torch.randn(module.latent_b.shape, generator=gen))
+    return module
+
+
+def make_lordba(base: nn.Module, input_scale: bool = True, backend: str = "triton") -> LoRDBALinear:
+    config = LoRDBAConfig(rank=RANK, input_scale=input_scale, backend=backend)
+    return trained_like(LoRDBALinear(base, config))
+
+
+def lora_factors(seed: int = 2) -> tuple[torch.Tensor, torch.Tensor, float]:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    a = (torch.randn(RANK, HIDDEN, generator=gen) / math.sqrt(HIDDEN)).to(DEVICE, DTYPE)
+    b = (torch.randn(HIDDEN, RANK, generator=gen) / math.sqrt(RANK)).to(DEVICE, DTYPE)
+    return a, b, 2.0  # scaling alpha / r
+
+
+# --------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------
+
+
+def relative_error(actual: torch.Tensor | None, expected: torch.Tensor | None) -> float:
+    if actual is None or expected is None:
+        return 0.0 if actual is expected else math.inf
+    scale = expected.detach().float().abs().max().clamp_min(1e-12)
+    return float((actual.detach().float() - expected.detach().float()).abs().max() / scale)
+
+
+def check_section() -> list[dict]:
+    """Triton path vs the pure-torch path of the same module, on the device."""
+    shapes = (
+        [(5, 40, 36, 3)]
+        if ARGS.smoke
+        else [(1, 4096, 4096, 16), (37, 1000, 1032, 5), (512, 4096, 4096, 16)]
+    )
+    tolerance = 2e-2 if CUDA else 1e-4  # bf16 on the GPU, float32 on CPU
+    records = []
+    for rows, k, n, rank in shapes:
+        torch.manual_seed(rows)
+        base = nn.Linear(k, n, device=DEVICE, dtype=DTYPE)
+        kernels = trained_like(LoRDBALinear(base, LoRDBAConfig(rank=rank, backend="triton")))
+        reference = copy.deepcopy(kernels)
+        reference.config = dataclasses.replace(kernels.config, backend="torch")
+        x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
+        grad = torch.randn(rows, n, device=DEVICE, dtype=DTYPE)
+        results = []
+        for module in (kernels, reference):
+            xg = x.clone().requires_grad_(True)
+            out = module(xg)
+            out.backward(grad)
+            with torch.no_grad():
+                inference = module(x)  # nn.Linear base: the addmm path
+            grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
+            results.append({"out": out, "inference": inference, "dx": xg.grad, **grads})
+        errors = {key: relative_error(results[0][key], results[1][key]) for key in results[1]}
+        worst = max(errors.values())
+        records.append(
+            {
+                "M": rows,
+                "K": k,
+                "N": n,
+                "rank": rank,
+                "dtype": str(DTYPE),
+                "max_rel_error": worst,
+                "errors": errors,
+                "ok": worst <= tolerance,
+                "tolerance": tolerance,
+            }
+        )
+        print(
+            f"  check M={rows} K={k} N={n} r={rank}: max rel error {worst:.2e} "
+            f"({'ok' if worst <= tolerance else 'FAIL'})"
+        )
+    return records
+
+
+def bytes_section(tmp: Path) -> list[dict]:
+    records = []
+    a, b, _ = lora_factors()
+    lora_path = tmp / "lora_fp16.safetensors"
+    safetensors.torch.save_file(
+        {"lora_A": a.half().cpu(), "lora_B": b.half().cpu()}, str(lora_path)
+    )
+    for input_scale in (True, False):
+        footprint = lordba_footprint(HIDDEN, HIDDEN, RANK, input_scale=input_scale)
+        module = make_lordba(make_base(), input_scale=input_scale)
+        path = tmp / f"lordba_{input_scale}.safetensors"
+        save_lordba(module, path)
+        records.append(
+            {
+                "K": HIDDEN,
+                "N": HIDDEN,
+                "rank": RANK,
+                "input_scale": input_scale,
+                "lordba_bytes": footprint.lordba_bytes,
+                "lora_fp16_bytes": footprint.lora_fp16_bytes,
+                "ratio": footprint.ratio,
+                "lordba_file_bytes": path.stat().st_size,
+                "lora_fp16_file_bytes": lora_path.stat().st_size,
+                "file_ratio": lora_path.stat().st_size / path.stat().st_size,
+            }
+        )
+    return records
+
+
+def prefill_variants(x: torch.Tensor) -> dict:
+    base = make_base()
+    weight = base.weight
+    a, b, scaling = lora_factors()
+    b_scaled = b * scaling
+    lordba = make_lordba(base).requires_grad_(False)
+    lordba_noq = make_lordba(base, input_scale=False).requires_grad_(False)
+    lordba_opaque = make_lordba(OpaqueBase(base)).requires_grad_(False)
+    packed = lordba.packed_signs()
+
+    def adapter_only():
+        t = sign_down(x, packed.a, lordba.scale_in)
+        return sign_up(
+            t,
+            packed.b,
+            HIDDEN,
+            row_scale=lordba.scale_rank,
+            col_scale=lordba.scale_out,
+            out_dtype=x.dtype,
+        )
+
+    return {
+        "base": lambda: F.linear(x, weight),
+        "lora_peft": lambda: F.linear(x, weight) + F.linear(F.linear(x, a), b) * scaling,
+        "lora_addmm": lambda: torch.addmm(F.linear(F.linear(x, a), b_scaled), x, weight.t()),
+        "lordba": lambda: lordba(x),
+        "lordba_noq": lambda: lordba_noq(x),
+        "lordba_opaque_base": lambda: lordba_opaque(x),
+        "lordba_adapter_only": adapter_only,
+    }
+
+
+def prefill_section() -> list[dict]:
+    records = []
+    for rows in TOKENS:
+        if over_budget(0.6):
+            records.append({"M": rows, "skipped": f"over budget at {elapsed():.0f} s"})
+            continue
+        x = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
+        for name, fn in prefill_variants(x).items():
+            try:
+                with torch.no_grad():
+                    timing = time_ms(fn)
+                records.append(
+                    {"M": rows, "K": HIDDEN, "N": HIDDEN, "rank": RANK, "variant": name, **timing}
+                )
+            except Exception as error:
+                traceback.print_exc()
+                records.append(
+                    {"M": rows, "variant": name, "error": f"{type(error).__name__}: {error}"}
+                )
+        print(f"  prefill M={rows} done at {elapsed():.0f} s")
+    base = {
+        (r["M"], key): r[key]
+        for r in records
+        if r.get("variant") == "base"
+        for key in ("eager_ms", "graph_ms")
+    }
+    for r in records:
+        for key in ("eager_ms", "graph_ms"):
+            ref = base.get((r.get("M"), key))
+            if r.get(key) is not None and ref:
+                r[key.replace("_ms", "_vs_base")] = r[key] / ref
+    return records
+
+
+def train_step_fn(kind: str, rows: int):
+    base = make_base()
+    x = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    grad = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
+    if kind == "lora":
+        gen = torch.Generator(device="cpu").manual_seed(3)
+        a = nn.Parameter((torch.randn(RANK, HIDDEN, generator=gen) / math.sqrt(HIDDEN)).to(DEVICE))
+        b = nn.Parameter(torch.zeros(HIDDEN, RANK, device=DEVICE))
+        params = [a, b]
+
+        def forward(x):
+            return F.linear(x, base.weight) + F.linear(F.linear(x, a.to(DTYPE)), b.to(DTYPE)) * 2.0
+    else:
+        module = make_lordba(base)
+        params = [p for p in module.parameters() if p.requires_grad]
+        forward = module
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+
+    def clear():
+        optimizer.zero_grad(set_to_none=True)
+        x.grad = None
+
+    def step():
+        clear()
+        forward(x).backward(grad)
+        optimizer.step()
+
+    state_bytes = sum(p.numel() * p.element_size() * 4 for p in params)  # param, grad, 2 Adam
+    return step, clear, state_bytes
+
+
+def train_section() -> list[dict]:
+    records = []
+    for rows in TRAIN_TOKENS:
+        for kind in ("lora", "lordba"):
+            if over_budget(0.9):
+                records.append(
+                    {"M": rows, "adapter": kind, "skipped": f"over budget at {elapsed():.0f} s"}
+                )
+                continue
+            step, clear, state_bytes = train_step_fn(kind, rows)
+            for _ in range(3):  # autotuning, optimizer state allocation
+                step()
+            record = {
+                "M": rows,
+                "K": HIDDEN,
+                "N": HIDDEN,
+                "rank": RANK,
+                "adapter": kind,
+                "adapter_state_bytes": state_bytes,
+            }
+            if CUDA:
+                clear()
+                torch.cuda.synchronize()
+                resident = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                record["resident_bytes"] = resident
+                record["peak_bytes"] = torch.cuda.max_memory_allocated()
+                record["step_peak_above_resident_bytes"] = record["peak_bytes"] - resident
+                times = []
+                for _ in range(10):
+                    start, end = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
+                    start.record()
+                    step()
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+                record["step_ms"] = sorted(times)[len(times) // 2]
+            else:
+                t0 = time.perf_counter()
+                step()
+                record["step_ms"] = (time.perf_counter() - t0) * 1e3
+            records.append(record)
+            print(f"  train M={rows} {kind}: {record.get('step_ms', 0):.3f} ms")
+    by_key = {(r["M"], r["adapter"]): r for r in records if "skipped" not in r}
+    for rows in TRAIN_TOKENS:
+        lora, lordba = by_key.get((rows, "lora")), by_key.get((rows, "lordba"))
+        if lora and lordba:
+            for key in (
+                "step_peak_above_resident_bytes",
+                "peak_bytes",
+                "adapter_state_bytes",
+                "step_ms",
+            ):
+                if lora.get(key):
+                    lordba[f"{key}_vs_lora"] = lordba[key] / lora[key]
+    return records
+
+
+# --------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------
+
+
+def metadata() -> dict:
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
+    except Exception:
+        commit = None
+    return {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "mode": MODE,
+        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(DEVICE) if CUDA else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_commit": commit,
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
+        "autotune": not ARGS.no_autotune,
+        "hidden": HIDDEN,
+        "rank": RANK,
+        "dtype": str(DTYPE),
+        "budget_s": BUDGET_S,
+    }
+
+
+def summarize(results: dict) -> dict:
+    summary = {}
+    prefill = [r for r in results.get("prefill", []) if "variant" in r and "error" not in r]
+    if prefill:
+        key = "graph_vs_base" if CUDA else "eager_vs_base"
+        worst = max(
+            (r[key] for r in prefill if r["variant"] == "lordba" and key in r), default=None
+        )
+        summary["prefill_worst_lordba_vs_base"] = worst
+        summary["prefill_aim_met"] = worst is not None and worst <= PREFILL_AIM
+    if results.get("bytes"):
+        summary["bytes_ratio"] = {str(r["input_scale"]): r["ratio"] for r in results["bytes"]}
+    if results.get("check"):
+        summary["check_ok"] = all(r["ok"] for r in results["check"])
+    return summary
+
+
+def print_tables(results: dict) -> None:
+    print("\n== LoRDBA summary ==")
+    for r in results.get("check", []):
+        print(
+            f"check  M={r['M']:<5} K={r['K']:<5} N={r['N']:<5} r={r['rank']:<3} "
+            f"max rel err {r['max_rel_error']:.2e}  {'ok' if r['ok'] else 'FAIL'}"
+        )
+    for r in results.get("bytes", []):
+        print(
+            f"bytes  input_scale={r['input_scale']!s:<5}  LoRDBA {r['lordba_bytes']:>8} B  "
+            f"fp16 LoRA {r['lora_fp16_bytes']:>8} B  ratio {r['ratio']:.2f}x "
+            f"(files {r['file_ratio']:.2f}x; aim >= {BYTES_AIM:.0f}x)"
+        )
+    prefill = [r for r in results.get("prefill", []) if "variant" in r]
+    if prefill:
+        variants = list(dict.fromkeys(r["variant"] for r in prefill))
+        key = "graph_ms" if CUDA else "eager_ms"
+        print(
+            f"\nprefill {key} (ratio to base), hidden {HIDDEN}, rank {RANK}; aim LoRDBA <= {PREFILL_AIM}x"
+        )
+        print("tokens  " + "  ".join(f"{v:>24}" for v in variants))
+        for rows in TOKENS:
+            cells = []
+            for v in variants:
+                r = next((r for r in prefill if r["M"] == rows and r["variant"] == v), None)
+                if r is None or r.get(key) is None:
+                    cells.append(f"{'-':>24}")
+                else:
+                    ratio = r.get(key.replace("_ms", "_vs_base"), float("nan"))
+                    cells.append(f"{r[key]:>12.4f} ({ratio:>5.3f}x)".rjust(24))
+            print(f"{rows:>6}  " + "  ".join(cells))
+    for r in results.get("train", []):
+        if "skipped" in r:
+            continue
+        extra = ""
+        if "step_peak_above_resident_bytes_vs_lora" in r:
+            extra = (
+                f"  vs LoRA: peak-above-resident {r['step_peak_above_resident_bytes_vs_lora']:.2f}x, "
+                f"peak {r['peak_bytes_vs_lora']:.2f}x, step {r['step_ms_vs_lora']:.2f}x"
+            )
+        peak = r.get("step_peak_above_resident_bytes")
+        peak_text = f"peak above resident {peak / 2**20:8.1f} MiB" if peak is not None else ""
+        print(f"train  M={r['M']:<5} {r['adapter']:<7} {r['step_ms']:8.3f} ms  {peak_text}{extra}")
+    print("\nsummary:", json.dumps(summarize(results)))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main() -> int:
+    out = Path(ARGS.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = [s.strip() for s in ARGS.sections.split(",") if s.strip()]
+    results: dict = {}
+    failures = []
+    print(f"LoRDBA bench ({MODE}) on {DEVICE}: hidden {HIDDEN}, rank {RANK}, {DTYPE}")
+    with tempfile.TemporaryDirectory() as tmp:
+        runners = {
+            "check": check_section,
+            "bytes": lambda: bytes_section(Path(tmp)),
+            "prefill": prefill_section,
+            "train": train_section,
+        }
+        for section in sections:
+            print(f"[{elapsed():6.1f} s] {section}")
+            try:
+                results[section] = runners[section]()
+            except Exception as error:
+                traceback.print_exc()
+                failures.append(section)
+                results[section + "_error"] = f"{type(error).__name__}: {error}"
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    record = {
+        "metadata": metadata(),
+        "summary": summarize(results),
+        "results": results,
+        "wall_s": elapsed(),
+    }
+    write_atomic(out / f"lordba_{MODE}_{stamp}.json", json.dumps(record, indent=1, default=str))
+    prefill = [r for r in results.get("prefill", []) if "variant" in r]
+    if prefill:
+        path = out / f"lordba_prefill_{MODE}_{stamp}.csv"
+        fields = sorted({k for r in prefill for k in r})
+        with open(path.with_name(f".{path.name}.tmp"), "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(prefill)
+        os.replace(path.with_name(f".{path.name}.tmp"), path)
+    print_tables(results)
+    print(f"\nwrote {out}/lordba_{MODE}_{stamp}.* in {elapsed():.0f} s")
+    checks_ok = all(r["ok"] for r in results.get("check", []))
+    return 1 if failures or not checks_ok else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
