@@ -1,5 +1,9 @@
 """Conversion of a peft LoRA checkpoint to LoRDBA."""
 
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
 import copy
 import math
 

@@ -1,5 +1,9 @@
 """LoRDBA storage: footprint, bit-exact save/load, corrupted files, atomic writes."""
 
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
 import json
 
 import pytest
