@@ -112,6 +112,14 @@ def test_create_names_its_bad_arguments() -> None:
         zoo.create("dlrm", embedding_dim=-1)
     with pytest.raises(ValueError, match="divisible"):
         zoo.create("sasrec", embedding_dim=30, num_heads=4)
+    with pytest.raises(ValueError, match="num_sparse and max_table_rows"):
+        zoo.create("dlrm", cardinalities=(10, 10))
+    with pytest.raises(ValueError, match="dataset must be"):
+        zoo.create("sasrec", dataset="books")
+    with pytest.raises(ValueError, match="layout"):
+        zoo.create("hstu", layout="ragged")
+    with pytest.raises(ValueError, match="uniformly"):
+        zoo.create("hstu", negative_sampling="popularity")
 
 
 def test_create_applies_overrides_to_model_and_data() -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from loka.zoo import models
 from loka.zoo.data import amazon
 from loka.zoo.data.criteo import SyntheticCriteo, SyntheticCriteoConfig
-from loka.zoo.data.sequences import SyntheticSequences, SyntheticSequencesConfig
+from loka.zoo.data.sequences import SyntheticSequences, SyntheticSequencesConfig, check_layout
 from loka.zoo.tasks import click_loss, click_metrics, next_item_loss, next_item_metrics
 
 Batch = dict[str, torch.Tensor]
@@ -32,6 +32,18 @@ class SequenceDataConfig:
     num_eval_negatives: int = 100
     num_clusters: int = 32
     teacher_seed: int = 0  # names the synthetic dataset, and seeds evaluation negatives
+
+    def __post_init__(self) -> None:
+        datasets = ("synthetic", *amazon.FILES)
+        if self.dataset not in datasets:
+            raise ValueError(f"dataset must be one of {list(datasets)}, got {self.dataset!r}")
+        check_layout(self.layout)
+        if self.negative_sampling not in ("uniform", "popularity"):
+            raise ValueError(
+                f"negative_sampling must be 'uniform' or 'popularity', got {self.negative_sampling!r}"
+            )
+        if self.dataset == "synthetic" and self.negative_sampling != "uniform":
+            raise ValueError("synthetic sequences sample negatives uniformly only")
 
 
 @dataclass(frozen=True)
@@ -228,6 +240,8 @@ def create(
     data_config = spec.data_config(**{**data_preset, **data_overrides})
 
     if spec.data_config is SyntheticCriteoConfig:
+        if "cardinalities" in data_overrides:
+            raise ValueError("table sizes come from num_sparse and max_table_rows; set those")
         config = spec.config(**{**model_preset, **model_overrides})
         data_config = dataclasses.replace(
             data_config, cardinalities=config.cardinalities, num_dense=config.num_dense
