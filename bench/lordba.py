@@ -291,7 +291,8 @@ def prefill_variants(x: torch.Tensor) -> dict:
             out_dtype=x.dtype,
         )
 
-    return {
+    modules = {"lordba": lordba, "lordba_noq": lordba_noq, "lordba_opaque_base": lordba_opaque}
+    variants = {
         "base": lambda: F.linear(x, weight),
         "lora_peft": lambda: F.linear(x, weight) + F.linear(F.linear(x, a), b) * scaling,
         "lora_addmm": lambda: torch.addmm(F.linear(F.linear(x, a), b_scaled), x, weight.t()),
@@ -300,6 +301,15 @@ def prefill_variants(x: torch.Tensor) -> dict:
         "lordba_opaque_base": lambda: lordba_opaque(x),
         "lordba_adapter_only": adapter_only,
     }
+    return variants, modules
+
+
+def reference_error(module: LoRDBALinear, x: torch.Tensor) -> float:
+    """The timed (Triton) module against the same module on the pure-torch path."""
+    reference = copy.deepcopy(module)
+    reference.config = dataclasses.replace(module.config, backend="torch")
+    with torch.no_grad():
+        return relative_error(module(x), reference(x))
 
 
 def prefill_section() -> list[dict]:
@@ -309,13 +319,22 @@ def prefill_section() -> list[dict]:
             records.append({"M": rows, "skipped": f"over budget at {elapsed():.0f} s"})
             continue
         x = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
-        for name, fn in prefill_variants(x).items():
+        variants, modules = prefill_variants(x)
+        for name, fn in variants.items():
             try:
                 with torch.no_grad():
                     timing = time_ms(fn)
-                records.append(
-                    {"M": rows, "K": HIDDEN, "N": HIDDEN, "rank": RANK, "variant": name, **timing}
-                )
+                record = {
+                    "M": rows,
+                    "K": HIDDEN,
+                    "N": HIDDEN,
+                    "rank": RANK,
+                    "variant": name,
+                    **timing,
+                }
+                if name in modules:
+                    record["rel_error_vs_torch_path"] = reference_error(modules[name], x)
+                records.append(record)
             except Exception as error:
                 traceback.print_exc()
                 records.append(
@@ -478,6 +497,8 @@ def summarize(results: dict) -> dict:
         )
         summary["prefill_worst_lordba_vs_base"] = worst
         summary["prefill_aim_met"] = worst is not None and worst <= PREFILL_AIM
+        errors = [r["rel_error_vs_torch_path"] for r in prefill if "rel_error_vs_torch_path" in r]
+        summary["prefill_max_rel_error_vs_torch_path"] = max(errors, default=None)
     if results.get("bytes"):
         summary["bytes_ratio"] = {str(r["input_scale"]): r["ratio"] for r in results["bytes"]}
     if results.get("check"):

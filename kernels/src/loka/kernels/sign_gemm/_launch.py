@@ -57,12 +57,12 @@ def m_bucket(rows: int) -> int:
     return min(triton.next_power_of_2(max(rows, 1)), 1 << 16)
 
 
-def tuning_configs(blocks: list[dict[str, int]], warps: tuple[int, ...], stages: tuple[int, ...]):
+def tuning_configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """``(BLOCK_M, BLOCK_C, num_warps, num_stages)`` tuples as autotuner configs. Kept to a
+    handful: every config is compiled for every specialization (dtype, fused options)."""
     return [
-        triton.Config(dict(block), num_warps=w, num_stages=s)
-        for block in blocks
-        for w in warps
-        for s in stages
+        triton.Config({"BLOCK_M": bm, "BLOCK_C": bc}, num_warps=warps, num_stages=stages)
+        for bm, bc, warps, stages in tiles
     ]
 
 

@@ -128,9 +128,7 @@ def _wgrad_finalize_kernel(
 
 _wgrad_partial_tuned = triton.autotune(
     configs=_launch.tuning_configs(
-        [{"BLOCK_M": bm, "BLOCK_C": bc} for bm in (32, 64, 128) for bc in (64, 128)],
-        warps=(4, 8),
-        stages=(3, 4),
+        [(32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3)]
     ),
     key=["C", "R", "M_BUCKET", "SPLIT"],
 )(_wgrad_partial_kernel)
