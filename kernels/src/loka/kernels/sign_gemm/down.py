@@ -37,7 +37,8 @@ def _sign_down_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # int64 rows: row * stride passes 2**31 elements on large activations.
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     ranks = tl.arange(0, BLOCK_R)
     row_ok = rows < M
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -97,9 +98,9 @@ def sign_down(
     """
     rank = _check_down_operands(x, packed, col_scale)
     rows, length = x.shape
-    out = torch.zeros((rows, rank), dtype=torch.float32, device=x.device)
+    out = torch.empty((rows, rank), dtype=torch.float32, device=x.device)
     if rows == 0 or rank == 0 or length == 0:
-        return out
+        return out.zero_()
     x = _launch.unit_stride_rows(x)
     args = (
         x,

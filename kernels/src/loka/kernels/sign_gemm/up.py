@@ -46,7 +46,7 @@ def _sign_up_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     c_start = tl.program_id(1) * BLOCK_C
     cols = c_start + tl.arange(0, BLOCK_C)
     ranks = tl.arange(0, BLOCK_R)

@@ -58,7 +58,7 @@ def _wgrad_partial_kernel(
     m_end = tl.minimum(M, m_start + rows_per_split)
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     for m0 in range(m_start, m_end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
+        rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < m_end
         right = tl.load(
             right_ptr + rows[:, None] * stride_rm + cols[None, :],

@@ -19,7 +19,8 @@ Latent factors only ever enter through their signs, packed 8 per byte before eac
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,9 +36,11 @@ from loka.kernels.sign_gemm import (
 
 
 class SignOps(NamedTuple):
-    down: object
-    up: object
-    wgrad: object
+    """One implementation of the three sign-GEMM ops (the kernels, or their references)."""
+
+    down: Callable[..., Any]
+    up: Callable[..., Any]
+    wgrad: Callable[..., Any]
 
 
 TRITON_OPS = SignOps(sign_down, sign_up, sign_wgrad)
