@@ -94,6 +94,9 @@ TRAIN_TOKENS = [
 ]
 BUDGET_S = ARGS.budget_s or (60.0 if ARGS.smoke else 240.0)
 PREFILL_AIM = 1.08  # the paper's "at most 8% prefill overhead at rank 16, unmerged"
+# bf16 GEMM [M, 4096] x [4096, 4096] on the H200 (shared/anchors/h200_gemm_bf16_vs_fp8_2026-11-29.csv,
+# do_bench median): this run's base should land near these.
+ANCHOR_BF16_MS = {2048: 0.0942, 8192: 0.3870}
 BYTES_AIM = 10.0
 START = time.monotonic()
 
@@ -352,6 +355,9 @@ def prefill_section() -> list[dict]:
             ref = base.get((r.get("M"), key))
             if r.get(key) is not None and ref:
                 r[key.replace("_ms", "_vs_base")] = r[key] / ref
+        if r.get("variant") == "base" and HIDDEN == 4096 and r["M"] in ANCHOR_BF16_MS:
+            r["anchor_bf16_ms"] = ANCHOR_BF16_MS[r["M"]]
+            r["eager_vs_anchor"] = r["eager_ms"] / r["anchor_bf16_ms"]
     return records
 
 
@@ -537,6 +543,12 @@ def print_tables(results: dict) -> None:
                     ratio = r.get(key.replace("_ms", "_vs_base"), float("nan"))
                     cells.append(f"{r[key]:>12.4f} ({ratio:>5.3f}x)".rjust(24))
             print(f"{rows:>6}  " + "  ".join(cells))
+    for r in prefill:
+        if "anchor_bf16_ms" in r:
+            print(
+                f"anchor: base at M={r['M']} {r['eager_ms']:.4f} ms eager, H200 anchor "
+                f"{r['anchor_bf16_ms']:.4f} ms ({r['eager_vs_anchor']:.2f}x)"
+            )
     for r in results.get("train", []):
         if "skipped" in r:
             continue
