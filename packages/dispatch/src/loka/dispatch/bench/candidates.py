@@ -1,0 +1,144 @@
+"""What may run one pass of one GEMM site: every registered backend x recipe, with the
+reason it cannot where it cannot.
+
+Timings are keyed by a recipe's *speed key*: formats, granularity and scaling kind. Power-
+of-two rounding and a scale bound change one min or mask in the scale computation, and the
+history length of delayed scaling changes nothing on the GPU, so recipes that differ only
+there share one measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from loka.kernels import registry
+from loka.schema import BF16, PASSES, Recipe
+
+BF16_BACKEND = "torch.bf16"
+
+# Timed when no site_errors table says which recipes matter: the usual candidates per pass.
+DEFAULT_TIMING_RECIPES: Mapping[str, tuple[str, ...]] = {
+    "fwd": (
+        "e4m3:e4m3/tensor/dynamic",
+        "e4m3:e4m3/row/dynamic",
+        "e4m3:e4m3/block/dynamic",
+        "e4m3:e4m3/tensor/delayed16",
+    ),
+    "dgrad": (
+        "e5m2:e4m3/tensor/dynamic",
+        "e4m3:e4m3/tensor/dynamic",
+        "e5m2:e4m3/row/dynamic",
+        "e4m3:e4m3/row/dynamic",
+    ),
+    "wgrad": (
+        "e5m2:e4m3/tensor/dynamic",
+        "e4m3:e4m3/tensor/dynamic",
+        "e5m2:e4m3/row/dynamic",
+        "e4m3:e4m3/row/dynamic",
+    ),
+}
+
+
+def m_bucket(m: int) -> int:
+    """M rounded to the nearest power of two in log scale (the `kernel_bench` M bucket)."""
+    if m < 1:
+        raise ValueError(f"M must be positive, got {m}")
+    return 1 << max(0, round(math.log2(m)))
+
+
+def speed_key(recipe: str | Recipe) -> str:
+    """What decides a recipe's speed: 'bf16' or 'A:B/granularity/dynamic|delayed'."""
+    r = recipe if isinstance(recipe, Recipe) else Recipe.parse(recipe)
+    if r.is_bf16:
+        return "bf16"
+    return f"{r.a_format}:{r.b_format}/{r.granularity}/{r.scaling}"
+
+
+def timing_recipe(recipe: str | Recipe) -> Recipe:
+    """The recipe actually timed for `recipe`'s speed key (no pow2, no bound)."""
+    r = recipe if isinstance(recipe, Recipe) else Recipe.parse(recipe)
+    if r.is_bf16:
+        return BF16
+    return Recipe(r.a_format, r.b_format, r.granularity, r.scaling, r.history)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run one pass: a registry backend and the recipe it runs."""
+
+    backend: str
+    recipe: str
+    pass_: str
+
+    @property
+    def is_bf16(self) -> bool:
+        return self.recipe == "bf16"
+
+    @property
+    def fast_accum(self) -> bool:
+        return self.backend.endswith(".fast")
+
+
+@dataclass(frozen=True)
+class CandidateStatus:
+    candidate: Candidate
+    refusal: str | None  # None: it can run (and be timed) here
+
+
+def recipes_by_pass(
+    recipes: Mapping[str, Iterable[str]] | None = None,
+) -> dict[str, list[Recipe]]:
+    """One timing recipe per speed key and pass (bf16 first), from `recipes` or the defaults."""
+    source = DEFAULT_TIMING_RECIPES if recipes is None else recipes
+    out: dict[str, list[Recipe]] = {}
+    for pass_ in PASSES:
+        seen: dict[str, Recipe] = {"bf16": BF16}
+        for text in source.get(pass_, ()):
+            r = timing_recipe(text)
+            seen.setdefault(speed_key(r), r)
+        out[pass_] = list(seen.values())
+    return out
+
+
+def candidates(
+    M: int,
+    K: int,
+    N: int,
+    recipes: Mapping[str, Iterable[str]] | None = None,
+    *,
+    device: torch.device | str | None = None,
+    include_fast_accum: bool = False,
+    backends: Iterable[str] | None = None,
+    runnable_only: bool = False,
+) -> list[CandidateStatus]:
+    """Every (backend, timing recipe, pass) for a linear ``x[M,K] W[N,K]^T``.
+
+    A candidate is refused (with the backend's reason) when the backend does not support the
+    recipe at this shape, or, when `device` is given, cannot be timed there (with
+    `runnable_only`: cannot run there at all, e.g. Triton's CPU interpreter counts).
+    """
+    names = list(backends) if backends is not None else registry.names("mm")
+    out: list[CandidateStatus] = []
+    for pass_, pass_recipes in recipes_by_pass(recipes).items():
+        for recipe in pass_recipes:
+            for name in names:
+                backend = registry.get(name)
+                if backend.op != "mm":
+                    continue
+                if name.endswith(".fast") and not include_fast_accum:
+                    continue
+                bf16_backend = ("bf16", "bf16") in backend.formats
+                if bf16_backend != recipe.is_bf16:
+                    continue
+                reason = backend.supports(recipe, M, K, N, pass_)
+                if reason is None and device is not None:
+                    if runnable_only:
+                        reason = backend.runnable_reason(device)
+                    else:
+                        reason = backend.unavailable_reason(device)
+                out.append(CandidateStatus(Candidate(name, str(recipe), pass_), reason))
+    return out

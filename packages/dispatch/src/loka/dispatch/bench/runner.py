@@ -1,0 +1,205 @@
+"""`benchmark`: the `kernel_bench` table for a set of GEMM shapes, measured on this GPU
+(reusing the cache) or, without the target GPU, estimated from a recorded table."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import polars as pl
+import torch
+
+from loka.dispatch.bench.cache import BenchCache
+from loka.dispatch.bench.candidates import Candidate, CandidateStatus, candidates, m_bucket
+from loka.dispatch.bench.cost_model import CostModel
+from loka.dispatch.bench.timing import PassTimer, PassTiming
+from loka.dispatch.device import DeviceInfo
+from loka.kernels import available, gemm_dims
+from loka.schema import empty, validate
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    """One GEMM site's shape as benchmarked: the M bucket, K and N."""
+
+    M_bucket: int
+    K: int
+    N: int
+    groups: int = 1
+
+
+def site_shapes(sites: pl.DataFrame) -> list[Shape]:
+    """The distinct shapes of the linear sites of a `sites` table, the most expensive first
+    (by measured time share, else by flops), so that a budget cuts the least important."""
+    linear = sites.filter((pl.col("kind") == "linear") & (pl.col("groups") == 1))
+    linear = linear.filter(pl.col("M_p50") > 0)
+    weight: dict[Shape, float] = {}
+    for row in linear.iter_rows(named=True):
+        shape = Shape(m_bucket(row["M_p50"]), row["K"], row["N"])
+        share = row["time_share"]
+        w = share if share is not None else 2.0 * row["M_p50"] * row["K"] * row["N"] * 1e-18
+        weight[shape] = weight.get(shape, 0.0) + w
+    return sorted(weight, key=lambda s: -weight[s])
+
+
+@dataclass
+class BenchResult:
+    """The kernel_bench rows for the shapes asked, and how each was obtained."""
+
+    table: pl.DataFrame
+    device: DeviceInfo  # the machine the times are for
+    measured: int = 0
+    reused: int = 0
+    estimated: int = 0
+    refused: list[tuple[Shape, Candidate, str]] = field(default_factory=list)
+    failed: list[tuple[Shape, Candidate, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def is_estimate(self) -> bool:
+        return self.estimated > 0
+
+
+def _row(info: DeviceInfo, c: Candidate, shape: Shape, t: PassTiming, estimated: bool, source: str):
+    m, k, n = gemm_dims(c.pass_, shape.M_bucket, shape.K, shape.N)
+    return {
+        **info.as_dict(), "backend": c.backend, "recipe": c.recipe, "pass": c.pass_,
+        "M_bucket": shape.M_bucket, "K": shape.K, "N": shape.N, "groups": shape.groups,
+        "median_ms": t.median_ms,
+        "tflops": 2.0 * m * k * n * shape.groups / (t.median_ms * 1e-3) / 1e12 if t.median_ms > 0 else 0.0,
+        "estimated": estimated, "gemm_ms": t.gemm_ms, "quant_ms": t.quant_ms,
+        "method": t.method, "source": source,
+    }  # fmt: skip
+
+
+def _frame(rows: list[dict]) -> pl.DataFrame:
+    return validate(pl.DataFrame(rows), "kernel_bench") if rows else empty("kernel_bench")
+
+
+def can_measure(device: torch.device | str | None = None) -> bool:
+    """True when FP8 GEMM backends can be timed on `device` (a GPU with FP8 tensor cores)."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type != "cuda":
+        return False
+    if device is None and not torch.cuda.is_available():
+        return False
+    return any(name != "torch.bf16" for name in available(device, op="mm"))
+
+
+def benchmark(
+    shapes: Iterable[Shape],
+    *,
+    device: torch.device | str | None = None,
+    recipes: Mapping[str, Iterable[str]] | None = None,
+    cache: BenchCache | None = None,
+    cost_model: CostModel | None = None,
+    budget_s: float | None = None,
+    include_fast_accum: bool = False,
+    progress: Progress | None = None,
+    time_on_cpu: bool = False,
+) -> BenchResult:
+    """`kernel_bench` rows for every candidate (backend x recipe x pass) at each shape.
+
+    On a GPU that can run FP8 backends, rows come from `cache` when present there, else are
+    measured (`PassTimer`) and added to the cache; once `budget_s` is spent, the remaining
+    rows are estimated by `cost_model` if it was recorded on the same GPU model, else left
+    out (and said so in `notes`). Without such a GPU, every row is an estimate from
+    `cost_model` (required then), for the device it was recorded on. `time_on_cpu` times
+    on the CPU instead (Triton interpreter, wall clock): it checks the machinery, its
+    numbers say nothing about GPU speed.
+    """
+    shapes = list(shapes)
+    measuring = time_on_cpu or can_measure(device)
+    if time_on_cpu:
+        device = torch.device("cpu")
+        info = DeviceInfo.current(device)
+    elif measuring:
+        device = torch.device(device or "cuda")
+        info = DeviceInfo.current(device)
+    else:
+        if cost_model is None:
+            raise ValueError(
+                "no GPU that can run FP8 kernels here and no cost model given: pass "
+                "cost_model=CostModel.shipped() (or a recorded table) to estimate"
+            )
+        info = cost_model.device
+    result = BenchResult(table=empty("kernel_bench"), device=info)
+    if not measuring:
+        result.notes.append(
+            f"no FP8-capable GPU here: every time is an ESTIMATE for {info.device}, from "
+            f"{cost_model.source}"
+        )
+    cached = cache.load(info) if (measuring and cache is not None) else empty("kernel_bench")
+    cached_keys = {
+        (r["backend"], r["recipe"], r["pass"], r["M_bucket"], r["K"], r["N"], r["groups"]): r
+        for r in cached.iter_rows(named=True)
+    }
+    model_fits_here = cost_model is not None and cost_model.device.device == info.device
+    if measuring and cost_model is not None and not model_fits_here:
+        result.notes.append(
+            f"cost model {cost_model.source} was recorded on {cost_model.device.device}, not "
+            f"{info.device}: not used for shapes past the budget"
+        )
+    deadline = time.monotonic() + budget_s if budget_s is not None else None
+    plan: list[tuple[Shape, CandidateStatus]] = []
+    for shape in shapes:
+        for status in candidates(
+            shape.M_bucket, shape.K, shape.N, recipes,
+            device=device if measuring else None, include_fast_accum=include_fast_accum,
+            runnable_only=time_on_cpu,
+        ):  # fmt: skip
+            plan.append((shape, status))
+    rows, new_rows = [], []
+    timers: dict[Shape, PassTimer] = {}
+    over_budget = 0
+    for i, (shape, status) in enumerate(plan):
+        c = status.candidate
+        if progress is not None:
+            progress(i, len(plan), f"{shape.M_bucket}x{shape.K}x{shape.N} {c.pass_} {c.backend}")
+        if status.refusal is not None:
+            result.refused.append((shape, c, status.refusal))
+            continue
+        key = (c.backend, c.recipe, c.pass_, shape.M_bucket, shape.K, shape.N, shape.groups)
+        if key in cached_keys:
+            rows.append(cached_keys[key])
+            result.reused += 1
+            continue
+        if measuring and (deadline is None or time.monotonic() < deadline):
+            timer = timers.get(shape)
+            if timer is None:
+                timers.clear()  # free the previous shape's inputs
+                timer = timers[shape] = PassTimer(shape.M_bucket, shape.K, shape.N, device)
+            try:
+                t = timer.time(c)
+            except Exception as exc:  # a backend failing is a result, not a crash
+                result.failed.append((shape, c, f"{type(exc).__name__}: {exc}"))
+                continue
+            row = _row(info, c, shape, t, False, "measured")
+            rows.append(row)
+            new_rows.append(row)
+            result.measured += 1
+            continue
+        if measuring:
+            over_budget += 1
+        if cost_model is not None and (model_fits_here or not measuring):
+            t = cost_model.estimate(c, shape.M_bucket, shape.K, shape.N)
+            if t is not None:
+                rows.append(_row(info, c, shape, t, True, cost_model.source))
+                result.estimated += 1
+                continue
+        result.failed.append((shape, c, "no measurement and no recorded time to estimate from"))
+    if progress is not None:
+        progress(len(plan), len(plan), "done")
+    if over_budget:
+        result.notes.append(
+            f"{over_budget} candidate(s) past the {budget_s:.0f} s budget were not measured"
+            + (" (estimated instead)" if model_fits_here else "")
+        )
+    if new_rows and cache is not None:
+        path = cache.store(info, _frame(new_rows))
+        result.notes.append(f"cached {len(new_rows)} measured row(s) in {path}")
+    result.table = _frame(rows)
+    return result

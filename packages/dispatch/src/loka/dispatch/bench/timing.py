@@ -1,0 +1,252 @@
+"""Timing one pass of a linear as an FP8 linear runs it: operand quantization plus the GEMM.
+
+Per pass (kernels/README.md, "The passes of a linear"), with the weight's FP8 copies made
+once per optimizer step and therefore not timed:
+
+| pass  | quantization timed            | GEMM (NT)                 |
+| ----- | ----------------------------- | ------------------------- |
+| fwd   | quantize(x)                   | x[M,K] @ W[N,K]^T         |
+| dgrad | quantize(dY)                  | dY[M,N] @ (W^T)[K,N]^T    |
+| wgrad | quantize_transpose(dY) and    | (dY^T)[N,M] @ (x^T)[K,M]^T|
+|       | quantize_transpose(x)         |                           |
+
+Each pass is costed standalone; the planner credits the quantizations two FP8 passes share
+(the forward's x with the wgrad's x^T, the dgrad's dY with the wgrad's dY^T). Every part is
+timed separately (a quantization does not depend on the GEMM backend that consumes it), as
+the median over replays of a CUDA graph holding many calls that rotate over several copies
+of the inputs, so that neither launch overhead nor a warm L2 cache flatters small shapes.
+On the CPU the same calls are timed with a wall clock: that checks the machinery, not speed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loka.dispatch.bench.candidates import Candidate
+from loka.kernels import fp8_mm, gemm_dims, quantize, quantize_transpose, registry
+from loka.schema import Recipe
+
+# Rotate over enough input copies that one set no longer fits in the H200's 50 MB L2.
+ROTATE_BYTES = 128 * 2**20
+MAX_COPIES = 8
+ACT_BLOCK, WEIGHT_BLOCK = (1, 128), (128, 128)
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    median_ms: float  # quant_ms + gemm_ms
+    gemm_ms: float
+    quant_ms: float
+    method: str  # "cuda_graph", "eager" (graph capture failed) or "wall_clock" (CPU)
+
+
+def _median_cuda_graph(fn: Callable[[], object], target_ms: float, replays: int) -> float:
+    for _ in range(3):  # compile and autotune outside the capture
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    calls = max(1, min(2000, int(target_ms / max(start.elapsed_time(end) / 5, 1e-4))))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def _median_eager(fn: Callable[[], object], target_ms: float) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, rep=max(int(target_ms), 5), return_mode="median"))
+
+
+def _median_wall(fn: Callable[[], object], repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class _Rotation:
+    """Several copies of a pass's inputs, handed out in turn."""
+
+    def __init__(self, makers: list[Callable[[], object]], bytes_per_copy: int) -> None:
+        copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // max(bytes_per_copy, 1))))
+        self.items = [[make() for make in makers] for _ in range(copies)]
+        self.i = 0
+
+    def next(self) -> list:
+        item = self.items[self.i]
+        self.i = (self.i + 1) % len(self.items)
+        return item
+
+
+class PassTimer:
+    """Times candidates at one shape, measuring each distinct quantization once."""
+
+    def __init__(
+        self,
+        M: int,
+        K: int,
+        N: int,
+        device: torch.device | str,
+        *,
+        target_ms: float = 4.0,
+        replays: int = 7,
+        seed: int = 0,
+    ) -> None:
+        self.M, self.K, self.N = M, K, N
+        self.device = torch.device(device)
+        self.target_ms, self.replays = target_ms, replays
+        self.method = "cuda_graph" if self.device.type == "cuda" else "wall_clock"
+        g = torch.Generator(device=self.device).manual_seed(seed)
+
+        def rand(*shape: int) -> Callable[[], torch.Tensor]:
+            return lambda: torch.randn(
+                *shape, generator=g, device=self.device, dtype=torch.float32
+            ).to(torch.bfloat16)
+
+        self.w = rand(N, K)()
+        self._x = _Rotation([rand(M, K)], 2 * M * K)
+        self._dy = _Rotation([rand(M, N)], 2 * M * N)
+        self._quant_ms: dict[tuple, float] = {}
+        self._weights: dict[tuple, object] = {}
+
+    # -- measuring ------------------------------------------------------------------
+
+    def _measure(self, fn: Callable[[], object]) -> float:
+        if self.method == "wall_clock":
+            return _median_wall(fn)
+        if self.method == "cuda_graph":
+            try:
+                return _median_cuda_graph(fn, self.target_ms, self.replays)
+            except RuntimeError:
+                # Something in the path synchronizes or allocates in a way capture refuses:
+                # time it eagerly and say so in the row.
+                torch.cuda.synchronize()
+                self.method = "eager"
+        return _median_eager(fn, self.target_ms)
+
+    # -- operands -------------------------------------------------------------------
+
+    def _weight(self, recipe: Recipe, pass_: str) -> object:
+        """The cached FP8 weight operand of fwd (W) or dgrad (W^T)."""
+        key = (recipe.b_format, recipe.granularity, pass_)
+        if key not in self._weights:
+            block = WEIGHT_BLOCK if recipe.granularity == "block" else None
+            if pass_ == "fwd":
+                w = quantize(self.w, recipe.b_format, recipe.granularity, block=block)
+            else:
+                w = quantize_transpose(self.w, recipe.b_format, recipe.granularity, block=block)[1]
+            self._weights[key] = w
+        return self._weights[key]
+
+    def _quantizer(self, recipe: Recipe, pass_: str) -> Callable[[], tuple]:
+        """A call that quantizes the pass's non-weight operands from the next input copy."""
+        block = ACT_BLOCK if recipe.granularity == "block" else None
+        gran = recipe.granularity
+        # Delayed scaling takes its scale from a recorded amax: no amax pass is timed.
+        delayed = recipe.scaling == "delayed"
+        amax_x = self._amax(self._x) if delayed else None
+        amax_dy = self._amax(self._dy) if delayed else None
+        if pass_ == "fwd":
+            return lambda: (
+                quantize(self._x.next()[0], recipe.a_format, gran, block=block, amax=amax_x),
+            )
+        if pass_ == "dgrad":
+            return lambda: (
+                quantize(self._dy.next()[0], recipe.a_format, gran, block=block, amax=amax_dy),
+            )
+
+        def wgrad() -> tuple:
+            dyt = quantize_transpose(self._dy.next()[0], recipe.a_format, gran, block=block,
+                                     amax=amax_dy)[1]  # fmt: skip
+            xt = quantize_transpose(self._x.next()[0], recipe.b_format, gran, block=block,
+                                    amax=amax_x)[1]  # fmt: skip
+            return dyt, xt
+
+        return wgrad
+
+    @staticmethod
+    def _amax(rotation: _Rotation) -> torch.Tensor:
+        return rotation.items[0][0].abs().amax().float().view(1)
+
+    def _bf16_operands(self, pass_: str) -> Callable[[], tuple]:
+        if pass_ == "fwd":
+            return lambda: (self._x.next()[0], self.w)
+        if pass_ == "dgrad":
+            return lambda: (self._dy.next()[0], self.w.t())
+        return lambda: (self._dy.next()[0].t(), self._x.next()[0].t())
+
+    # -- public ---------------------------------------------------------------------
+
+    def quant_ms(self, recipe: Recipe, pass_: str) -> float:
+        key = (pass_, recipe.a_format, recipe.b_format, recipe.granularity, recipe.scaling)
+        if key not in self._quant_ms:
+            self._quant_ms[key] = self._measure(self._quantizer(recipe, pass_))
+        return self._quant_ms[key]
+
+    def output(self, candidate: Candidate) -> torch.Tensor:
+        """The pass's GEMM result on the first input copy, computed as `time` times it (for
+        checking that the benchmark computes the right product)."""
+        backend = registry.get(candidate.backend)
+        recipe = Recipe.parse(candidate.recipe)
+        self._x.i = self._dy.i = 0
+        if recipe.is_bf16:
+            return backend.run(*self._bf16_operands(candidate.pass_)())
+        operands = self._quantizer(recipe, candidate.pass_)()
+        if candidate.pass_ != "wgrad":
+            operands = (operands[0], self._weight(recipe, candidate.pass_))
+        return fp8_mm(*operands, backend=backend)
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x, W, dY) of the first input copy."""
+        return self._x.items[0][0], self.w, self._dy.items[0][0]
+
+    def time(self, candidate: Candidate) -> PassTiming:
+        """Time `candidate` at this shape (raises whatever the backend raises)."""
+        backend = registry.get(candidate.backend)
+        recipe = Recipe.parse(candidate.recipe)
+        pass_ = candidate.pass_
+        if recipe.is_bf16:
+            operands = self._bf16_operands(pass_)
+            gemm_ms = self._measure(lambda: backend.run(*operands()))
+            return PassTiming(gemm_ms, gemm_ms, 0.0, self.method)
+        quantizer = self._quantizer(recipe, pass_)
+        if pass_ == "wgrad":
+            a, b = quantizer()
+            pairs = [(a, b)] + [quantizer() for _ in range(len(self._x.items) - 1)]
+        else:
+            w = self._weight(recipe, pass_)
+            pairs = [(quantizer()[0], w) for _ in range(len(self._x.items))]
+        m, k, n = gemm_dims(pass_, self.M, self.K, self.N)
+        a0, b0 = pairs[0]
+        if tuple(a0.data.shape) != (m, k) or tuple(b0.data.shape) != (n, k):
+            raise AssertionError(f"operand shapes {a0.data.shape}, {b0.data.shape} for {m, k, n}")
+        rotation = _Rotation([], 0)
+        rotation.items = [list(p) for p in pairs]
+        gemm_ms = self._measure(lambda: fp8_mm(*rotation.next(), backend=backend))
+        quant_ms = self.quant_ms(recipe, pass_)
+        return PassTiming(gemm_ms + quant_ms, gemm_ms, quant_ms, self.method)

@@ -1,0 +1,200 @@
+"""Benchmark machinery: candidates, per-pass timing (CPU interpreter), cache, cost model."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before loka.kernels is imported
+
+import dataclasses
+
+import polars as pl
+import pytest
+import torch
+
+from loka.dispatch.bench.cache import BenchCache, CacheMismatchError, check_same_device
+from loka.dispatch.bench.candidates import (
+    Candidate,
+    candidates,
+    m_bucket,
+    recipes_by_pass,
+    speed_key,
+)
+from loka.dispatch.bench.cost_model import CostModel
+from loka.dispatch.bench.runner import Shape, benchmark, site_shapes
+from loka.dispatch.bench.shipped import build_shipped_table
+from loka.dispatch.bench.timing import PassTimer
+from loka.dispatch.device import DeviceInfo
+from loka.schema import read_table, validate
+
+H200 = DeviceInfo("NVIDIA H200", "9.0", "570.1 / CUDA 13.0", "2.11.0", "3.6.0")
+
+
+def test_buckets_and_speed_keys() -> None:
+    assert [m_bucket(m) for m in (1, 3, 5, 41000, 65536, 90000)] == [1, 4, 4, 32768, 65536, 65536]
+    with pytest.raises(ValueError, match="positive"):
+        m_bucket(0)
+    assert speed_key("e4m3:e4m3/row/dynamic/pow2/ub=1024.0") == "e4m3:e4m3/row/dynamic"
+    assert speed_key("e4m3:e4m3/tensor/delayed16") == speed_key("e4m3:e4m3/tensor/delayed4")
+    assert speed_key("bf16") == "bf16"
+    by_pass = recipes_by_pass({"fwd": ["e4m3:e4m3/row/dynamic", "e4m3:e4m3/row/dynamic/pow2"]})
+    assert [str(r) for r in by_pass["fwd"]] == ["bf16", "e4m3:e4m3/row/dynamic"]
+    assert [str(r) for r in by_pass["dgrad"]] == ["bf16"]
+
+
+def test_candidates_name_every_refusal() -> None:
+    found = candidates(4096, 479, 1024)  # K = 479: not a multiple of 16
+    refused = {
+        (s.candidate.backend, s.candidate.recipe, s.candidate.pass_): s.refusal for s in found
+    }
+    assert "multiple of 16" in refused[("torch.scaled_mm", "e4m3:e4m3/row/dynamic", "fwd")]
+    assert refused[("torch.bf16", "bf16", "fwd")] is None
+    assert not any(s.candidate.fast_accum for s in found)  # opt-in only
+    assert any(s.candidate.fast_accum for s in candidates(64, 64, 64, include_fast_accum=True))
+    on_cpu = candidates(64, 128, 64, device="cpu")
+    fp8 = [s for s in on_cpu if not s.candidate.is_bf16]
+    assert fp8 and all(s.refusal for s in fp8)
+    assert all("CUDA" in s.refusal for s in fp8 if s.candidate.backend == "triton.fp8")
+
+
+def test_timer_computes_each_pass_as_the_fp8_linear_would() -> None:
+    timer = PassTimer(32, 128, 48, "cpu")
+    x, w, dy = (t.float() for t in timer.inputs())
+    reference = {"fwd": x @ w.t(), "dgrad": dy @ w, "wgrad": dy.t() @ x}
+    recipes = {p: ["e4m3:e4m3/row/dynamic"] for p in reference} | {
+        "fwd": ["e4m3:e4m3/tensor/delayed16", "e4m3:e4m3/block/dynamic"]
+    }
+    statuses = candidates(32, 128, 48, recipes, device="cpu", runnable_only=True,
+                          backends=["torch.bf16", "triton.fp8"])  # fmt: skip
+    assert len(statuses) == 7 and all(s.refusal is None for s in statuses)
+    for status in statuses:
+        c = status.candidate
+        ref = reference[c.pass_]
+        err = ((timer.output(c).float() - ref).norm() / ref.norm()).item()
+        assert err < (0.005 if c.is_bf16 else 0.06), (c, err)
+    timing = timer.time(Candidate("triton.fp8", "e4m3:e4m3/row/dynamic", "wgrad"))
+    assert timing.method == "wall_clock" and timing.quant_ms > 0 and timing.gemm_ms > 0
+    assert timing.median_ms == pytest.approx(timing.gemm_ms + timing.quant_ms)
+    assert timer.time(Candidate("torch.bf16", "bf16", "fwd")).quant_ms == 0.0
+
+
+def _rows(device: DeviceInfo, n: int = 2, estimated: bool = False) -> pl.DataFrame:
+    return validate(
+        pl.DataFrame(
+            {
+                **{k: [v] * n for k, v in device.as_dict().items()},
+                "backend": ["torch.bf16"] * n, "recipe": ["bf16"] * n, "pass": ["fwd"] * n,
+                "M_bucket": [1024 * (i + 1) for i in range(n)], "K": [64] * n, "N": [64] * n,
+                "groups": [1] * n, "median_ms": [0.01 * (i + 1) for i in range(n)],
+                "tflops": [1.0] * n, "estimated": [estimated] * n,
+            }
+        ),
+        "kernel_bench",
+    )  # fmt: skip
+
+
+def test_cache_round_trip_merge_and_foreign_files(tmp_path) -> None:
+    cache = BenchCache(tmp_path)
+    assert cache.load(H200).is_empty()
+    cache.store(H200, _rows(H200, 2))
+    newer = _rows(H200, 3).with_columns(pl.col("median_ms") * 10)
+    cache.store(H200, newer)
+    loaded = cache.load(H200)
+    assert loaded.height == 3 and loaded["median_ms"].to_list() == pytest.approx([0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="estimated"):
+        cache.store(H200, _rows(H200, 1, estimated=True))
+
+    other = dataclasses.replace(H200, device="NVIDIA H100", driver="550.0 / CUDA 12.4")
+    with pytest.raises(CacheMismatchError, match="rows to cache"):
+        cache.store(H200, _rows(other))
+    cache.store(other, _rows(other))
+    assert cache.others(H200) == [other]
+    # A file moved or copied from another machine is refused with what differs.
+    cache.path(other).replace(cache.path(H200))
+    with pytest.raises(CacheMismatchError) as err:
+        cache.load(H200)
+    message = str(err.value)
+    assert "NVIDIA H100" in message and "driver" in message and "this machine" in message
+    with pytest.raises(CacheMismatchError, match="torch_version"):
+        check_same_device(_rows(dataclasses.replace(H200, torch_version="2.9")), H200, "t")
+
+
+def test_shipped_table_is_what_the_script_builds() -> None:
+    model = CostModel.shipped()
+    built = build_shipped_table()
+    assert model.table.height == built.height > 500
+    assert model.table.drop("source").equals(built.drop("source")) or (
+        (model.table["median_ms"] - built["median_ms"]).abs().max() < 1e-12
+    )
+    assert model.device.device == "NVIDIA H200"
+    measured = model.table.filter(~pl.col("estimated"))
+    assert set(measured["backend"]) == {"torch.bf16"} and set(measured["pass"]) == {"fwd"}
+
+
+def test_cost_model_reproduces_recorded_rows_and_reports_its_error() -> None:
+    model = CostModel.shipped()
+    row = model.table.filter(
+        (pl.col("backend") == "torch.scaled_mm") & (pl.col("pass") == "dgrad")
+    ).row(0, named=True)
+    c = Candidate(row["backend"], row["recipe"], row["pass"])
+    est = model.estimate(c, row["M_bucket"], row["K"], row["N"])
+    assert est.median_ms == pytest.approx(row["median_ms"], rel=1e-6)
+    assert est.method == "cost_model"
+    bigger = model.estimate(c, 4 * row["M_bucket"], row["K"], row["N"])
+    assert bigger.median_ms > est.median_ms
+    assert model.estimate(Candidate("no.such", "bf16", "fwd"), 64, 64, 64) is None
+    holdout = model.holdout()
+    err = holdout["rel_err"].abs()
+    # The documented leave-one-out error of the shipped table (README): median under 6%.
+    assert err.median() < 0.06 and err.quantile(0.9) < 0.15
+
+
+def test_benchmark_without_a_gpu_estimates_and_says_so() -> None:
+    with pytest.raises(ValueError, match="cost model"):
+        benchmark([Shape(8192, 1024, 4096)], device="cpu")
+    result = benchmark([Shape(8192, 1024, 4096), Shape(16384, 512, 512)],
+                       cost_model=CostModel.shipped(), device="cpu")  # fmt: skip
+    assert result.measured == 0 and result.estimated == result.table.height > 20
+    assert result.table["estimated"].all() and set(result.table["device"]) == {"NVIDIA H200"}
+    assert any("ESTIMATE" in note for note in result.notes)
+
+
+def test_benchmark_measures_then_reuses_its_cache(tmp_path) -> None:
+    cache = BenchCache(tmp_path)
+    recipes = {"fwd": ["e4m3:e4m3/row/dynamic"], "dgrad": [], "wgrad": []}
+    kw = dict(recipes=recipes, cache=cache, time_on_cpu=True)
+    first = benchmark([Shape(32, 128, 64)], **kw)
+    # bf16 x 3 passes + the row recipe on every runnable FP8 backend (Triton, interpreted).
+    assert first.measured == first.table.height >= 4 and first.reused == 0
+    assert not first.table["estimated"].any()
+    second = benchmark([Shape(32, 128, 64)], **kw)
+    assert second.measured == 0 and second.reused == first.measured
+    assert second.table.sort("backend", "pass").equals(first.table.sort("backend", "pass"))
+    assert (
+        read_table(cache.path(DeviceInfo.current("cpu")), "kernel_bench").height == first.measured
+    )
+    # Past the budget nothing more is measured; without a cost model of this device the
+    # rest is reported, not invented.
+    late = benchmark([Shape(64, 128, 64)], budget_s=0.0, **kw)
+    assert late.measured == 0 and late.table.is_empty() and late.failed
+    assert any("budget" in note for note in late.notes)
+
+
+def test_site_shapes_dedupe_and_order_by_importance() -> None:
+    sites = pl.DataFrame(
+        {"site": ["a", "b", "c", "d"], "kind": ["linear", "linear", "linear", "grouped"],
+         "K": [64, 64, 1024, 8], "N": [64, 64, 4096, 8], "M_p50": [1000, 1100, 4096, 8],
+         "groups": [1, 1, 1, 4], "time_share": [None, None, None, None]}
+    )  # fmt: skip
+    assert site_shapes(sites) == [Shape(4096, 1024, 4096), Shape(1024, 64, 64)]
+    timed = sites.with_columns(pl.Series("time_share", [0.3, 0.3, 0.1, 0.0]))
+    assert site_shapes(timed)[0] == Shape(1024, 64, 64)
+
+
+def test_device_info_of_the_cpu() -> None:
+    info = DeviceInfo.current("cpu")
+    assert info.device == "cpu" and info.torch_version == torch.__version__
+    assert info.slug.startswith("cpu-") and info.slug != H200.slug
+    assert H200.differences(dataclasses.replace(H200, triton_version="3.5.0")) == [
+        "triton_version '3.5.0' (this machine: '3.6.0')"
+    ]
