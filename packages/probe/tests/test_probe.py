@@ -332,3 +332,31 @@ def test_verdicts_do_not_flip_between_seeds() -> None:
     assert flips == []
     decided = [k for k, v in verdicts[0].items() if v != "undecided" and v == verdicts[1][k]]
     assert len(decided) > 0.8 * len(verdicts[0])
+
+
+def test_max_sites_per_step_rotates_through_sites() -> None:
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+    config = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=2, queue_size=64)
+    with Probe(model, config) as probe:
+        for _ in range(6):
+            model(torch.randn(32, 16)).sum().backward()
+            probe.step()
+        sites = probe.tables()["sites"]
+    assert sites["captured_steps"].to_list() == [3, 3, 3, 3]
+
+
+class BrokenSite(nn.Linear):
+    def loka_gemm_operands(self, args, output):
+        return [{"input": args[0], "weight": self.weight}]  # no "output"
+
+
+def test_a_failing_site_is_reported_and_training_goes_on() -> None:
+    model = nn.Sequential(BrokenSite(8, 8), nn.Linear(8, 4))
+    with Probe(model, ProbeConfig(every=1, warmup_steps=0, queue_size=8)) as probe:
+        for _ in range(3):
+            model(torch.randn(16, 8)).sum().backward()
+            probe.step()
+        assert len(probe.errors) == 3 and "lacks key 'output'" in probe.errors[0]
+        with pytest.warns(RuntimeWarning, match="capture/analysis error"):
+            tables = probe.tables()
+    assert tables["site_errors"].filter(pl.col("site") == "1")["n"].max() == 3

@@ -169,7 +169,9 @@ class Analyzer:
         pending: list[_Pending] = []
         if cuda:
             torch.cuda.set_device(job.device)
-            stream = self._streams.setdefault(job.device, torch.cuda.Stream(job.device))
+            if job.device not in self._streams:
+                self._streams[job.device] = torch.cuda.Stream(job.device)
+            stream = self._streams[job.device]
             stream.wait_event(job.ready)
             with torch.cuda.stream(stream):
                 start = torch.cuda.Event(enable_timing=True)

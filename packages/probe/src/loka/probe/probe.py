@@ -80,6 +80,7 @@ class Probe:
         self._dropped_steps = 0
         self._dropped_samples = 0
         self._plans: dict[int, list[SiteSpec]] = {}
+        self._planned_at: dict[str, int] = {}
         self._capture: StepCapture | None = None
         self._amax_capture: AmaxCapture | None = None
         self._step_start: Any = None
@@ -231,13 +232,16 @@ class Probe:
                 undecided.append(spec)
             elif (k + i) % every == 0:
                 decided.append(spec)
+        chosen = undecided + decided
         cap = self.config.max_sites_per_step
         if cap is not None:
-            key = lambda s: self._states[s.name].last_captured  # noqa: E731
-            undecided.sort(key=key)
-            decided.sort(key=key)
-            return (undecided + decided)[:cap]
-        return undecided + decided
+            # Least recently planned first (a stable sort keeps module order on ties).
+            undecided.sort(key=lambda s: self._planned_at.get(s.name, -1))
+            decided.sort(key=lambda s: self._planned_at.get(s.name, -1))
+            chosen = (undecided + decided)[:cap]
+        for spec in chosen:
+            self._planned_at[spec.name] = step
+        return chosen
 
     def _arm(self) -> None:
         step = self._step
