@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -39,7 +40,7 @@ from pathlib import Path
 
 FIELDS = [
     "section", "path", "backend", "recipe", "pass", "M", "K", "N",
-    "t_ms", "t_graph_ms", "tflops", "speedup_vs_bf16", "ratio", "ratio_to", "rel_err", "ok", "error",
+    "t_ms", "t_graph_ms", "t_host_us", "tflops", "speedup_vs_bf16", "ratio", "ratio_to", "rel_err", "ok", "error",
 ]  # fmt: skip
 LRM_KN = [(128, 128), (512, 512), (1024, 1024), (1024, 4096), (4096, 1024), (2048, 2048),
           (4096, 4096), (8192, 8192)]  # fmt: skip
@@ -52,7 +53,8 @@ def parse_args() -> argparse.Namespace:
     mode.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU")
     mode.add_argument("--quick", action="store_true", help="a few GPU shapes, about a minute")
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
-    p.add_argument("--sections", default="fwd,gemm,lnfwd,norm,bwd,grouped")
+    p.add_argument("--sections", default="host,fwd,gemm,lnfwd,norm,bwd,grouped",
+                   help="any of host,tune,fwd,gemm,lnfwd,norm,bwd,grouped (tune: tile sweeps)")  # fmt: skip
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines")
     p.add_argument("--M", help="comma-separated batch sizes replacing the mode's (full/quick)")
     p.add_argument("--KN", help="comma-separated KxN pairs replacing the mode's, e.g. 1024x4096")
@@ -74,17 +76,23 @@ if MODE == "quick":
 
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from loka.kernels import (  # noqa: E402
     KernelRecipe,
     QuantConfig,
+    fp8_gemm,
+    launch,
     norm_quantize,
     quantize_reference,
     quantize_transpose_with,
     quantize_with,
     registry,
+    transpose_quantization,
 )
+from loka.kernels.fp8_gemm_tma import triton_fp8_mm_tma  # noqa: E402
 from loka.kernels.grouped_gemm import loop_grouped_mm, triton_grouped_mm  # noqa: E402
+from loka.kernels.mm import fp8_mm  # noqa: E402
 from loka.kernels.testing import assert_same_fp8  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,7 +100,8 @@ GPU = DEVICE.type == "cuda"
 ROWS: list[dict] = []
 CHECKS: list[dict] = []
 DEADLINE = [math.inf]  # end of the current section's share of the time budget
-SECTION_SHARE = {"fwd": 0.42, "lnfwd": 0.13, "norm": 0.1, "bwd": 0.25, "grouped": 0.1}
+SECTION_SHARE = {"host": 0.08, "tune": 0.25, "fwd": 0.3, "lnfwd": 0.08, "norm": 0.07, "bwd": 0.14,
+                 "grouped": 0.08}  # fmt: skip
 
 
 def shapes() -> dict:
@@ -106,13 +115,15 @@ def shapes() -> dict:
 
 def _mode_shapes() -> dict:
     if MODE == "smoke":
-        return {"M": [32], "KN": [(128, 144)], "norm_N": [128], "grouped": [(3, 32, 64, 48)]}
+        return {"M": [32], "KN": [(128, 144)], "norm_N": [128], "grouped": [(3, 32, 64, 48)],
+                "host": [(32, 128)]}  # fmt: skip
     if MODE == "quick":
         return {"M": [8192], "KN": [(1024, 4096), (4096, 4096)], "norm_N": [1024],
-                "grouped": [(32, 16384, 128, 128)]}  # fmt: skip
+                "grouped": [(32, 16384, 128, 128)], "host": [(8192, 1024), (256, 1024)]}  # fmt: skip
     # The most telling batch sizes first: past the budget, later shapes are skipped.
     return {"M": [8192, 32768, 2048, 131072], "KN": LRM_KN, "norm_N": [128, 512, 1024, 4096, 8192],
-            "grouped": [(32, 16384, 128, 128), (8, 32768, 512, 512), (64, 4096, 128, 256)]}  # fmt: skip
+            "grouped": [(32, 16384, 128, 128), (8, 32768, 512, 512), (64, 4096, 128, 256)],
+            "host": [(8192, 1024), (256, 1024)]}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- timing
@@ -134,6 +145,20 @@ def timed(fn: Callable[[], object], small: bool) -> tuple[float, float]:
         except Exception:  # not capturable (host-to-device copies): eager only
             torch.cuda.synchronize()
     return t, tg
+
+
+def host_us(fn: Callable[[], object], calls: int = 100) -> float:
+    """Median host time of one call: the Python and launch work, not the GPU's. The queue is
+    drained every 20 calls so that a full launch queue never blocks the timed call."""
+    times = []
+    for i in range(calls):
+        if i % 20 == 0:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -159,6 +184,8 @@ def record(section: str, path: str, fn: Callable[[], object], *, backend="", rec
         small = M * max(K, N, 1) <= 8192 * 1024
         t, tg = timed(fn, small)
         row.update(t_ms=t, t_graph_ms=tg, tflops=flops / (t * 1e-3) / 1e12 if flops else math.nan)
+        if GPU:
+            row["t_host_us"] = host_us(fn)
     except Exception as exc:  # recorded, never fatal
         row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
         if GPU:
@@ -503,11 +530,15 @@ def bench_grouped(G: int, M: int, K: int, N: int) -> None:
 
 # --------------------------------------------------------------------------------- checks
 def byte_exact_checks() -> None:
-    """The hardware FP8 casts must reproduce the torch reference byte for byte."""
+    """The hardware FP8 casts must reproduce the torch reference byte for byte: two inputs
+    per configuration (the second call runs the cached launch plan), and an unaligned view
+    after an aligned one of the same shape and strides (a different specialization)."""
     g = torch.Generator(device=DEVICE).manual_seed(7)
-    x = (torch.randn(300, 1000, device=DEVICE, generator=g)
-         * torch.logspace(-3, 3, 300, device=DEVICE)[:, None]).to(torch.bfloat16)  # fmt: skip
-    x[5, 7], x[6, 1] = float("nan"), float("inf")
+    spread = torch.logspace(-3, 3, 300, device=DEVICE)[:, None]
+    wide = (torch.randn(300, 1001, device=DEVICE, generator=g) * spread).to(torch.bfloat16)
+    wide[5, 7], wide[6, 1] = float("nan"), float("inf")
+    inputs = [wide[:, :1000], wide[:, 1:]]  # 16-byte aligned, then not
+    inputs.append((torch.randn(300, 1000, device=DEVICE, generator=g) * spread).to(torch.bfloat16))
     for fmt in ("e4m3", "e5m2"):
         for gran, blk in (
             ("tensor", None),
@@ -519,15 +550,180 @@ def byte_exact_checks() -> None:
                 cfg = QuantConfig(fmt, gran, blk, pow2)
                 name = f"quantize {fmt} {gran} {blk} pow2={pow2}"
                 try:
-                    assert_same_fp8(quantize_with(x, cfg), quantize_reference(x, cfg))
-                    qt, qtt = quantize_transpose_with(x, cfg)
-                    assert_same_fp8(qt, quantize_reference(x, cfg))
-                    assert_same_fp8(qtt, quantize_reference(x.t().contiguous(), cfg))
-                    CHECKS.append({"check": name + " (+transpose)", "ok": True})
+                    for x in inputs:
+                        assert_same_fp8(quantize_with(x, cfg), quantize_reference(x, cfg))
+                        qt, qtt = quantize_transpose_with(x, cfg)
+                        assert_same_fp8(qt, quantize_reference(x, cfg))
+                        assert_same_fp8(qtt, quantize_reference(x.t().contiguous(), cfg))
+                    CHECKS.append({"check": name + " (+transpose, 3 inputs)", "ok": True})
                 except Exception as exc:
                     CHECKS.append(
                         {"check": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:400]}
                     )
+    hist = torch.tensor([3.0], device=DEVICE)
+    try:  # delayed tensorwise scaling: scale from the history, amax measured
+        for x in inputs:
+            cfg = QuantConfig("e4m3", "tensor")
+            assert_same_fp8(quantize_with(x, cfg, hist), quantize_reference(x, cfg, hist))
+            qt, qtt = quantize_transpose_with(x, cfg, hist)
+            assert_same_fp8(qtt, quantize_reference(x.t().contiguous(), cfg, hist))
+        CHECKS.append({"check": "delayed tensor amax (+transpose, 3 inputs)", "ok": True})
+    except Exception as exc:
+        CHECKS.append({"check": "delayed tensor amax", "ok": False, "error": f"{exc}"[:400]})
+
+
+# ------------------------------------------------------------------------------ host overhead
+@triton.jit
+def _store_one_kernel(x_ptr):
+    tl.store(x_ptr, 1.0)
+
+
+def bench_host(M: int, K: int) -> None:
+    """Host time per call (t_host_us) of each entry point, with launch plans cached (ours)
+    and with every launch through Triton's own path (`launch.ENABLED = False`), against
+    torch ops and the floor: one empty Triton launch each way."""
+    g = torch.Generator(device=DEVICE).manual_seed(M + K)
+    x = torch.randn(M, K, device=DEVICE, generator=g).to(torch.bfloat16)
+    w = (torch.rand(K, device=DEVICE, generator=g) + 0.5).to(torch.bfloat16)
+    bias = torch.zeros(K, device=DEVICE, dtype=torch.bfloat16)
+    qw = quantize_with(torch.randn(1024, K, device=DEVICE, generator=g).to(torch.bfloat16),
+                       QuantConfig("e4m3", "row"))  # fmt: skip
+    one = torch.zeros(1, device=DEVICE)
+    floor = launch.Launcher(_store_one_kernel)
+    shape = {"M": M, "K": K, "N": 0}
+    record("host", "torch.empty_like", lambda: torch.empty_like(x), backend="torch", **shape)
+    record("host", "F.layer_norm", lambda: F.layer_norm(x, (K,), w, bias), backend="torch", **shape)
+    record("host", "F.rms_norm", lambda: F.rms_norm(x, (K,), w), backend="torch", **shape)
+    record("host", "empty Triton launch (Triton's path)", lambda: _store_one_kernel[(1,)](one),
+           backend="triton", **shape)  # fmt: skip
+    record("host", "empty Triton launch (cached plan)", lambda: floor(("one",), (1,), (one,), {}),
+           backend="loka.launch", **shape)  # fmt: skip
+    paths = {
+        "quantize row": lambda: quantize_with(x, QuantConfig("e4m3", "row")),
+        "quantize tensor": lambda: quantize_with(x, QuantConfig("e4m3", "tensor")),
+        "quantize block": lambda: quantize_with(x, QuantConfig("e4m3", "block", (1, 128))),
+        "quantize_transpose row": lambda: quantize_transpose_with(x, QuantConfig("e5m2", "row")),
+        "quantize_transpose block": lambda: quantize_transpose_with(
+            x, QuantConfig("e5m2", "block", (1, 128))
+        ),
+        "norm_quantize layernorm": lambda: norm_quantize(x, w, bias, kind="layernorm"),
+        "norm_quantize rmsnorm": lambda: norm_quantize(x, w, None, kind="rmsnorm"),
+    }
+    qx = quantize_with(x, QuantConfig("e4m3", "row"))
+    paths["triton_fp8_mm row (N=1024)"] = lambda: fp8_gemm.triton_fp8_mm(qx, qw)
+    paths["fp8_mm default backend row (N=1024)"] = lambda: fp8_mm(qx, qw)
+    for cached in (True, False):
+        launch.ENABLED = cached
+        suffix = "" if cached else " [Triton's launch path]"
+        for name, fn in paths.items():
+            record("host", name + suffix, fn, backend="loka.kernels", **shape)
+    launch.ENABLED = True
+    sa, sb = qx.inv_scale[:, None], qw.inv_scale[None, :]
+    raw = lambda: torch._scaled_mm(qx.data, qw.data.t(), scale_a=sa, scale_b=sb,  # noqa: E731
+                                   out_dtype=torch.bfloat16)  # fmt: skip
+    if GPU:
+        record("host", "torch._scaled_mm row (N=1024)", raw, backend="torch", **shape)
+
+
+# ----------------------------------------------------------------------------------- tile sweeps
+GEMM_TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+    "plain": [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
+              (256, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4)],
+    "fast": [(128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3)],
+    "block": [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4)],
+    "tma": [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
+            (256, 128, 128, 8, 3)],
+    "tma_fast": [(128, 128, 128, 8, 4), (128, 256, 128, 8, 3)],
+}  # fmt: skip
+TRANSPOSE_TILES = [((64, 64), (128, 256), 4), ((128, 128), (128, 256), 8),
+                   ((64, 128), (128, 256), 4), ((128, 64), (128, 256), 4),
+                   ((128, 128), (64, 64), 8), ((128, 128), (128, 256), 4)]  # fmt: skip
+
+
+def _tile_dict(t: tuple) -> dict:
+    bm, bn, bk, w, st = t
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w,
+            "num_stages": st}  # fmt: skip
+
+
+def bench_tune(M: int, K: int, N: int) -> None:
+    """Tile sweeps of the Triton GEMMs (float32 and fast accumulation, row and block scales,
+    the 1x128 scale layout) and of the transpose-quantization, checked then timed."""
+    g = torch.Generator(device=DEVICE).manual_seed(11 * M + K + N)
+    x = torch.randn(M, K, device=DEVICE, generator=g).to(torch.bfloat16)
+    w = torch.randn(N, K, device=DEVICE, generator=g).to(torch.bfloat16)
+    rows = sample_rows(M)
+    ref = x[rows].double() @ w.double().T
+    shape = {"M": M, "K": K, "N": N, "flops": 2.0 * M * K * N}
+    qx, qw = (
+        quantize_with(x, QuantConfig("e4m3", "row")),
+        quantize_with(w, QuantConfig("e4m3", "row")),
+    )
+    bx = quantize_with(x, QuantConfig("e4m3", "block", (1, 128)))
+    bw = quantize_with(w, QuantConfig("e4m3", "block", (128, 128)))
+    bw1 = quantize_with(w, QuantConfig("e4m3", "block", (1, 128)))  # as wgrad's second operand
+
+    def run(name, fn, recipe):
+        record("tune", name, fn, backend=name.split()[0], recipe=recipe,
+               check=lambda: rel_err(fn()[rows], ref), bound=ERR_BOUND["e4m3"], **shape)  # fmt: skip
+
+    for t in GEMM_TILES["plain"]:
+        run(
+            f"triton.fp8 {t}",
+            lambda t=t: fp8_gemm.triton_fp8_mm(qx, qw, tile=_tile_dict(t)),
+            "e4m3:e4m3/row",
+        )
+    for t in GEMM_TILES["fast"]:
+        fn = lambda t=t: fp8_gemm.triton_fp8_mm(qx, qw, tile=_tile_dict(t), fast_accum=True)  # noqa: E731
+        run(f"triton.fp8.fast {t}", fn, "e4m3:e4m3/row")
+    for t in GEMM_TILES["block"]:
+        run(
+            f"triton.fp8 {t}",
+            lambda t=t: fp8_gemm.triton_fp8_mm(bx, bw, tile=_tile_dict(t)),
+            "e4m3:e4m3/block",
+        )
+    for transposed in (True, False):
+        fp8_gemm.TRANSPOSE_ROW_BLOCK_SCALES = transposed
+        for t in GEMM_TILES["block"][:2]:
+            fn = lambda t=t: fp8_gemm.triton_fp8_mm(bx, bw1, tile=_tile_dict(t))  # noqa: E731
+            run(f"triton.fp8 {t} 1x128 x 1x128 scales transposed={transposed}", fn,
+                "e4m3:e4m3/block")  # fmt: skip
+    fp8_gemm.TRANSPOSE_ROW_BLOCK_SCALES = True
+    for kind, fast in (("tma", False), ("tma_fast", True)):
+        for t in GEMM_TILES[kind]:
+            fn = lambda t=t, fast=fast: triton_fp8_mm_tma(
+                qx, qw, tile=_tile_dict(t), fast_accum=fast
+            )  # noqa: E731
+            run(f"triton.fp8.tma{'.fast' if fast else ''} {t}", fn, "e4m3:e4m3/row")
+
+    # Transpose-quantization of a gradient, per (quantizing tile, amax tile, warps).
+    dy = torch.randn(M, N, device=DEVICE, generator=g).to(torch.bfloat16)
+    cfg = QuantConfig("e5m2", "row")
+    want_q, want_qt = quantize_reference(dy, cfg), quantize_reference(dy.t().contiguous(), cfg)
+    original = transpose_quantization._tiles
+    for tiles in TRANSPOSE_TILES:
+        transpose_quantization._tiles = lambda mode, tiles=tiles: tiles
+        for launcher in (
+            transpose_quantization._TRANSPOSE_QUANTIZE,
+            transpose_quantization._ROW_COL_AMAX,
+        ):
+            launcher._plans.clear()
+        fn = lambda: quantize_transpose_with(dy, cfg)  # noqa: E731
+
+        def exact(fn=fn):
+            q, qt = fn()
+            assert_same_fp8(q, want_q)
+            assert_same_fp8(qt, want_qt)
+            return 0.0
+
+        record("tune", f"transpose-quantize row tiles={tiles}", fn, backend="loka.quantize_transpose",
+               recipe="e5m2/row", check=exact, M=M, K=0, N=N)  # fmt: skip
+    transpose_quantization._tiles = original
+    for launcher in (
+        transpose_quantization._TRANSPOSE_QUANTIZE,
+        transpose_quantization._ROW_COL_AMAX,
+    ):
+        launcher._plans.clear()
 
 
 # -------------------------------------------------------------------------------- summary
@@ -792,6 +988,8 @@ def main() -> int:
     compiled_ln = compiled_ln_linear() if use_compile else None
     budget = ARGS.budget_s or {"smoke": 60.0, "quick": 150.0, "full": 330.0}[MODE]
     for name, run in (
+        ("host", lambda: [bench_host(M, K) for M, K in sh["host"]]),
+        ("tune", lambda: [bench_tune(8192, 4096, 4096)] if GPU else None),
         (
             "fwd",
             lambda: [bench_fwd_and_gemm(M, K, N, compiled) for M in sh["M"] for K, N in sh["KN"]],

@@ -63,3 +63,32 @@ def test_bad_groups_are_refused():
         grouped_mm(qa, qb, backend="triton.grouped")
     assert registry.get("torch.loop").runnable_reason("cpu") is None
     assert_groups_match(grouped_mm(a, b, backend="torch.loop"), grouped_mm_reference(a, b), 2e-2)
+
+
+def test_stacked_views_are_recognised_without_copies():
+    from loka.kernels.grouped_gemm import stacked_view
+
+    buf = torch.randn(5, 12, 8)
+    views = list(buf.unbind(0))
+    stacked = stacked_view(views)
+    assert stacked is not None and stacked.data_ptr() == buf.data_ptr()
+    assert torch.equal(stacked, buf)
+    assert stacked_view(views[::2]) is not None  # a constant step of two matrices
+    assert stacked_view([buf[0], buf[2], buf[3]]) is None  # uneven steps
+    assert stacked_view([torch.randn(12, 8) for _ in range(3)]) is None  # separate tensors
+    assert stacked_view([buf[0], buf[1, :6]]) is None  # different shapes
+    side_by_side = torch.randn(2, 12, 8)
+    # Equal steps inside one storage but past the first view's storage are refused by torch.
+    assert stacked_view([side_by_side[1], torch.randn(12, 8)]) is None
+
+
+def test_batched_path_matches_the_reference():
+    from loka.kernels.grouped_gemm import _batched_mm
+
+    g = torch.Generator().manual_seed(5)
+    a3, b3 = torch.randn(4, 24, 32, generator=g), torch.randn(4, 16, 32, generator=g)
+    bias = [torch.randn(16, generator=g) for _ in range(4)]
+    got = _batched_mm(a3, b3, bias, "gelu", torch.float32)
+    want = grouped_mm_reference(list(a3), list(b3), bias=bias, activation="gelu",
+                                out_dtype=torch.float32)  # fmt: skip
+    assert_groups_match(got, want, 1e-5)

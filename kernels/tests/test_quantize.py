@@ -131,3 +131,25 @@ def test_empty_input():
 def test_bad_input_is_refused(call, err, match):
     with pytest.raises(err, match=match):
         call()
+
+
+def test_repeated_calls_each_get_their_own_launch():
+    # Launch plans are cached per shape, strides, dtype and alignment: a sequence mixing
+    # them must give every call its own right answer.
+    big = make((40, 300), torch.float32, seed=5)
+    inputs = [big[:, :256], big[:, 1:257], big.t()[:256], big[:, :256].bfloat16(), big[:8, :256]]
+    for granularity, block in (("tensor", None), ("row", None), ("block", (1, 128))):
+        config = QuantConfig("e4m3", granularity, block)
+        for x in inputs + inputs[::-1]:
+            assert_same_quantization(quantize(x, "e4m3", granularity, block=block),
+                                     quantize_reference(x.contiguous(), config))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "granularity,block", [("tensor", None), ("row", None), ("block", (1, 128))]
+)
+def test_outputs_share_no_storage(granularity, block):
+    # Custom ops built on quantize may not return outputs that alias one another.
+    q = quantize(make((8, 256)), "e4m3", granularity, block=block)
+    pointers = {t.untyped_storage().data_ptr() for t in (q.data, q.scale, q.inv_scale, q.amax)}
+    assert len(pointers) == 4

@@ -163,3 +163,22 @@ def test_a_gpu_without_fp8_tensor_cores_is_reported_unavailable(monkeypatch):
     assert "9.0" in registry.get("triton.fp8.tma").unavailable_reason(cuda)
     assert registry.get("torch.bf16").unavailable_reason(cuda) is None
     assert available(cuda, op="mm") == ["torch.bf16"]
+
+
+def test_fp8_mm_choice_follows_registry_changes():
+    # fp8_mm caches its choice per request; registering a better backend must still win.
+    a = quantize_with(torch.randn(8, 32), QuantConfig("e4m3", "row"))
+    b = quantize_with(torch.randn(16, 32), QuantConfig("e4m3", "row"))
+    first = fp8_mm(a, b)
+    marker = torch.full((8, 16), 7.0)
+    best = Backend(
+        "test.best", "mm", lambda *args, **kw: marker, mm_reference, "returns a marker",
+        frozenset({("e4m3", "e4m3")}), frozenset({"row"}), min_capability=None,
+        runs_on_cpu=True, priority=1000,
+    )  # fmt: skip
+    registry.register(best)
+    try:
+        assert fp8_mm(a, b) is marker
+    finally:
+        registry.unregister("test.best")
+    torch.testing.assert_close(fp8_mm(a, b), first, rtol=0, atol=0)

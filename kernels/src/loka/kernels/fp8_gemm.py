@@ -18,8 +18,10 @@ from loka.kernels.epilogue import ACTIVATION_IDS, activation_tl, apply_epilogue,
 from loka.kernels.formats import check_activation, check_out_dtype
 from loka.kernels.fp8_bits import FORMAT_IDS, fp8_decode_tl
 from loka.kernels.fp8_tensor import Fp8Tensor
+from loka.kernels.launch import Launcher
 from loka.kernels.runtime import (
     FP8_MIN_CAPABILITY,
+    aligned,
     autotuning,
     interpreting,
     require_triton_device,
@@ -41,7 +43,8 @@ def _load_scale_rows(scale_ptr, offs, limit, MODE: tl.constexpr):
 @triton.jit
 def _fp8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
-    M, N, K, M_BUCKET, stride_am, stride_bn, stride_cm, a_scale_stride, b_scale_stride,
+    M, N, K, M_BUCKET, stride_am, stride_bn, stride_cm,
+    a_scale_stride, a_scale_kstride, b_scale_stride, b_scale_kstride,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr,
     A_BLOCK_ROWS: tl.constexpr, B_BLOCK_ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, FAST_ACCUM: tl.constexpr,
@@ -78,14 +81,14 @@ def _fp8_gemm_kernel(
             kb = k0 // 128
             if A_SCALE == 2:
                 sa = tl.load(
-                    a_scale_ptr + (offs_m // A_BLOCK_ROWS) * a_scale_stride + kb,
+                    a_scale_ptr + (offs_m // A_BLOCK_ROWS) * a_scale_stride + kb * a_scale_kstride,
                     mask=m_ok,
                     other=0.0,
                 )
                 part = part * sa[:, None]
             if B_SCALE == 2:
                 sb = tl.load(
-                    b_scale_ptr + (offs_n // B_BLOCK_ROWS) * b_scale_stride + kb,
+                    b_scale_ptr + (offs_n // B_BLOCK_ROWS) * b_scale_stride + kb * b_scale_kstride,
                     mask=n_ok,
                     other=0.0,
                 )
@@ -163,11 +166,24 @@ _fp8_gemm_autotuned = triton.autotune(
 )(_fp8_gemm_kernel)
 
 
-def _scale_args(t: Fp8Tensor) -> tuple[int, int, int]:
-    """(mode, rows per scale block, row stride of the scale grid)."""
-    if t.granularity == "block":
-        return SCALE_MODES["block"], t.block[0], t.inv_scale.stride(0)
-    return SCALE_MODES[t.granularity], 1, 0
+_FP8_GEMM = Launcher(_fp8_gemm_kernel)
+_FP8_GEMM_TUNED = Launcher(_fp8_gemm_autotuned)
+
+# 1x128 block scales are read K-block-major (one contiguous run of rows per K step) instead
+# of gathered with a stride of K/128 floats per row: see `_scale_args`.
+TRANSPOSE_ROW_BLOCK_SCALES = True
+
+
+def _scale_args(t: Fp8Tensor) -> tuple[torch.Tensor, int, int, int, int]:
+    """(scales, mode, rows per scale block, row stride, K-block stride) of an operand."""
+    s = t.inv_scale
+    if t.granularity != "block":
+        return s, SCALE_MODES[t.granularity], 1, 0, 0
+    if t.block[0] == 1 and TRANSPOSE_ROW_BLOCK_SCALES and not interpreting():
+        # One small copy ([rows, K/128] floats) makes every K step's scale load coalesced.
+        s = s.t().contiguous()
+        return s, SCALE_MODES["block"], 1, 1, s.stride(0)
+    return s, SCALE_MODES["block"], t.block[0], s.stride(0), s.stride(1)
 
 
 def check_fp8_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:
@@ -209,40 +225,58 @@ def triton_fp8_mm(
     activation: str | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     fast_accum: bool = False,
+    tile: dict | None = None,
 ) -> torch.Tensor:
-    """``activation(dequant(a) @ dequant(b).T + bias)`` in `out_dtype`, one Triton kernel."""
+    """``activation(dequant(a) @ dequant(b).T + bias)`` in `out_dtype`, one Triton kernel.
+
+    `tile` fixes the tile (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), for
+    benchmarks comparing tiles; None autotunes (the heuristic tile with
+    LOKA_KERNELS_AUTOTUNE=0).
+    """
     bias = check_fp8_request(a, b, bias, activation, out_dtype)
     (M, K), (N, _) = a.shape, b.shape
     require_triton_device(a.data, b.data, min_capability=FP8_MIN_CAPABILITY)
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
-    a_mode, a_rows, a_stride = _scale_args(a)
-    b_mode, b_rows, b_stride = _scale_args(b)
+    sa, a_mode, a_rows, a_ss, a_ks = _scale_args(a)
+    sb, b_mode, b_rows, b_ss, b_ks = _scale_args(b)
     soft = interpreting()
     args = (
         a.data.view(torch.uint8) if soft else a.data,
         b.data.view(torch.uint8) if soft else b.data,
-        out, a.inv_scale, b.inv_scale, bias if bias is not None else out,
+        out, sa, sb, out if bias is None else bias,
         M, N, K, triton.next_power_of_2(M), a.data.stride(0), b.data.stride(0), out.stride(0),
-        a_stride, b_stride,
+        a_ss, a_ks, b_ss, b_ks,
     )  # fmt: skip
+    tuned = not soft and autotuning() and tile is None
+    launcher = _FP8_GEMM_TUNED if tuned else _FP8_GEMM
+    key = (
+        None if tile is None else tuple(tile.items()), M, N, K, a.data.stride(0), b.data.stride(0), a.fmt, b.fmt, a_mode, b_mode, a_rows,
+        b_rows, a_ss, a_ks, b_ss, b_ks, out_dtype, activation, fast_accum, aligned(a.data),
+        aligned(b.data), aligned(sa), aligned(sb), None if bias is None else (bias.dtype, aligned(bias)),
+    )  # fmt: skip
+    plan = launcher.lookup(key)
+    if plan is not None:
+        launcher.launch(plan, args)
+        return out
     meta = dict(
         A_SCALE=a_mode, B_SCALE=b_mode, A_BLOCK_ROWS=a_rows, B_BLOCK_ROWS=b_rows,
         HAS_BIAS=bias is not None, ACTIVATION=ACTIVATION_IDS[activation], FAST_ACCUM=fast_accum,
         SOFT_FP8=soft, A_FMT=FORMAT_IDS[a.fmt], B_FMT=FORMAT_IDS[b.fmt],
     )  # fmt: skip
-    if soft or not autotuning():
-        # One tile: the interpreter's (autotuning it would only cost time), or a heuristic one.
-        cfg = _interpreter_tile(M, N) if soft else _heuristic_tile(M, N)
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        _fp8_gemm_kernel[grid](*args, **meta, **cfg)
-    else:
+    if tuned:
 
         def grid(meta):
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-        _fp8_gemm_autotuned[grid](*args, **meta)
+        launcher(key, grid, args, meta)
+    else:
+        # One tile: the interpreter's (autotuning it would only cost time), or a heuristic one.
+        cfg = dict(tile) if tile else _interpreter_tile(M, N) if soft else _heuristic_tile(M, N)
+        options = {k: cfg.pop(k) for k in ("num_warps", "num_stages") if k in cfg}
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        launcher(key, grid, args, {**meta, **cfg}, **options)
     return out
 
 

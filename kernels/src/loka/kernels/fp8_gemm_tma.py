@@ -21,7 +21,9 @@ from loka.kernels.epilogue import ACTIVATION_IDS, activation_tl
 from loka.kernels.fp8_bits import FORMAT_IDS, fp8_decode_tl
 from loka.kernels.fp8_gemm import SCALE_MODES, check_fp8_request
 from loka.kernels.fp8_tensor import Fp8Tensor
+from loka.kernels.launch import Launcher
 from loka.kernels.runtime import (
+    aligned,
     autotuning,
     interpreting,
     require_triton_device,
@@ -108,6 +110,15 @@ _fp8_gemm_tma_autotuned = triton.autotune(
     key=["M_BUCKET", "N", "K", "A_SCALE", "B_SCALE", "HAS_BIAS", "ACTIVATION", "FAST_ACCUM"],
     do_bench=_quick_bench,
 )(_fp8_gemm_tma_kernel)
+_TMA = Launcher(_fp8_gemm_tma_kernel)
+_TMA_TUNED = Launcher(_fp8_gemm_tma_autotuned)
+
+
+def _default_tile(soft: bool) -> dict:
+    if soft:
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 8}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
+            "num_stages": 4}  # fmt: skip
 
 
 @functools.cache
@@ -133,8 +144,10 @@ def triton_fp8_mm_tma(
     activation: str | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     fast_accum: bool = False,
+    tile: dict | None = None,
 ) -> torch.Tensor:
-    """`triton_fp8_mm` for tensor or row scales, as a persistent TMA kernel."""
+    """`triton_fp8_mm` for tensor or row scales, as a persistent TMA kernel (`tile` as
+    there)."""
     bias = check_fp8_request(a, b, bias, activation, out_dtype)
     for name, t in (("a", a), ("b", b)):
         if t.granularity not in ("tensor", "row"):
@@ -152,36 +165,47 @@ def triton_fp8_mm_tma(
     soft = interpreting()
     a_data = a.data.view(torch.uint8) if soft else a.data
     b_data = b.data.view(torch.uint8) if soft else b.data
+    num_sms = 4 if soft else _num_sms(a.device.index or 0)
+    scalars = (a.inv_scale, b.inv_scale, out if bias is None else bias, M, N, K)
+    scalars += (triton.next_power_of_2(M),)
+    tuned = not soft and autotuning() and tile is None
+    launcher = _TMA_TUNED if tuned else _TMA
+    key = (
+        None if tile is None else tuple(tile.items()), M, N, K, a.fmt, b.fmt, a.granularity, b.granularity, out_dtype, activation, fast_accum,
+        aligned(a.inv_scale), aligned(b.inv_scale),
+        None if bias is None else (bias.dtype, aligned(bias)),
+    )  # fmt: skip
+    plan = launcher.lookup(key)
+    if plan is not None:  # descriptors carry the plan's tile shape
+        bm, bn, bk = plan.meta["BLOCK_M"], plan.meta["BLOCK_N"], plan.meta["BLOCK_K"]
+        descs = (
+            TensorDescriptor.from_tensor(a_data, [bm, bk]),
+            TensorDescriptor.from_tensor(b_data, [bn, bk]),
+            TensorDescriptor.from_tensor(out, [bm, bn]),
+        )
+        launcher.launch(plan, (*descs, *scalars))
+        return out
     # Placeholder tile shapes: each config's pre_hook (or the fixed tile below) sets them.
     descs = {
         "a_desc": TensorDescriptor.from_tensor(a_data, [16, 16]),
         "b_desc": TensorDescriptor.from_tensor(b_data, [16, 16]),
         "c_desc": TensorDescriptor.from_tensor(out, [16, 16]),
     }
-    num_sms = 4 if soft else _num_sms(a.device.index or 0)
     meta = dict(
         A_SCALE=SCALE_MODES[a.granularity], B_SCALE=SCALE_MODES[b.granularity],
         HAS_BIAS=bias is not None, ACTIVATION=ACTIVATION_IDS[activation], FAST_ACCUM=fast_accum,
         SOFT_FP8=soft, A_FMT=FORMAT_IDS[a.fmt], B_FMT=FORMAT_IDS[b.fmt], NUM_SMS=num_sms,
     )  # fmt: skip
-    args = (
-        *descs.values(), a.inv_scale, b.inv_scale, bias if bias is not None else out,
-        M, N, K, triton.next_power_of_2(M),
-    )  # fmt: skip
+    args = (*descs.values(), *scalars)
 
     def grid(cfg):
         return (min(num_sms, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])),)
 
-    if soft or not autotuning():
-        tile = {
-            "BLOCK_M": 32 if soft else 128,
-            "BLOCK_N": 32 if soft else 128,
-            "BLOCK_K": 64 if soft else 128,
-            "GROUP_M": 8,
-        }
-        _set_block_shapes({**descs, **tile})
-        launch = {} if soft else {"num_warps": 8, "num_stages": 4}
-        _fp8_gemm_tma_kernel[grid(tile)](*args, **meta, **tile, **launch)
+    if tuned:
+        launcher(key, grid, args, meta)
     else:
-        _fp8_gemm_tma_autotuned[grid](*args, **meta)
+        tile = dict(tile) if tile else _default_tile(soft)
+        options = {k: tile.pop(k) for k in ("num_warps", "num_stages") if k in tile}
+        _set_block_shapes({**descs, **tile})
+        launcher(key, grid(tile), args, {**meta, **tile}, **options)
     return out

@@ -46,6 +46,30 @@ class Fp8Tensor:
                     f"{self.granularity!r}, got {t.dtype} {tuple(t.shape)}"
                 )
 
+    @classmethod
+    def _trusted(
+        cls,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        inv_scale: torch.Tensor,
+        amax: torch.Tensor,
+        fmt: str,
+        granularity: str,
+        block: tuple[int, int] | None = None,
+    ) -> Fp8Tensor:
+        """Construct without the checks: for this package's kernels, whose outputs are made
+        to the checked layout (the checks cost more host time than a small quantization)."""
+        t = object.__new__(cls)
+        setattr_ = object.__setattr__
+        setattr_(t, "data", data)
+        setattr_(t, "scale", scale)
+        setattr_(t, "inv_scale", inv_scale)
+        setattr_(t, "amax", amax)
+        setattr_(t, "fmt", fmt)
+        setattr_(t, "granularity", granularity)
+        setattr_(t, "block", block)
+        return t
+
     @property
     def shape(self) -> torch.Size:
         return self.data.shape

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loka.kernels.epilogue import ACTIVATION_IDS, activation_tl, check_bias
+from loka.kernels.epilogue import ACTIVATION_IDS, activation_tl, apply_epilogue, check_bias
 from loka.kernels.formats import check_activation, check_high_precision_2d, check_out_dtype
 from loka.kernels.fp8_bits import fp8_decode_tl
 from loka.kernels.fp8_gemm import check_fp8_operands, mm_reference
@@ -181,6 +181,41 @@ def _check_groups(a: Sequence, b: Sequence, bias: Sequence | None) -> tuple[bool
     return fp8, a[0].granularity if fp8 else None
 
 
+def stacked_view(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The ``[G, rows, cols]`` view holding every tensor of `ts` when they are equally shaped
+    views of one buffer at a constant step (``x.unbind(0)``, per-feature slices of one
+    activation); None otherwise. No data moves."""
+    t0 = ts[0]
+    shape, strides = t0.shape, t0.stride()
+    if any(t.shape != shape or t.stride() != strides or t.dtype != t0.dtype for t in ts):
+        return None
+    ptrs = [t.data_ptr() for t in ts]
+    step, size = (ptrs[1] - ptrs[0] if len(ts) > 1 else 0), t0.element_size()
+    if (step <= 0 and len(ts) > 1) or step % size:
+        return None
+    if any(p != ptrs[0] + g * step for g, p in enumerate(ptrs)):
+        return None
+    try:  # torch refuses a view past t0's storage: tensors that merely sit side by side
+        return t0.as_strided((len(ts), *shape), (step // size, *strides))
+    except RuntimeError:
+        return None
+
+
+def _batched_mm(
+    a3: torch.Tensor,
+    b3: torch.Tensor,
+    bias: list[torch.Tensor] | None,
+    activation: str | None,
+    out_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Equal high-precision groups stacked in one buffer: one batched cuBLAS GEMM."""
+    if bias is None:
+        y = torch.bmm(a3, b3.transpose(1, 2))
+    else:
+        y = torch.baddbmm(torch.stack(bias).to(a3.dtype)[:, None, :], a3, b3.transpose(1, 2))
+    return list(apply_epilogue(y, None, activation).to(out_dtype).unbind(0))
+
+
 def triton_grouped_mm(
     a: Sequence[torch.Tensor | Fp8Tensor],
     b: Sequence[torch.Tensor | Fp8Tensor],
@@ -189,7 +224,11 @@ def triton_grouped_mm(
     activation: str | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> list[torch.Tensor]:
-    """``[act(a[g] @ b[g].T + bias[g]) for g]`` in one Triton launch."""
+    """``[act(a[g] @ b[g].T + bias[g]) for g]`` in one Triton launch.
+
+    High-precision groups of one shape that are views of one buffer each (``x.unbind(0)``)
+    go to one batched cuBLAS GEMM instead (on a GPU): same result, no metadata to build.
+    """
     fp8, granularity = _check_groups(a, b, bias)
     check_activation(activation)
     check_out_dtype(out_dtype)
@@ -199,6 +238,10 @@ def triton_grouped_mm(
         bias = [check_bias(bg, _data(b[g]).shape[0], device) for g, bg in enumerate(bias)]
         if len({bg.dtype for bg in bias}) != 1:
             raise TypeError("every group's bias must have one dtype")
+    if not fp8 and device.type == "cuda":
+        a3, b3 = stacked_view(a), stacked_view(b)
+        if a3 is not None and b3 is not None:
+            return _batched_mm(a3, b3, bias, activation, out_dtype)
     sizes = [(_data(ag).shape[0], _data(bg).shape[0]) for ag, bg in zip(a, b, strict=True)]
     flat = torch.empty(sum(m * n for m, n in sizes), dtype=out_dtype, device=device)
     outs, offset = [], 0
@@ -213,7 +256,10 @@ def triton_grouped_mm(
         bias_ptr = bias[g].data_ptr() if bias is not None else 0
         meta += [ad.data_ptr(), bd.data_ptr(), cg.data_ptr(), *scales, bias_ptr,
                  ad.shape[0], bd.shape[0], ad.shape[1], ad.stride(0), bd.stride(0), cg.stride(0)]  # fmt: skip
-    meta_t = torch.tensor(meta, dtype=torch.int64).to(device, non_blocking=True)
+    # From pinned memory the copy is asynchronous; from pageable memory it would wait for
+    # the GPU to drain its queue first.
+    pinned = device.type == "cuda"
+    meta_t = torch.tensor(meta, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
     G = len(a)
     args = dict(
         A_KIND=KINDS[_data(a[0]).dtype], B_KIND=KINDS[_data(b[0]).dtype], C_KIND=KINDS[out_dtype],

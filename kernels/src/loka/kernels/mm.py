@@ -8,6 +8,7 @@ import torch
 
 from loka.kernels.fp8_tensor import Fp8Tensor
 from loka.kernels.registry import Backend, GemmSpec, UnsupportedError, registry
+from loka.kernels.runtime import interpreting
 
 
 def _check_operands(a: object, b: object) -> None:
@@ -26,6 +27,15 @@ def _check_operands(a: object, b: object) -> None:
         )
 
 
+_CHOICES: dict[tuple, Backend] = {}
+
+
+def _operand_key(t: Fp8Tensor | torch.Tensor) -> tuple:
+    if isinstance(t, Fp8Tensor):
+        return (t.data.shape, t.fmt, t.granularity, t.block)
+    return (t.shape,)
+
+
 def fp8_mm(
     a: Fp8Tensor | torch.Tensor,
     b: Fp8Tensor | torch.Tensor,
@@ -42,8 +52,22 @@ def fp8_mm(
     `UnsupportedError` with its reason instead of computing something else.
     """
     _check_operands(a, b)
+    device = a.device
+    key = None
+    if backend is None or isinstance(backend, str):
+        # The choice depends only on these: made once, then looked up (host time matters
+        # as much as kernel time for the small GEMMs of recommendation models).
+        key = (_operand_key(a), _operand_key(b), bias is not None, activation, out_dtype,
+               device, backend, registry.version, interpreting())  # fmt: skip
+        chosen = _CHOICES.get(key)
+        if chosen is not None:
+            return chosen.run(a, b, bias=bias, activation=activation, out_dtype=out_dtype)
     spec = GemmSpec.of(a, b, bias=bias is not None, activation=activation, out_dtype=out_dtype)
-    chosen = _choose("mm", [spec], a.device, backend)
+    chosen = _choose("mm", [spec], device, backend)
+    if key is not None:
+        if len(_CHOICES) >= 4096:
+            _CHOICES.clear()
+        _CHOICES[key] = chosen
     return chosen.run(a, b, bias=bias, activation=activation, out_dtype=out_dtype)
 
 

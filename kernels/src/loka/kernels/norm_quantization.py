@@ -18,8 +18,9 @@ import triton.language as tl
 from loka.kernels.formats import QuantConfig, check_high_precision_2d
 from loka.kernels.fp8_bits import FORMAT_IDS
 from loka.kernels.fp8_tensor import Fp8Tensor
-from loka.kernels.quantization import quantize_reference
-from loka.kernels.runtime import interpreting, require_triton_device
+from loka.kernels.launch import Launcher
+from loka.kernels.quantization import cached_config, quantize_reference
+from loka.kernels.runtime import aligned, interpreting, require_triton_device
 from loka.kernels.scaling import (
     finite_abs_tl,
     inverse_tl,
@@ -77,6 +78,9 @@ def _norm_quantize_kernel(
     tl.store(amax_ptr + rows, amax, mask=r_ok)
     tl.store(scale_ptr + rows, scale, mask=r_ok)
     tl.store(inv_ptr + rows, inverse_tl(scale), mask=r_ok)
+
+
+_NORM_QUANTIZE = Launcher(_norm_quantize_kernel)
 
 
 @triton.jit
@@ -154,33 +158,46 @@ def norm_quantize(
     """Normalize the rows of ``x[M, N]`` (LayerNorm or RMSNorm, optional affine weight and
     bias) and quantize the result to FP8 with one scale per row, in one kernel."""
     _check_norm_args(x, weight, bias, kind)
-    config = QuantConfig(fmt, "row", None, pow2, scale_ub)
+    config = cached_config(fmt, "row", None, pow2, scale_ub)
     x = x if x.stride(1) == 1 else x.contiguous()
     require_triton_device(x)
     M, N = x.shape
     dev = x.device
     q = torch.empty((M, N), dtype=config.dtype, device=dev)
+    # Separate tensors, not views of one buffer: callers (custom ops) may not return aliases.
     amax, scale, inv, rstd = (torch.empty(M, dtype=torch.float32, device=dev) for _ in range(4))
     mean = None if kind == "rmsnorm" else torch.empty(M, dtype=torch.float32, device=dev)
     normed = torch.empty_like(x) if return_normed else None
     if M and N:
         soft = interpreting()
-        block_m, block_n, warps = _rows_tile(N)
         has_ub, ub = ub_args(config.scale_ub)
-        _norm_quantize_kernel[(triton.cdiv(M, block_m),)](
-            x, weight if weight is not None else x, bias if bias is not None else x,
-            q.view(torch.uint8) if soft else q, normed if normed is not None else x,
-            mean if mean is not None else rstd, rstd, amax, scale, inv,
-            M, N, x.stride(0), float(eps), ub,
-            RMS=kind == "rmsnorm", HAS_W=weight is not None, HAS_B=bias is not None,
-            WRITE_Y=return_normed, FMT=FORMAT_IDS[fmt], SOFT_FP8=soft, POW2=pow2, HAS_UB=has_ub,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        args = (
+            x, x if weight is None else weight, x if bias is None else bias,
+            q.view(torch.uint8) if soft else q, x if normed is None else normed,
+            rstd if mean is None else mean, rstd, amax, scale, inv, M, N, x.stride(0), float(eps), ub,
         )  # fmt: skip
+        key = (
+            M, N, x.stride(0), x.dtype, kind, config, return_normed, aligned(x),
+            None if weight is None else (weight.dtype, aligned(weight)),
+            None if bias is None else (bias.dtype, aligned(bias)),
+        )  # fmt: skip
+        plan = _NORM_QUANTIZE.lookup(key)
+        if plan is None:
+            block_m, block_n, warps = _rows_tile(N)
+            meta = dict(
+                RMS=kind == "rmsnorm", HAS_W=weight is not None, HAS_B=bias is not None,
+                WRITE_Y=return_normed, FMT=FORMAT_IDS[fmt], SOFT_FP8=soft, POW2=pow2,
+                HAS_UB=has_ub, BLOCK_M=block_m, BLOCK_N=block_n,
+            )  # fmt: skip
+            _NORM_QUANTIZE(key, (triton.cdiv(M, block_m),), args, meta, num_warps=warps)
+        else:
+            _NORM_QUANTIZE.launch(plan, args)
     elif M:
         amax.zero_(), scale.fill_(1.0), inv.fill_(1.0), rstd.fill_(1.0 / float(eps) ** 0.5)
         if mean is not None:
             mean.zero_()
-    return NormQuantized(Fp8Tensor(q, scale, inv, amax, fmt, "row"), normed, mean, rstd)
+    q8 = Fp8Tensor._trusted(q, scale, inv, amax, fmt, "row")
+    return NormQuantized(q8, normed, mean, rstd)
 
 
 def norm_backward(

@@ -208,6 +208,12 @@ class Registry:
 
     def __init__(self) -> None:
         self._backends: dict[str, Backend] = {}
+        self._version = 0  # bumped by every change, so callers may cache their choices
+
+    @property
+    def version(self) -> int:
+        """A number that changes whenever a backend is registered or unregistered."""
+        return self._version
 
     def register(self, backend: Backend, *, replace: bool = False) -> Backend:
         if not isinstance(backend, Backend):
@@ -219,11 +225,13 @@ class Registry:
                 if fmt != BF16 and fmt not in FP8_DTYPES:
                     raise ValueError(f"backend {backend.name!r}: unknown format {fmt!r}")
         self._backends[backend.name] = backend
+        self._version += 1
         return backend
 
     def unregister(self, name: str) -> None:
         self.get(name)
         del self._backends[name]
+        self._version += 1
 
     def get(self, name: str) -> Backend:
         try:

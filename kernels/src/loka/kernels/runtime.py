@@ -26,6 +26,11 @@ def autotuning() -> bool:
     return os.environ.get("LOKA_KERNELS_AUTOTUNE", "1") not in ("0", "")
 
 
+def aligned(t: torch.Tensor) -> bool:
+    """Whether a tensor's data is 16-byte aligned (Triton specializes kernels on it)."""
+    return t.data_ptr() % 16 == 0
+
+
 def capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
     """Compute capability of a CUDA device, or None when the device is not a CUDA GPU."""
     device = resolve_device(device)
@@ -60,14 +65,30 @@ def triton_unavailable_reason(
     return None
 
 
+# (device, min_capability) -> reason, for CUDA devices: a GPU's capability never changes, and
+# asking the driver on every launch costs microseconds that quantization kernels do not take.
+_CUDA_REASONS: dict[tuple[torch.device, tuple[int, int] | None], str | None] = {}
+
+
 def require_triton_device(
     *tensors: torch.Tensor, min_capability: tuple[int, int] | None = None
 ) -> None:
     """Raise a clear error unless all tensors share one device a Triton kernel can run on."""
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"tensors must be on one device, got {sorted(map(str, devices))}")
-    reason = triton_unavailable_reason(devices.pop(), min_capability)
+    if len(tensors) == 1:
+        device = tensors[0].device
+    else:
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            raise ValueError(f"tensors must be on one device, got {sorted(map(str, devices))}")
+        device = devices.pop()
+    if device.type == "cuda":
+        key = (device, min_capability)
+        try:
+            reason = _CUDA_REASONS[key]
+        except KeyError:
+            reason = _CUDA_REASONS[key] = triton_unavailable_reason(device, min_capability)
+    else:
+        reason = triton_unavailable_reason(device, min_capability)
     if reason is not None:
         raise RuntimeError(reason)
 

@@ -19,8 +19,18 @@ import triton.language as tl
 from loka.kernels.formats import QuantConfig, check_high_precision_2d
 from loka.kernels.fp8_bits import FORMAT_IDS
 from loka.kernels.fp8_tensor import Fp8Tensor
-from loka.kernels.quantization import _amax_kernel, _check_amax, quantize_reference, quantize_with
-from loka.kernels.runtime import interpreting, require_triton_device
+from loka.kernels.launch import Launcher
+from loka.kernels.quantization import (
+    _check_amax,
+    _launch_amax_partials,
+    _store_group_stats,
+    _tensor_tiles,
+    cached_config,
+    quantize_reference,
+    quantize_with,
+    tensor_amax_tl,
+)
+from loka.kernels.runtime import aligned, interpreting, require_triton_device
 from loka.kernels.scaling import (
     finite_abs_tl,
     inverse_tl,
@@ -37,35 +47,43 @@ def _row_col_amax_kernel(
     x_ptr, row_amax_ptr, col_amax_ptr, R, C, stride_r, stride_c,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
+    """Row and column amaxes by atomic max into zeroed buffers.
+
+    Amaxes are finite and >= 0, so their float32 bits order like int32: one integer atomic
+    max per value (a float atomic max takes two, one per sign).
+    """
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
     a = finite_abs_tl(x)
-    tl.atomic_max(row_amax_ptr + rows, tl.max(a, axis=1), mask=rows < R)
-    tl.atomic_max(col_amax_ptr + cols, tl.max(a, axis=0), mask=cols < C)
-
-
-@triton.jit
-def _store_scales(amax_ptr, scale_ptr, inv_ptr, at, amax, scale, mask):
-    tl.store(amax_ptr + at, amax, mask=mask)
-    tl.store(scale_ptr + at, scale, mask=mask)
-    tl.store(inv_ptr + at, inverse_tl(scale), mask=mask)
+    row_bits = tl.max(a, axis=1).to(tl.int32, bitcast=True)
+    col_bits = tl.max(a, axis=0).to(tl.int32, bitcast=True)
+    tl.atomic_max(
+        row_amax_ptr.to(tl.pointer_type(tl.int32)) + rows, row_bits, mask=rows < R, sem="relaxed"
+    )
+    tl.atomic_max(
+        col_amax_ptr.to(tl.pointer_type(tl.int32)) + cols, col_bits, mask=cols < C, sem="relaxed"
+    )
 
 
 @triton.jit
 def _transpose_quantize_kernel(
-    x_ptr, q_ptr, qt_ptr, amax_in_ptr, col_amax_in_ptr,
-    q_amax_ptr, q_scale_ptr, q_inv_ptr, qt_amax_ptr, qt_scale_ptr, qt_inv_ptr,
-    R, C, stride_r, stride_c, q_scale_stride, qt_scale_stride, scale_ub,
+    x_ptr, q_ptr, qt_ptr, amax_in_ptr, gathered_ptr,
+    q_amax_ptr, q_scale_ptr, q_inv_ptr, t_amax_ptr, t_scale_ptr, t_inv_ptr,
+    R, C, stride_r, stride_c, q_scale_stride, t_scale_stride, partials, scale_ub,
     MODE: tl.constexpr, FMT: tl.constexpr, SOFT_FP8: tl.constexpr, POW2: tl.constexpr,
-    HAS_UB: tl.constexpr, RECORD_AMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_UB: tl.constexpr, DELAYED: tl.constexpr, PARTIALS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Tile (i, j) of x: writes q[rows, cols] and qt[cols, rows] with their scales.
 
-    MODE 0 tensor (amax_in: the amax setting the scale; RECORD_AMAX: also measure x's amax
-    into q_amax, for delayed scaling), 1 row (amax_in: rows, col_amax_in: columns),
-    2 blocks of 1x128 (BLOCK_R = BLOCK_C = 128), 3 blocks of 128x128.
+    MODE 0 tensor: one scale for both (the q_* pointers); q_amax = [amax, partial amaxes...]
+    and the amax is the max of the partials, or with DELAYED the scale comes from amax_in and
+    the amax seen in x is gathered by atomic max. MODE 1 row: `gathered` = [row amaxes (R) |
+    column amaxes (C)] from `_row_col_amax_kernel`, copied out with the scales by the first
+    column / row of tiles. MODE 2 blocks of 1x128, MODE 3 blocks of 128x128 (BLOCK_R = BLOCK_C
+    = 128): amaxes of the tile.
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -77,12 +95,13 @@ def _transpose_quantize_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
     out_ty = q_ptr.dtype.element_ty
     if MODE == 0:
-        scale = scale_from_amax_tl(tl.load(amax_in_ptr), FMT, POW2, HAS_UB, scale_ub)
+        amax = tensor_amax_tl(x, amax_in_ptr, q_amax_ptr, partials, DELAYED, PARTIALS)
+        scale = scale_from_amax_tl(amax, FMT, POW2, HAS_UB, scale_ub)
         q = saturate_cast_tl(x, scale, FMT, SOFT_FP8, out_ty)
         qt = q
-        if RECORD_AMAX:
-            tl.atomic_max(q_amax_ptr, tl.max(tl.max(finite_abs_tl(x), axis=1), axis=0))
         if (pid_r == 0) & (pid_c == 0):
+            if not DELAYED:
+                tl.store(q_amax_ptr, amax)
             tl.store(q_scale_ptr, scale)
             tl.store(q_inv_ptr, inverse_tl(scale))
     elif MODE == 3:
@@ -90,56 +109,54 @@ def _transpose_quantize_kernel(
         scale = scale_from_amax_tl(amax, FMT, POW2, HAS_UB, scale_ub)
         q = saturate_cast_tl(x, scale, FMT, SOFT_FP8, out_ty)
         qt = q
-        _store_scales(
-            q_amax_ptr, q_scale_ptr, q_inv_ptr, pid_r * q_scale_stride + pid_c, amax, scale, True
-        )
-        _store_scales(
-            qt_amax_ptr,
-            qt_scale_ptr,
-            qt_inv_ptr,
-            pid_c * qt_scale_stride + pid_r,
-            amax,
-            scale,
-            True,
-        )
+        q_at = pid_r * q_scale_stride + pid_c
+        t_at = pid_c * t_scale_stride + pid_r
+        _store_group_stats(q_amax_ptr, q_scale_ptr, q_inv_ptr, q_at, amax, scale, True)
+        _store_group_stats(t_amax_ptr, t_scale_ptr, t_inv_ptr, t_at, amax, scale, True)
     else:
         if MODE == 1:
-            row_amax = tl.load(amax_in_ptr + rows, mask=r_ok, other=0.0)
-            col_amax = tl.load(col_amax_in_ptr + cols, mask=c_ok, other=0.0)
-            row_at = rows
-            col_at = cols
+            row_amax = tl.load(gathered_ptr + rows, mask=r_ok, other=0.0)
+            col_amax = tl.load(gathered_ptr + R + cols, mask=c_ok, other=0.0)
         else:
             a = finite_abs_tl(x)
             row_amax = tl.max(a, axis=1)
             col_amax = tl.max(a, axis=0)
-            row_at = rows * q_scale_stride + pid_c
-            col_at = cols * qt_scale_stride + pid_r
         row_scale = scale_from_amax_tl(row_amax, FMT, POW2, HAS_UB, scale_ub)
         col_scale = scale_from_amax_tl(col_amax, FMT, POW2, HAS_UB, scale_ub)
         q = saturate_cast_tl(x, row_scale[:, None], FMT, SOFT_FP8, out_ty)
         qt = saturate_cast_tl(x, col_scale[None, :], FMT, SOFT_FP8, out_ty)
         if MODE == 2:
-            _store_scales(q_amax_ptr, q_scale_ptr, q_inv_ptr, row_at, row_amax, row_scale, r_ok)
-            _store_scales(qt_amax_ptr, qt_scale_ptr, qt_inv_ptr, col_at, col_amax, col_scale, c_ok)
-        else:  # row scales are written by the first column of tiles, column scales by the first row
+            row_at = rows * q_scale_stride + pid_c
+            col_at = cols * t_scale_stride + pid_r
+            _store_group_stats(
+                q_amax_ptr, q_scale_ptr, q_inv_ptr, row_at, row_amax, row_scale, r_ok
+            )
+            _store_group_stats(
+                t_amax_ptr, t_scale_ptr, t_inv_ptr, col_at, col_amax, col_scale, c_ok
+            )
+        else:  # the first column / row of tiles writes the row / column stats
             if pid_c == 0:
-                _store_scales(q_amax_ptr, q_scale_ptr, q_inv_ptr, row_at, row_amax, row_scale, r_ok)
+                _store_group_stats(
+                    q_amax_ptr, q_scale_ptr, q_inv_ptr, rows, row_amax, row_scale, r_ok
+                )
             if pid_r == 0:
-                _store_scales(
-                    qt_amax_ptr, qt_scale_ptr, qt_inv_ptr, col_at, col_amax, col_scale, c_ok
+                _store_group_stats(
+                    t_amax_ptr, t_scale_ptr, t_inv_ptr, cols, col_amax, col_scale, c_ok
                 )
     tl.store(q_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
     tl.store(qt_ptr + cols[:, None] * R + rows[None, :], tl.trans(qt), mask=tl.trans(mask))
 
 
-def _outputs(R: int, C: int, config: QuantConfig, device: torch.device) -> list[torch.Tensor]:
-    """Empty data, amax, scale and inverse scale for q [R, C] then qt [C, R]."""
-    made = []
-    for rows, cols in ((R, C), (C, R)):
-        shape = config.scale_shape(rows, cols)
-        made.append(torch.empty((rows, cols), dtype=config.dtype, device=device))
-        made += [torch.empty(shape, dtype=torch.float32, device=device) for _ in range(3)]
-    return made
+_ROW_COL_AMAX = Launcher(_row_col_amax_kernel)
+_TRANSPOSE_QUANTIZE = Launcher(_transpose_quantize_kernel)
+
+
+def _tiles(mode: int) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """((BLOCK_R, BLOCK_C) of the quantizing pass, the same of the row/column amax pass,
+    warps of the quantizing pass)."""
+    if interpreting():  # small tiles: tests cross tile boundaries
+        return ((128, 128) if mode >= 2 else (32, 32)), (32, 16), 4
+    return (128, 128), (128, 256), 8
 
 
 def quantize_transpose(
@@ -156,7 +173,7 @@ def quantize_transpose(
 
     Options as in `quantize`; `amax` (delayed scaling) is for granularity 'tensor' only.
     """
-    return quantize_transpose_with(x, QuantConfig(fmt, granularity, block, pow2, scale_ub), amax)
+    return quantize_transpose_with(x, cached_config(fmt, granularity, block, pow2, scale_ub), amax)
 
 
 def quantize_transpose_with(
@@ -164,53 +181,70 @@ def quantize_transpose_with(
 ) -> tuple[Fp8Tensor, Fp8Tensor]:
     """`quantize_transpose` with its options in a `QuantConfig`."""
     x = check_high_precision_2d(x)
-    if amax is not None and config.granularity != "tensor":
+    granularity = config.granularity
+    if amax is not None and granularity != "tensor":
         raise ValueError("a given amax (delayed scaling) applies to granularity 'tensor' only")
     R, C = x.shape
-    amax_in = _check_amax(amax, (1,), x.device)
+    device = x.device
+    amax_in = _check_amax(amax, (1,), device)
     require_triton_device(x)
     if x.numel() == 0:
         q = quantize_with(x, config, amax_in)
         return q, quantize_with(x.t(), config, amax_in)
-    q, q_amax, q_scale, q_inv, qt, qt_amax, qt_scale, qt_inv = _outputs(R, C, config, x.device)
-    soft = interpreting()
-    if config.granularity == "block":
-        mode = MODES["block1" if config.block[0] == 1 else "block128"]
-        br = bc = 128
+    mode = MODES[granularity if granularity != "block" else f"block{config.block[0]}"]
+    (br, bc), (abr, abc), warps = _tiles(mode)
+    delayed = amax_in is not None
+    key = (R, C, *x.stride(), x.dtype, config, aligned(x), delayed and aligned(amax_in))
+    q = torch.empty((R, C), dtype=config.dtype, device=device)
+    qt = torch.empty((C, R), dtype=config.dtype, device=device)
+    partials = 0
+    gathered = None
+    f32 = {"dtype": torch.float32, "device": device}
+    if mode == 0:  # one scale: qt shares q's amax, scale and inverse scale
+        if delayed:
+            q_amax = torch.zeros(1, **f32)
+        else:  # [amax, partial amaxes...]
+            partials = _tensor_tiles(R, C)[-1]
+            q_amax = torch.empty(1 + partials, **f32)
+            _launch_amax_partials(x, q_amax)
+        q_scale, q_inv = torch.empty(1, **f32), torch.empty(1, **f32)
+        t_amax, t_scale, t_inv = q_amax, q_scale, q_inv
+        q_shape = t_shape = (1,)
     else:
-        mode = MODES[config.granularity]
-        br, bc = (32, 32) if soft else (64, 64)
-    grid = (triton.cdiv(R, br), triton.cdiv(C, bc))
-    warps = 8 if br * bc >= 8192 else 4
-    amax_arg, col_amax_arg = q_amax, qt_amax
-    if mode == MODES["tensor"]:
-        # Both outputs share the one scale; q_amax receives the amax measured in x.
-        qt_amax, qt_scale, qt_inv = q_amax, q_scale, q_inv
-        q_amax.zero_()
-        if amax_in is None:
-            _amax_kernel[grid](
-                x, q_amax, R, C, x.stride(0), x.stride(1), BLOCK_R=br, BLOCK_C=bc, num_warps=warps
-            )
-        else:
-            amax_arg = amax_in
-    elif mode == MODES["row"]:
-        q_amax.zero_()
-        qt_amax.zero_()
-        _row_col_amax_kernel[grid](
-            x, q_amax, qt_amax, R, C, x.stride(0), x.stride(1), BLOCK_R=br, BLOCK_C=bc, num_warps=warps
-        )  # fmt: skip
+        # Six tensors, not views of one buffer: callers (custom ops) may not return aliases.
+        q_shape, t_shape = config.scale_shape(R, C), config.scale_shape(C, R)
+        q_amax, q_scale, q_inv = (torch.empty(q_shape, **f32) for _ in range(3))
+        t_amax, t_scale, t_inv = (torch.empty(t_shape, **f32) for _ in range(3))
+        if mode == 1:  # row and column amaxes gathered by atomics in one zeroed scratch buffer
+            gathered = torch.zeros(R + C, **f32)
+            args = (x, gathered, gathered[R:], R, C, *x.stride())
+            grid = (triton.cdiv(R, abr), triton.cdiv(C, abc))
+            _ROW_COL_AMAX(key, grid, args, {"BLOCK_R": abr, "BLOCK_C": abc}, num_warps=8)
+    soft = interpreting()
     has_ub, ub = ub_args(config.scale_ub)
-    _transpose_quantize_kernel[grid](
+    args = (
         x, q.view(torch.uint8) if soft else q, qt.view(torch.uint8) if soft else qt,
-        amax_arg, col_amax_arg, q_amax, q_scale, q_inv, qt_amax, qt_scale, qt_inv,
-        R, C, x.stride(0), x.stride(1), q_scale.stride(0), qt_scale.stride(0), ub,
-        MODE=mode, FMT=FORMAT_IDS[config.fmt], SOFT_FP8=soft, POW2=config.pow2, HAS_UB=has_ub,
-        RECORD_AMAX=amax_in is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
+        amax_in if delayed else q_amax, q_amax if gathered is None else gathered,
+        q_amax, q_scale, q_inv, t_amax, t_scale, t_inv, R, C, *x.stride(),
+        q_shape[-1] if mode >= 2 else 0, t_shape[-1] if mode >= 2 else 0, partials, ub,
     )  # fmt: skip
-    g, blk = config.granularity, config.block
+    plan = _TRANSPOSE_QUANTIZE.lookup(key)
+    if plan is None:
+        meta = dict(
+            MODE=mode, FMT=FORMAT_IDS[config.fmt], SOFT_FP8=soft, POW2=config.pow2,
+            HAS_UB=has_ub, DELAYED=delayed, PARTIALS=triton.next_power_of_2(max(partials, 1)),
+            BLOCK_R=br, BLOCK_C=bc,
+        )  # fmt: skip
+        grid = (triton.cdiv(R, br), triton.cdiv(C, bc))
+        _TRANSPOSE_QUANTIZE(key, grid, args, meta, num_warps=warps)
+    else:
+        _TRANSPOSE_QUANTIZE.launch(plan, args)
+    if mode == 0 and not delayed:
+        q_amax = t_amax = q_amax[:1]
+    g, blk = granularity, config.block
     return (
-        Fp8Tensor(q, q_scale, q_inv, q_amax, config.fmt, g, blk),
-        Fp8Tensor(qt, qt_scale, qt_inv, qt_amax, config.fmt, g, blk),
+        Fp8Tensor._trusted(q, q_scale, q_inv, q_amax, config.fmt, g, blk),
+        Fp8Tensor._trusted(qt, t_scale, t_inv, t_amax, config.fmt, g, blk),
     )
 
 
