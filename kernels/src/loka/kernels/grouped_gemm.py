@@ -28,6 +28,8 @@ KINDS = {
     torch.bfloat16: 0, torch.float16: 1, torch.float32: 2,
     torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
 }  # fmt: skip
+# Host metadata buffers copied by captured CUDA graphs, kept alive for their replays.
+_CAPTURED_METADATA: list[torch.Tensor] = []
 META_FIELDS = 12  # a, b, c, a_scale, b_scale, bias pointers; M, N, K; a, b, c row strides
 
 
@@ -259,7 +261,11 @@ def triton_grouped_mm(
     # From pinned memory the copy is asynchronous; from pageable memory it would wait for
     # the GPU to drain its queue first.
     pinned = device.type == "cuda"
-    meta_t = torch.tensor(meta, dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
+    host = torch.tensor(meta, dtype=torch.int64, pin_memory=pinned)
+    meta_t = host.to(device, non_blocking=True)
+    if pinned and torch.cuda.is_current_stream_capturing():
+        # A captured CUDA graph copies from this host buffer at every replay: keep it.
+        _CAPTURED_METADATA.append(host)
     G = len(a)
     args = dict(
         A_KIND=KINDS[_data(a[0]).dtype], B_KIND=KINDS[_data(b[0]).dtype], C_KIND=KINDS[out_dtype],
