@@ -1,5 +1,9 @@
 """loka.mods"""
 
+from loka.mods.apply import Change, ModsError, Report, apply, undo
+from loka.mods.config import Fp8LinearConfig, PassConfig
+from loka.mods.fp8_linear import Fp8Linear, convert_to_fp8_linear, convert_to_linear
+from loka.mods.grouped import GroupedLinear, GroupLayout
 from loka.mods.lordba import (
     LoRDBAConfig,
     LoRDBALinear,
@@ -9,6 +13,7 @@ from loka.mods.lordba import (
     lordba_footprint,
     save_lordba,
 )
+from loka.mods.norm_linear import FusedNorm, NormLinear
 from loka.mods.packed_lora import (
     LoraJobConfig,
     PackedLora,
@@ -19,22 +24,48 @@ from loka.mods.packed_lora import (
     save_adapter,
     train_packs,
 )
+from loka.mods.recipe import Fp8Recipe, parse_recipe
+from loka.mods.reference import fp8_linear_reference
+from loka.mods.smoothing import fold_norm_bias, smooth
+from loka.mods.spec import GroupMods, ModSpec, SiteMods
 
 __all__: list[str] = [
+    "Change",
+    "Fp8Linear",
+    "Fp8LinearConfig",
+    "Fp8Recipe",
+    "FusedNorm",
+    "GroupLayout",
+    "GroupMods",
+    "GroupedLinear",
     "LoRDBAConfig",
     "LoRDBALinear",
     # packed concurrent LoRA (PLoRA)
     "LoraJobConfig",
+    "ModSpec",
+    "ModsError",
+    "NormLinear",
     "PackedLora",
     "PackedLoraConfig",
+    "PassConfig",
     "PerAdapterOptimizer",
+    "Report",
+    "SiteMods",
+    "apply",
     "convert_peft_checkpoint",
+    "convert_to_fp8_linear",
+    "convert_to_linear",
     "convert_to_lordba",
     "convert_to_packed_lora",
+    "fold_norm_bias",
+    "fp8_linear_reference",
     "load_adapter",
     "load_lordba",
     "lordba_footprint",
+    "parse_recipe",
     "save_adapter",
     "save_lordba",
+    "smooth",
     "train_packs",
+    "undo",
 ]

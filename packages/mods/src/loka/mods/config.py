@@ -1,0 +1,126 @@
+"""`Fp8LinearConfig`: the backend and recipe of each pass of a linear (fwd, dgrad, wgrad)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from loka.kernels import PASSES, registry
+from loka.mods.recipe import BF16, BF16_RECIPE, Fp8Recipe, as_recipe
+
+HIGH_PRECISION_BACKEND = "torch.bf16"
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """One pass: its recipe (an `Fp8Recipe`, a recipe-like object or a recipe string) and the
+    registered backend that runs it: of op ``"mm"`` for a linear, ``"grouped_mm"`` for a
+    group of linears (None: the highest-priority backend that supports the GEMM on the
+    tensors' device, chosen at each call).
+
+    A ``bf16`` recipe keeps the pass in high precision: it runs as ``nn.Linear`` would, in the
+    autocast dtype under autocast, else in the input's dtype (so an fp32 model stays fp32).
+    """
+
+    recipe: Fp8Recipe | str | Any = BF16
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        recipe = as_recipe(self.recipe)
+        object.__setattr__(self, "recipe", recipe)
+        if self.backend is None:
+            return
+        if not isinstance(self.backend, str):
+            raise TypeError(f"backend must be a registered name or None, got {self.backend!r}")
+        try:
+            backend = registry.get(self.backend)
+        except KeyError as exc:
+            raise ValueError(str(exc.args[0])) from None
+        if backend.op not in ("mm", "grouped_mm"):
+            raise ValueError(
+                f"backend {self.backend!r} runs op {backend.op!r}, not a GEMM ('mm' for a "
+                "linear, 'grouped_mm' for a group)"
+            )
+        formats = (BF16, BF16) if recipe.is_bf16 else (recipe.a_format, recipe.b_format)
+        if formats not in backend.formats:
+            raise ValueError(
+                f"backend {self.backend!r} cannot run recipe {recipe}: it takes operand formats "
+                f"{sorted(backend.formats)}"
+            )
+
+    @property
+    def is_bf16(self) -> bool:
+        return self.recipe.is_bf16
+
+    def __str__(self) -> str:
+        return f"{self.recipe}@{self.backend or 'auto'}"
+
+
+def _as_pass(value: PassConfig | str | Any) -> PassConfig:
+    return value if isinstance(value, PassConfig) else PassConfig(value)
+
+
+@dataclass(frozen=True)
+class Fp8LinearConfig:
+    """How an `Fp8Linear` computes ``y = x W^T + b`` and its two gradients.
+
+    fwd: ``x W^T`` (operands x, W); dgrad: ``dY W`` (operands dY, W^T); wgrad: ``dY^T x``
+    (operands dY^T, x^T). Each field takes a `PassConfig`, or a recipe (string or object) run
+    by the default backend. The default is rowwise dynamic e4m3 in every pass (torchao's
+    rowwise recipe); ``Fp8LinearConfig.bf16()`` keeps all three passes in high precision.
+
+    pad: pad K and N of the weight (once per optimizer step, in its FP8 copy) and M, K, N of
+    activations and gradients (on their FP8 bytes) to the multiples the chosen backends need,
+    and slice the results back, so that e.g. ``torch._scaled_mm`` (K, N multiples of 16) runs
+    a 479-wide linear. Without it such shapes fail validation.
+    """
+
+    fwd: PassConfig | str | Any = "e4m3:e4m3/row/dynamic"
+    dgrad: PassConfig | str | Any = "e4m3:e4m3/row/dynamic"
+    wgrad: PassConfig | str | Any = "e4m3:e4m3/row/dynamic"
+    pad: bool = False
+
+    def __post_init__(self) -> None:
+        for pass_ in PASSES:
+            object.__setattr__(self, pass_, _as_pass(getattr(self, pass_)))
+        if not isinstance(self.pad, bool):
+            raise TypeError(f"pad must be a bool, got {self.pad!r}")
+
+    @classmethod
+    def bf16(cls) -> Fp8LinearConfig:
+        """Every pass in high precision: the module computes exactly what nn.Linear does."""
+        return cls(BF16_RECIPE, BF16_RECIPE, BF16_RECIPE)
+
+    @classmethod
+    def from_recipes(
+        cls,
+        fwd: Any = "e4m3:e4m3/row/dynamic",
+        dgrad: Any = "e4m3:e4m3/row/dynamic",
+        wgrad: Any = "e4m3:e4m3/row/dynamic",
+        *,
+        backend: str | None = None,
+        pad: bool = False,
+    ) -> Fp8LinearConfig:
+        """Three recipes with one backend for the FP8 passes (bf16 passes take none)."""
+
+        def make(recipe: Any) -> PassConfig:
+            recipe = as_recipe(recipe)
+            return PassConfig(recipe, None if recipe.is_bf16 else backend)
+
+        return cls(make(fwd), make(dgrad), make(wgrad), pad)
+
+    def passes(self) -> dict[str, PassConfig]:
+        return {pass_: getattr(self, pass_) for pass_ in PASSES}
+
+    @property
+    def is_bf16(self) -> bool:
+        return all(p.is_bf16 for p in self.passes().values())
+
+    def replace(self, **changes: Any) -> Fp8LinearConfig:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return Fp8LinearConfig(**values)
+
+    def __str__(self) -> str:
+        text = ", ".join(f"{p}={c}" for p, c in self.passes().items())
+        return text + (", pad" if self.pad else "")

@@ -1,0 +1,238 @@
+"""`Fp8Linear`: a drop-in `nn.Linear` whose fwd, dgrad and wgrad each run in FP8 (their own
+backend and recipe) or in high precision; `convert_to_fp8_linear` and `convert_to_linear`.
+
+The module has exactly nn.Linear's parameters (``weight``, ``bias``) and, with dynamic
+scaling, exactly its state_dict; delayed scaling adds its amax histories as buffers
+(``amax_history_input``, ``amax_history_weight``, ``amax_history_grad_output``), which a
+state_dict without them (an nn.Linear's) may omit: they then start empty.
+
+The weight's FP8 copies (W for fwd, W^T for dgrad) live in a cache that is re-made when the
+weight changed: its version counter (bumped by every optimizer step, ``load_state_dict`` and
+in-place edit) and data pointer are compared at each forward, inside a custom op, so the
+check and the refresh also run in compiled graphs (`loka.mods.ops`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loka.kernels.formats import scale_grid
+from loka.mods.alignment import check_shape
+from loka.mods.config import Fp8LinearConfig
+from loka.mods.linear_function import Fp8LinearFunction
+from loka.mods.linear_plan import LinearPlan
+from loka.mods.ops import call, decode
+
+HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
+_CACHE_SLOTS = 8
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype nn.Linear would compute in: the autocast dtype under autocast, else x's."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class Fp8Linear(nn.Linear):
+    """``y = x W^T + b`` with each pass as `config` (an `Fp8LinearConfig`) says.
+
+    Build one from an existing linear with `Fp8Linear.from_linear(linear, config)` (the same
+    Parameter objects, so optimizers and their state keep working) or with
+    `convert_to_fp8_linear`. Works under autocast (high-precision passes run in the autocast
+    dtype; FP8 passes are unaffected) and torch.compile (no graph breaks).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        config: Fp8LinearConfig | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self._init_fp8(config or Fp8LinearConfig())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: Fp8LinearConfig | None = None) -> Fp8Linear:
+        """An Fp8Linear computing with `linear`'s own weight and bias Parameters."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.register_parameter("bias", linear.bias)
+        new.train(linear.training)
+        new._init_fp8(config or Fp8LinearConfig())
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain nn.Linear holding this module's weight and bias Parameters."""
+        linear = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = self.in_features, self.out_features
+        linear.weight = self.weight
+        linear.register_parameter("bias", self.bias)
+        linear.train(self.training)
+        return linear
+
+    # --- configuration and caches -----------------------------------------------------------
+
+    def _init_fp8(self, config: Fp8LinearConfig) -> None:
+        if not isinstance(config, Fp8LinearConfig):
+            raise TypeError(f"config must be an Fp8LinearConfig, got {type(config).__name__}")
+        check_shape(config, self.in_features, self.out_features, type(self).__name__)
+        self.fp8_config = config
+        self.plan = LinearPlan.of(config)
+        device = self.weight.device
+        windows = {
+            "amax_history_input": self.plan.input_window,
+            "amax_history_weight": self.plan.weight_window,
+            "amax_history_grad_output": self.plan.grad_window,
+        }
+        for name, window in windows.items():
+            if name in self._buffers:
+                del self._buffers[name]
+            if window:
+                self.register_buffer(name, torch.zeros(window, device=device))
+        self._delayed_ready = False
+        self._allocate_weight_cache()
+
+    def _history(self, name: str) -> torch.Tensor:
+        found = self._buffers.get(name)
+        return found if found is not None else self._no_history
+
+    def _allocate_weight_cache(self) -> None:
+        """Empty FP8 copies of W (fwd layout) and W^T (dgrad layout) on the weight's device,
+        and a key that matches no weight, so the next forward fills them."""
+        device = self.weight.device
+        self._no_history = torch.zeros(0, device=device)
+        self._weight_key = torch.full((2,), -1, dtype=torch.int64)
+        N, K = self.out_features, self.in_features
+        _, Kp, Np = self.plan.multiples.pad(1, K, N)
+        cache: list[torch.Tensor] = []
+        for text, rows, cols in ((self.plan.fwd_w, Np, Kp), (self.plan.dgrad_wt, Kp, Np)):
+            if not text:
+                cache += [torch.empty(0, device=device) for _ in range(4)]
+                continue
+            config = decode(text)
+            grid = scale_grid(rows, cols, config.granularity, config.block)
+            cache.append(torch.empty((rows, cols), dtype=config.dtype, device=device))
+            cache += [torch.empty(grid, device=device) for _ in range(3)]
+        self._weight_cache = cache
+
+    def refresh_weight_cache(self) -> None:
+        """Re-make the weight's FP8 copies now if the weight changed (forward does this too)."""
+        layouts = self.plan.weight_layouts
+        if not (layouts[0] or layouts[1]):
+            return
+        _, Kp, Np = self.plan.multiples.pad(1, self.in_features, self.out_features)
+        call(
+            "refresh_weight", self.weight, self._weight_key, self._weight_cache,
+            self._history("amax_history_weight"), *layouts, Np, Kp,
+        )  # fmt: skip
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> Fp8Linear:
+        super()._apply(fn, recurse)
+        # The cache is not a buffer (module.to(dtype) must not cast FP8 bytes): re-made on
+        # the weight's new device at the next forward.
+        self._allocate_weight_cache()
+        return self
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        # An nn.Linear's state_dict has no amax history: delayed scaling then starts empty.
+        for name in HISTORY_BUFFERS:
+            if prefix + name in missing_keys:
+                missing_keys.remove(prefix + name)
+        if any(prefix + name in state_dict for name in HISTORY_BUFFERS):
+            self._delayed_ready = True
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plan.all_high_precision:
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{type(self).__name__}: input has {x.shape[-1]} features, expected "
+                f"{self.in_features} (input shape {tuple(x.shape)})"
+            )
+        x2d = x.reshape(-1, self.in_features)
+        self.refresh_weight_cache()
+        y = Fp8LinearFunction.apply(
+            x2d, self.weight, self.bias, self.plan, compute_dtype(x),
+            torch.is_grad_enabled() and self.weight.requires_grad, self._delayed_ready,
+            self._history("amax_history_input"), self._history("amax_history_grad_output"),
+            *self._weight_cache,
+        )  # fmt: skip
+        self._mark_delayed_ready()
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _mark_delayed_ready(self) -> None:
+        """After the first call (dynamic scales, amaxes recorded) delayed recipes use history."""
+        if not self._delayed_ready and (self.plan.input_window or self.plan.grad_window):
+            self._delayed_ready = True
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, config=({self.fp8_config})"
+
+
+def _matches(module: nn.Module) -> bool:
+    # Exactly nn.Linear: subclasses (e.g. MultiheadAttention's out_proj, which is read as a
+    # weight and never called) may not go through forward.
+    return type(module) is nn.Linear
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def convert_to_fp8_linear(
+    model: nn.Module,
+    config: Fp8LinearConfig | None = None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> nn.Module:
+    """Replace every ``nn.Linear`` of `model` (for which ``module_filter_fn(module, fqn)`` is
+    true, if given) by an `Fp8Linear` sharing its Parameters; returns the model (a new module
+    when `model` is itself an nn.Linear). Every shape is checked against the backends first:
+    on an error nothing is replaced. `convert_to_linear` reverses it."""
+    config = config or Fp8LinearConfig()
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if _matches(module) and (module_filter_fn is None or module_filter_fn(module, name))
+    ]
+    for name, module in targets:
+        check_shape(config, module.in_features, module.out_features, name or "model")
+    converted = {name: Fp8Linear.from_linear(module, config) for name, module in targets}
+    if "" in converted:
+        return converted[""]
+    for name, new in converted.items():
+        _swap(model, name, new)
+    return model
+
+
+def convert_to_linear(model: nn.Module) -> nn.Module:
+    """Replace every `Fp8Linear` (exactly that class) by an nn.Linear sharing its Parameters."""
+    if type(model) is Fp8Linear:
+        return model.to_linear()
+    targets = [(n, m) for n, m in model.named_modules() if type(m) is Fp8Linear]
+    for name, module in targets:
+        _swap(model, name, module.to_linear())
+    return model

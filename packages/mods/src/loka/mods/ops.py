@@ -1,0 +1,354 @@
+"""The loka.kernels calls of the FP8 modules as torch.library custom ops (``loka_mods::*``).
+
+`torch.compile` sees each op as one opaque node with a fake-tensor implementation (shapes and
+dtypes only), so a compiled model keeps no graph break around our Triton kernels. In eager
+mode the modules call the same Python implementations directly (`call`), skipping the
+dispatcher's per-call overhead.
+
+Ops take plain tensors and scalars: an FP8 operand is its data and scales, and a quantization
+config travels as the short string `encode(QuantConfig)`. Every quantizing op can pad its
+output with zeros to ``[rows, cols]`` (shape alignment, `loka.mods.alignment`): zeros change
+no amax, so padding the FP8 bytes after quantizing equals quantizing the padded tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from loka.kernels import (
+    Fp8Tensor,
+    QuantConfig,
+    fp8_mm,
+    grouped_mm,
+    norm_backward,
+    norm_quantize,
+    quantize_transpose_with,
+    quantize_with,
+)
+from loka.kernels.formats import scale_grid
+from loka.kernels.scaling import finite_abs
+
+NAMESPACE = "loka_mods"
+_EMPTY_SHAPE = (0,)
+# custom_op infers its schema from these annotations: fixed-length tuples of tensors.
+_T = torch.Tensor
+_Four = tuple[_T, _T, _T, _T]
+_Seven = tuple[_T, _T, _T, _T, _T, _T, _T]
+_Eight = tuple[_T, _T, _T, _T, _T, _T, _T, _T]
+
+
+def encode(config: QuantConfig) -> str:
+    """``fmt/granularity/block_rows/pow2/scale_ub``: a QuantConfig as a custom-op argument."""
+    block_rows = config.block[0] if config.block is not None else 0
+    ub = "" if config.scale_ub is None else repr(config.scale_ub)
+    return f"{config.fmt}/{config.granularity}/{block_rows}/{int(config.pow2)}/{ub}"
+
+
+@functools.lru_cache(maxsize=256)
+def decode(text: str) -> QuantConfig:
+    fmt, granularity, block_rows, pow2, ub = text.split("/")
+    block = (int(block_rows), 128) if granularity == "block" else None
+    return QuantConfig(fmt, granularity, block, pow2 == "1", float(ub) if ub else None)
+
+
+def _padded(t: Fp8Tensor, rows: int, cols: int) -> Fp8Tensor:
+    """`t` with zero rows and columns appended up to ``[rows, cols]``; new scale groups get
+    scale 1 and amax 0, as quantizing zeros gives."""
+    R, C = t.shape
+    if (rows, cols) == (R, C):
+        return t
+    if rows < R or cols < C:
+        raise ValueError(f"cannot pad a [{R}, {C}] operand to [{rows}, {cols}]")
+    data = F.pad(t.data.view(torch.uint8), (0, cols - C, 0, rows - R)).view(t.data.dtype)
+    grid = scale_grid(rows, cols, t.granularity, t.block)
+    grown = []
+    for values, fill in ((t.scale, 1.0), (t.inv_scale, 1.0), (t.amax, 0.0)):
+        if tuple(values.shape) == grid:
+            grown.append(values)
+            continue
+        full = values.new_full(grid, fill)
+        full[tuple(slice(0, n) for n in values.shape)] = values
+        grown.append(full)
+    return Fp8Tensor(data, *grown, t.fmt, t.granularity, t.block)
+
+
+def _fields(t: Fp8Tensor) -> tuple[torch.Tensor, ...]:
+    return t.data, t.scale, t.inv_scale, t.amax
+
+
+def _fake_fields(rows: int, cols: int, config: QuantConfig, like: torch.Tensor):
+    grid = config.scale_shape(rows, cols)
+    data = like.new_empty((rows, cols), dtype=config.dtype)
+    return data, *(like.new_empty(grid, dtype=torch.float32) for _ in range(3))
+
+
+def operand(data: torch.Tensor, inv_scale: torch.Tensor, config_text: str) -> Fp8Tensor:
+    """An FP8 GEMM operand from its data and inverse scales. GEMMs read only ``inv_scale``,
+    so it also fills the ``scale`` and ``amax`` slots (which only their shapes are checked)."""
+    config = decode(config_text)
+    return Fp8Tensor(
+        data, inv_scale, inv_scale, inv_scale, config.fmt, config.granularity, config.block
+    )
+
+
+# --- quantize -------------------------------------------------------------------------------
+
+
+def quantize_impl(
+    x: torch.Tensor, config: str, amax: torch.Tensor | None, rows: int, cols: int
+) -> _Four:
+    return _fields(_padded(quantize_with(x, decode(config), amax), rows, cols))
+
+
+def _quantize_fake(x, config, amax, rows, cols):
+    return _fake_fields(rows, cols, decode(config), x)
+
+
+# --- quantize_transpose ---------------------------------------------------------------------
+
+
+def quantize_transpose_impl(
+    x: torch.Tensor, config: str, amax: torch.Tensor | None, rows: int, cols: int
+) -> _Eight:
+    q, qt = quantize_transpose_with(x, decode(config), amax)
+    return (*_fields(_padded(q, rows, cols)), *_fields(_padded(qt, cols, rows)))
+
+
+def _quantize_transpose_fake(x, config, amax, rows, cols):
+    cfg = decode(config)
+    return (*_fake_fields(rows, cols, cfg, x), *_fake_fields(cols, rows, cfg, x))
+
+
+# --- mm -------------------------------------------------------------------------------------
+
+
+def mm_impl(
+    a_data: torch.Tensor,
+    a_inv_scale: torch.Tensor,
+    a_config: str,
+    b_data: torch.Tensor,
+    b_inv_scale: torch.Tensor,
+    b_config: str,
+    bias: torch.Tensor | None,
+    backend: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` of two FP8 operands; backend "" takes the best that runs it."""
+    a = operand(a_data, a_inv_scale, a_config)
+    b = operand(b_data, b_inv_scale, b_config)
+    return fp8_mm(a, b, bias=bias, out_dtype=out_dtype, backend=backend or None)
+
+
+def _mm_fake(
+    a_data, a_inv_scale, a_config, b_data, b_inv_scale, b_config, bias, backend, out_dtype
+):
+    return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+# --- grouped_mm -----------------------------------------------------------------------------
+
+
+def grouped_mm_impl(
+    a_data: torch.Tensor,
+    a_inv_scale: torch.Tensor,
+    a_config: str,
+    b_data: torch.Tensor,
+    b_inv_scale: torch.Tensor,
+    b_config: str,
+    groups: int,
+    bias: torch.Tensor | None,
+    backend: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[G, Ma, Nb]``: ``a_g @ b_g^T (+ bias_g)`` for FP8 operands ``a [G*Ma, K]`` and
+    ``b [G*Nb, K]`` with row scales, split into G equal blocks of rows; `bias` is ``[G, Nb]``."""
+    ma, nb = a_data.shape[0] // groups, b_data.shape[0] // groups
+
+    def split(data, inv, config, rows):
+        return [
+            operand(data[g * rows : (g + 1) * rows], inv[g * rows : (g + 1) * rows], config)
+            for g in range(groups)
+        ]
+
+    outs = grouped_mm(
+        split(a_data, a_inv_scale, a_config, ma), split(b_data, b_inv_scale, b_config, nb),
+        bias=None if bias is None else list(bias.unbind(0)), out_dtype=out_dtype,
+        backend=backend or None,
+    )  # fmt: skip
+    return torch.stack(outs)
+
+
+def _grouped_mm_fake(
+    a_data, a_inv_scale, a_config, b_data, b_inv_scale, b_config, groups, bias, backend, out_dtype
+):
+    shape = (groups, a_data.shape[0] // groups, b_data.shape[0] // groups)
+    return a_data.new_empty(shape, dtype=out_dtype)
+
+
+# --- norm_quantize --------------------------------------------------------------------------
+
+
+def norm_quantize_impl(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    kind: str,
+    config: str,
+    return_normed: bool,
+    cols: int,
+) -> _Seven:
+    """(FP8 data, scale, inv_scale, amax, normed or empty, mean or empty, rstd)."""
+    cfg = decode(config)
+    out = norm_quantize(
+        x, weight, bias, eps, kind=kind, fmt=cfg.fmt, pow2=cfg.pow2, scale_ub=cfg.scale_ub,
+        return_normed=return_normed,
+    )  # fmt: skip
+    empty = x.new_empty(_EMPTY_SHAPE)
+    normed = out.normed if out.normed is not None else empty
+    mean = out.mean if out.mean is not None else empty.float()
+    return (*_fields(_padded(out.q, x.shape[0], cols)), normed, mean, out.rstd)
+
+
+def _norm_quantize_fake(x, weight, bias, eps, kind, config, return_normed, cols):
+    M = x.shape[0]
+    fields = _fake_fields(M, cols, decode(config), x)
+    normed = x.new_empty(x.shape if return_normed else _EMPTY_SHAPE)
+    mean = x.new_empty((M,) if kind == "layernorm" else _EMPTY_SHAPE, dtype=torch.float32)
+    return (*fields, normed, mean, x.new_empty((M,), dtype=torch.float32))
+
+
+# --- norm_backward --------------------------------------------------------------------------
+
+
+def norm_backward_impl(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    kind: str,
+    has_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight or empty, dbias or empty)."""
+    dx, dw, db = norm_backward(dy, x, weight, mean, rstd, kind=kind, has_bias=has_bias)
+    empty = x.new_empty(_EMPTY_SHAPE)
+    return dx, dw if dw is not None else empty, db if db is not None else empty
+
+
+def _norm_backward_fake(dy, x, weight, mean, rstd, kind, has_bias):
+    dw = x.new_empty(weight.shape, dtype=weight.dtype) if weight is not None else None
+    db_dtype = weight.dtype if weight is not None else x.dtype
+    db = x.new_empty((x.shape[1],), dtype=db_dtype) if has_bias else None
+    empty = x.new_empty(_EMPTY_SHAPE)
+    return x.new_empty(x.shape), dw if dw is not None else empty, db if db is not None else empty
+
+
+# --- refresh_weight -------------------------------------------------------------------------
+
+
+def refresh_weight_impl(
+    weight: torch.Tensor,
+    key: torch.Tensor,
+    cache: list[torch.Tensor],
+    history: torch.Tensor,
+    fwd_config: str,
+    dgrad_config: str,
+    fwd_delayed: bool,
+    dgrad_delayed: bool,
+    rows: int,
+    cols: int,
+) -> None:
+    """Re-quantize `weight` into `cache` in place if it changed since the last call.
+
+    `key` (int64 CPU ``[2]``) holds the weight's version counter and data pointer at the last
+    refresh: an optimizer step, ``load_state_dict`` or any in-place edit bumps the version,
+    a move to another device changes the pointer. `cache` holds data, scale, inv_scale, amax
+    of W ``[rows, cols]`` (fwd layout, for config `fwd_config`) then of W^T ``[cols, rows]``
+    (dgrad layout, `dgrad_config`); a layout whose config is "" is not made. `history` is the
+    weight's amax history: a layout marked delayed takes its scale from the history's maximum
+    once it holds a value (before: the current amax), and the measured amax is pushed to it.
+    """
+    stamp = (weight._version, weight.data_ptr())
+    if (int(key[0]), int(key[1])) == stamp:
+        return
+    w = weight.detach()
+    delayed_amax = None
+    if fwd_delayed or dgrad_delayed:
+        # where() rather than a branch on the history's content: no device-to-host sync.
+        recorded = history.amax().reshape(1).float()
+        delayed_amax = torch.where(recorded > 0, recorded, finite_abs(w).amax().reshape(1))
+    fwd_amax = delayed_amax if fwd_delayed else None
+    dgrad_amax = delayed_amax if dgrad_delayed else None
+    if fwd_config and (dgrad_config, dgrad_delayed) == (fwd_config, fwd_delayed):
+        made = quantize_transpose_impl(w, fwd_config, fwd_amax, rows, cols)
+        for target, value in zip(cache, made, strict=True):
+            target.copy_(value)
+    else:
+        if fwd_config:
+            made = quantize_impl(w, fwd_config, fwd_amax, rows, cols)
+            for target, value in zip(cache[:4], made, strict=True):
+                target.copy_(value)
+        if dgrad_config:
+            made = quantize_impl(w.t(), dgrad_config, dgrad_amax, cols, rows)
+            for target, value in zip(cache[4:], made, strict=True):
+                target.copy_(value)
+    if delayed_amax is not None:
+        measured = finite_abs(w).amax().reshape(1).to(history.dtype)
+        history.copy_(torch.cat([measured, history[:-1]]))
+    key[0], key[1] = stamp
+
+
+def _refresh_weight_fake(
+    weight, key, cache, history, fwd_config, dgrad_config, fwd_delayed, dgrad_delayed, rows, cols
+):
+    return None
+
+
+# --- registration ---------------------------------------------------------------------------
+
+
+def _register(
+    name: str, impl: Callable, fake: Callable, mutates_args: tuple[str, ...] = ()
+) -> Callable:
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=mutates_args)
+    op.register_fake(fake)
+    return getattr(getattr(torch.ops, NAMESPACE), name)
+
+
+_OPS = {
+    "quantize": (quantize_impl, _register("quantize", quantize_impl, _quantize_fake)),
+    "quantize_transpose": (
+        quantize_transpose_impl,
+        _register("quantize_transpose", quantize_transpose_impl, _quantize_transpose_fake),
+    ),
+    "mm": (mm_impl, _register("mm", mm_impl, _mm_fake)),
+    "grouped_mm": (grouped_mm_impl, _register("grouped_mm", grouped_mm_impl, _grouped_mm_fake)),
+    "norm_quantize": (
+        norm_quantize_impl,
+        _register("norm_quantize", norm_quantize_impl, _norm_quantize_fake),
+    ),
+    "norm_backward": (
+        norm_backward_impl,
+        _register("norm_backward", norm_backward_impl, _norm_backward_fake),
+    ),
+    "refresh_weight": (
+        refresh_weight_impl,
+        _register(
+            "refresh_weight",
+            refresh_weight_impl,
+            _refresh_weight_fake,
+            mutates_args=("key", "cache", "history"),
+        ),
+    ),
+}
+
+
+def call(name: str, *args):
+    """Run op `name`: through the dispatcher while torch.compile traces, directly otherwise."""
+    impl, op = _OPS[name]
+    return op(*args) if torch.compiler.is_compiling() else impl(*args)
