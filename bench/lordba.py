@@ -4,19 +4,25 @@ Sections (hidden 4096, rank 16 by default; bf16 activations and base weights):
 - check:   the Triton sign-GEMM path of LoRDBALinear against its pure-torch reference on the
            device (forward, inference addmm path, backward: dx and every adapter gradient),
            at hidden-size and awkward shapes. Speed numbers mean nothing if this fails.
-- bytes:   adapter bytes, LoRDBA (packed signs + fp16 scales, with and without the input
-           scale q) against an fp16 LoRA of the same rank: formula and saved file sizes.
+- bytes:   adapter bytes, LoRDBA (packed signs + fp16 scales; the default without the input
+           scale q, and with it) against an fp16 LoRA of the same rank: formula and files.
+- fit:     what q buys: the fit error of LoRDBA, without and with q, on LoRA factors
+           (Gaussian ones, and LoRAs trained with AdamW on inputs whose channels have equal
+           or lognormal scales, the target defined on raw or on normalized inputs).
 - prefill: forward time per token count (512..8192) of the base linear alone, base + 16-bit
            LoRA unmerged (peft's form, and a fused-addmm form), base + LoRDBA unmerged
-           (nn.Linear base: adapter output fed to the base GEMM's addmm; an opaque base:
-           add fused into the up-projection; without q), and the LoRDBA adapter alone.
-           Median of triton.testing.do_bench (eager) and do_bench_cudagraph (GPU time).
+           (nn.Linear base: adapter output fed to the base GEMM's addmm; with q; an opaque
+           base: add fused into the up-projection), and the LoRDBA adapter alone. Median of
+           triton.testing.do_bench (eager) and do_bench_cudagraph (GPU time), and the host
+           time per call (Python and launches, no sync).
 - train:   one training step (forward, backward with dx, AdamW) of base + LoRA (fp32
            masters, bf16 compute) and base + LoRDBA (fp32 latents and scales): peak memory
-           above what is resident before the step, adapter state bytes, step time.
+           above what is resident before the step, adapter state bytes, step time; and the
+           forward + backward alone (eager, CUDA graph and host time).
 
     python bench/lordba.py --smoke    # CPU (Triton interpreter) or GPU, tiny sizes, < 1 min
     python bench/lordba.py            # one H200, about 2 min (mostly autotuning)
+    python bench/lordba.py --sections bytes,fit   # no GPU needed (CPU: minutes)
 Results in --out (default $OUT, else bench/results/): lordba_<mode>_<utc>.json (metadata,
 every raw record, the summary) and lordba_prefill_<mode>_<utc>.csv.
 """
@@ -48,20 +54,28 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=None, help="adapter rank (16; smoke 4)")
     p.add_argument("--tokens", default=None, help="prefill token counts (512,...,8192; smoke 8,24)")
     p.add_argument("--train-tokens", default=None, help="training tokens (4096,8192; smoke 16)")
-    p.add_argument("--sections", default="check,bytes,prefill,train")
+    p.add_argument("--sections", default="check,bytes,fit,prefill,train")
     p.add_argument("--no-autotune", action="store_true", help="one heuristic tile per kernel")
     p.add_argument("--budget-s", type=float, default=None, help="wall budget (240 s; smoke 60)")
     return p.parse_args()
 
 
 ARGS = parse_args()
-MODE = "smoke" if ARGS.smoke else "full"
+SECTIONS = [s.strip() for s in ARGS.sections.split(",") if s.strip()]
+CPU_SECTIONS = {"bytes", "fit"}  # device-independent numbers
+_UNKNOWN = set(SECTIONS) - {"check", "bytes", "fit", "prefill", "train"}
+if _UNKNOWN:
+    raise SystemExit(f"unknown --sections {sorted(_UNKNOWN)}")
 
 import torch  # noqa: E402
 
+MODE = "smoke" if ARGS.smoke else ("full" if torch.cuda.is_available() else "cpu")
 if not torch.cuda.is_available():
-    if not ARGS.smoke:
-        raise SystemExit("bench/lordba.py needs a CUDA GPU; use --smoke on CPU")
+    if MODE == "cpu" and not set(SECTIONS) <= CPU_SECTIONS:
+        raise SystemExit(
+            "bench/lordba.py needs a CUDA GPU for sections other than "
+            f"{sorted(CPU_SECTIONS)}; use --smoke on CPU"
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is created
 if ARGS.no_autotune:
     os.environ["LOKA_KERNELS_AUTOTUNE"] = "0"
@@ -76,6 +90,7 @@ from loka.kernels.sign_gemm import sign_down, sign_up  # noqa: E402
 from loka.mods.lordba import (  # noqa: E402
     LoRDBAConfig,
     LoRDBALinear,
+    fit_lora,
     lordba_footprint,
     save_lordba,
 )
@@ -92,6 +107,8 @@ TOKENS = [
 TRAIN_TOKENS = [
     int(t) for t in (ARGS.train_tokens or ("16" if ARGS.smoke else "4096,8192")).split(",")
 ]
+FIT_STEPS = 20 if ARGS.smoke else 200  # training steps of the LoRAs the fit section converts
+HOST_CALLS = 20
 BUDGET_S = ARGS.budget_s or (60.0 if ARGS.smoke else 240.0)
 PREFILL_AIM = 1.08  # the paper's "at most 8% prefill overhead at rank 16, unmerged"
 # bf16 GEMM [M, 4096] x [4096, 4096] on the H200 (shared/anchors/h200_gemm_bf16_vs_fp8_2026-11-29.csv,
@@ -115,8 +132,20 @@ def over_budget(share: float) -> bool:
 # --------------------------------------------------------------------------------------
 
 
+def host_ms(fn) -> float:
+    """Host milliseconds per call (Python, checks, launches) while the GPU queue absorbs the
+    work: where eager time exceeds this and the graph time, the GPU is the bottleneck."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        fn()
+    elapsed_ms = (time.perf_counter() - t0) * 1e3 / HOST_CALLS
+    torch.cuda.synchronize()
+    return elapsed_ms
+
+
 def time_ms(fn) -> dict[str, float | None]:
-    """Median milliseconds: eager (do_bench) and GPU time under a CUDA graph."""
+    """Median milliseconds: eager (do_bench), GPU time under a CUDA graph, host time."""
     if not CUDA:
         fn()
         runs = []
@@ -124,15 +153,16 @@ def time_ms(fn) -> dict[str, float | None]:
             t0 = time.perf_counter()
             fn()
             runs.append((time.perf_counter() - t0) * 1e3)
-        return {"eager_ms": sorted(runs)[1], "graph_ms": None}
+        return {"eager_ms": sorted(runs)[1], "graph_ms": None, "host_ms": None}
     eager = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    host = host_ms(fn)
     try:
         with torch.cuda.stream(torch.cuda.Stream()):
             graph = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
     except Exception as error:  # a path that cannot be captured still has its eager time
         print(f"  (no CUDA-graph time: {type(error).__name__}: {error})")
         graph = None
-    return {"eager_ms": eager, "graph_ms": graph}
+    return {"eager_ms": eager, "graph_ms": graph, "host_ms": host}
 
 
 # --------------------------------------------------------------------------------------
@@ -172,7 +202,9 @@ def trained_like(module: LoRDBALinear, seed: int = 1) -> LoRDBALinear:
     return module
 
 
-def make_lordba(base: nn.Module, input_scale: bool = True, backend: str = "triton") -> LoRDBALinear:
+def make_lordba(
+    base: nn.Module, input_scale: bool = LoRDBAConfig.input_scale, backend: str = "triton"
+) -> LoRDBALinear:
     config = LoRDBAConfig(rank=RANK, input_scale=input_scale, backend=backend)
     return trained_like(LoRDBALinear(base, config))
 
@@ -251,7 +283,7 @@ def bytes_section(tmp: Path) -> list[dict]:
     safetensors.torch.save_file(
         {"lora_A": a.half().cpu(), "lora_B": b.half().cpu()}, str(lora_path)
     )
-    for input_scale in (True, False):
+    for input_scale in (False, True):
         footprint = lordba_footprint(HIDDEN, HIDDEN, RANK, input_scale=input_scale)
         module = make_lordba(make_base(), input_scale=input_scale)
         path = tmp / f"lordba_{input_scale}.safetensors"
@@ -273,13 +305,78 @@ def bytes_section(tmp: Path) -> list[dict]:
     return records
 
 
+def trained_lora(channel_sigma: float, normalized_target: bool, seed: int) -> tuple[dict, tuple]:
+    """A rank-RANK LoRA (scaling 2, peft's init, AdamW) trained to reproduce a random
+    rank-RANK map on inputs whose channel RMS ``c`` is lognormal(channel_sigma): ``y = T x``,
+    or ``y = T (x / c)`` (a map defined on normalized features, as with raw dense features of
+    different units), which the LoRA can only express with A's columns scaled by ``1 / c``.
+    Returns the relative losses and the factors."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    channels = torch.exp(channel_sigma * torch.randn(HIDDEN, generator=gen)).to(DEVICE)
+    target_b = (torch.randn(HIDDEN, RANK, generator=gen) / math.sqrt(RANK)).to(DEVICE)
+    target_a = (torch.randn(RANK, HIDDEN, generator=gen) / math.sqrt(HIDDEN)).to(DEVICE)
+    if normalized_target:
+        target_a = target_a / channels
+    bound = 1 / math.sqrt(HIDDEN)
+    a = nn.Parameter(((torch.rand(RANK, HIDDEN, generator=gen) * 2 - 1) * bound).to(DEVICE))
+    b = nn.Parameter(torch.zeros(HIDDEN, RANK, device=DEVICE))
+    optimizer = torch.optim.AdamW([a, b], lr=1e-3)
+    inputs = torch.Generator(device=DEVICE).manual_seed(seed)
+    losses = []
+    for _ in range(FIT_STEPS):
+        x = torch.randn(256, HIDDEN, device=DEVICE, generator=inputs) * channels
+        y = (x @ target_a.T) @ target_b.T
+        loss = ((x @ a.T) @ b.T * 2.0 - y).square().mean() / y.square().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    factors = (a.detach().float().cpu(), b.detach().float().cpu(), 2.0)
+    return {"relative_loss_first": losses[0], "relative_loss_last": losses[-1]}, factors
+
+
+def fit_section() -> list[dict]:
+    """Fit error of LoRDBA without and with the input scale q, on the same LoRA factors."""
+    a, b, scaling = lora_factors()
+    cases = {"gaussian": ({}, (a.float().cpu(), b.float().cpu(), scaling))}
+    for name, sigma, normalized in (
+        ("adamw_equal_channels", 0.0, False),
+        ("adamw_lognormal_channels", 1.0, False),
+        ("adamw_lognormal_normalized_target", 1.0, True),
+    ):
+        cases[name] = trained_lora(sigma, normalized, seed=len(cases))
+    records = []
+    for case, (training, (lora_a, lora_b, case_scaling)) in cases.items():
+        for input_scale in (False, True):
+            fit = fit_lora(lora_a, lora_b, case_scaling, input_scale=input_scale)
+            footprint = lordba_footprint(HIDDEN, HIDDEN, RANK, input_scale=input_scale)
+            records.append(
+                {
+                    "case": case,
+                    "K": HIDDEN,
+                    "N": HIDDEN,
+                    "rank": RANK,
+                    "input_scale": input_scale,
+                    **training,
+                    "rho_a": fit.residual_ratio_a,
+                    "rho_b": fit.residual_ratio_b,
+                    "reconstruction_error": fit.reconstruction_error,
+                    "predicted_error": fit.predicted_error,
+                    "error_bound": fit.error_bound,
+                    "lordba_bytes": footprint.lordba_bytes,
+                    "bytes_ratio": footprint.ratio,
+                }
+            )
+    return records
+
+
 def prefill_variants(x: torch.Tensor) -> dict:
     base = make_base()
     weight = base.weight
     a, b, scaling = lora_factors()
     b_scaled = b * scaling
-    lordba = make_lordba(base).requires_grad_(False)
-    lordba_noq = make_lordba(base, input_scale=False).requires_grad_(False)
+    lordba = make_lordba(base).requires_grad_(False)  # the default: no input scale q
+    lordba_q = make_lordba(base, input_scale=True).requires_grad_(False)
     lordba_opaque = make_lordba(OpaqueBase(base)).requires_grad_(False)
     packed = lordba.packed_signs()
 
@@ -294,13 +391,13 @@ def prefill_variants(x: torch.Tensor) -> dict:
             out_dtype=x.dtype,
         )
 
-    modules = {"lordba": lordba, "lordba_noq": lordba_noq, "lordba_opaque_base": lordba_opaque}
+    modules = {"lordba": lordba, "lordba_q": lordba_q, "lordba_opaque_base": lordba_opaque}
     variants = {
         "base": lambda: F.linear(x, weight),
         "lora_peft": lambda: F.linear(x, weight) + F.linear(F.linear(x, a), b) * scaling,
         "lora_addmm": lambda: torch.addmm(F.linear(F.linear(x, a), b_scaled), x, weight.t()),
         "lordba": lambda: lordba(x),
-        "lordba_noq": lambda: lordba_noq(x),
+        "lordba_q": lambda: lordba_q(x),
         "lordba_opaque_base": lambda: lordba_opaque(x),
         "lordba_adapter_only": adapter_only,
     }
@@ -344,14 +441,10 @@ def prefill_section() -> list[dict]:
                     {"M": rows, "variant": name, "error": f"{type(error).__name__}: {error}"}
                 )
         print(f"  prefill M={rows} done at {elapsed():.0f} s")
-    base = {
-        (r["M"], key): r[key]
-        for r in records
-        if r.get("variant") == "base"
-        for key in ("eager_ms", "graph_ms")
-    }
+    keys = ("eager_ms", "graph_ms", "host_ms")
+    base = {(r["M"], key): r[key] for r in records if r.get("variant") == "base" for key in keys}
     for r in records:
-        for key in ("eager_ms", "graph_ms"):
+        for key in keys:
             ref = base.get((r.get("M"), key))
             if r.get(key) is not None and ref:
                 r[key.replace("_ms", "_vs_base")] = r[key] / ref
@@ -388,8 +481,11 @@ def train_step_fn(kind: str, rows: int):
         forward(x).backward(grad)
         optimizer.step()
 
+    def forward_backward():  # gradients accumulate: the same work each call, capturable
+        forward(x).backward(grad)
+
     state_bytes = sum(p.numel() * p.element_size() * 4 for p in params)  # param, grad, 2 Adam
-    return step, clear, state_bytes
+    return step, clear, forward_backward, state_bytes
 
 
 def train_section() -> list[dict]:
@@ -401,7 +497,7 @@ def train_section() -> list[dict]:
                     {"M": rows, "adapter": kind, "skipped": f"over budget at {elapsed():.0f} s"}
                 )
                 continue
-            step, clear, state_bytes = train_step_fn(kind, rows)
+            step, clear, forward_backward, state_bytes = train_step_fn(kind, rows)
             for _ in range(3):  # autotuning, optimizer state allocation
                 step()
             record = {
@@ -410,6 +506,7 @@ def train_section() -> list[dict]:
                 "N": HIDDEN,
                 "rank": RANK,
                 "adapter": kind,
+                "input_scale": LoRDBAConfig.input_scale if kind == "lordba" else None,
                 "adapter_state_bytes": state_bytes,
             }
             if CUDA:
@@ -434,6 +531,8 @@ def train_section() -> list[dict]:
                     end.synchronize()
                     times.append(start.elapsed_time(end))
                 record["step_ms"] = sorted(times)[len(times) // 2]
+                timing = time_ms(forward_backward)
+                record.update({f"fwd_bwd_{key}": value for key, value in timing.items()})
             else:
                 t0 = time.perf_counter()
                 step()
@@ -449,6 +548,9 @@ def train_section() -> list[dict]:
                 "peak_bytes",
                 "adapter_state_bytes",
                 "step_ms",
+                "fwd_bwd_eager_ms",
+                "fwd_bwd_graph_ms",
+                "fwd_bwd_host_ms",
             ):
                 if lora.get(key):
                     lordba[f"{key}_vs_lora"] = lordba[key] / lora[key]
@@ -460,20 +562,25 @@ def train_section() -> list[dict]:
 # --------------------------------------------------------------------------------------
 
 
-def metadata() -> dict:
+def git_commit() -> str | None:
+    """The checkout's commit, or None (a copied tree without history answers "HEAD")."""
     try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).parent,
-                timeout=10,
-            ).stdout.strip()
-            or None
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
         )
-    except Exception:
-        commit = None
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = done.stdout.strip()
+    is_hash = len(commit) == 40 and all(c in "0123456789abcdef" for c in commit)
+    return commit if done.returncode == 0 and is_hash else None
+
+
+def metadata() -> dict:
+    commit = git_commit()
     return {
         "command": " ".join([sys.executable, *sys.argv]),
         "mode": MODE,
@@ -506,7 +613,14 @@ def summarize(results: dict) -> dict:
         errors = [r["rel_error_vs_torch_path"] for r in prefill if "rel_error_vs_torch_path" in r]
         summary["prefill_max_rel_error_vs_torch_path"] = max(errors, default=None)
     if results.get("bytes"):
-        summary["bytes_ratio"] = {str(r["input_scale"]): r["ratio"] for r in results["bytes"]}
+        summary["bytes_ratio"] = {
+            f"input_scale={r['input_scale']}": r["ratio"] for r in results["bytes"]
+        }
+    if results.get("fit"):
+        summary["fit_error"] = {
+            f"{r['case']} input_scale={r['input_scale']}": r["reconstruction_error"]
+            for r in results["fit"]
+        }
     if results.get("check"):
         summary["check_ok"] = all(r["ok"] for r in results["check"])
     return summary
@@ -525,24 +639,39 @@ def print_tables(results: dict) -> None:
             f"fp16 LoRA {r['lora_fp16_bytes']:>8} B  ratio {r['ratio']:.2f}x "
             f"(files {r['file_ratio']:.2f}x; aim >= {BYTES_AIM:.0f}x)"
         )
+    fits = results.get("fit", [])
+    if fits:
+        print(f"\nfit error of the LoRA update (relative Frobenius), hidden {HIDDEN}, rank {RANK}")
+        print(f"{'LoRA factors':<34} {'train loss':>13}  {'no q':>6}  {'with q':>6}  rho_A no q/q")
+        for case in dict.fromkeys(r["case"] for r in fits):
+            pair = {r["input_scale"]: r for r in fits if r["case"] == case}
+            loss = ""
+            if "relative_loss_first" in pair[False]:
+                loss = f"{pair[False]['relative_loss_first']:.3f}->{pair[False]['relative_loss_last']:.3f}"
+            print(
+                f"{case:<34} {loss:>13}  {pair[False]['reconstruction_error']:6.3f}  "
+                f"{pair[True]['reconstruction_error']:6.3f}  "
+                f"{pair[False]['rho_a']:.3f}/{pair[True]['rho_a']:.3f}"
+            )
     prefill = [r for r in results.get("prefill", []) if "variant" in r]
     if prefill:
         variants = list(dict.fromkeys(r["variant"] for r in prefill))
-        key = "graph_ms" if CUDA else "eager_ms"
-        print(
-            f"\nprefill {key} (ratio to base), hidden {HIDDEN}, rank {RANK}; aim LoRDBA <= {PREFILL_AIM}x"
-        )
-        print("tokens  " + "  ".join(f"{v:>24}" for v in variants))
-        for rows in TOKENS:
-            cells = []
-            for v in variants:
-                r = next((r for r in prefill if r["M"] == rows and r["variant"] == v), None)
-                if r is None or r.get(key) is None:
-                    cells.append(f"{'-':>24}")
-                else:
-                    ratio = r.get(key.replace("_ms", "_vs_base"), float("nan"))
-                    cells.append(f"{r[key]:>12.4f} ({ratio:>5.3f}x)".rjust(24))
-            print(f"{rows:>6}  " + "  ".join(cells))
+        for key in ("graph_ms", "eager_ms", "host_ms") if CUDA else ("eager_ms",):
+            print(
+                f"\nprefill {key} (ratio to base), hidden {HIDDEN}, rank {RANK}; "
+                f"aim LoRDBA <= {PREFILL_AIM}x (GPU time: graph_ms)"
+            )
+            print("tokens  " + "  ".join(f"{v:>24}" for v in variants))
+            for rows in TOKENS:
+                cells = []
+                for v in variants:
+                    r = next((r for r in prefill if r["M"] == rows and r["variant"] == v), None)
+                    if r is None or r.get(key) is None:
+                        cells.append(f"{'-':>24}")
+                    else:
+                        ratio = r.get(key.replace("_ms", "_vs_base"), float("nan"))
+                        cells.append(f"{r[key]:>12.4f} ({ratio:>5.3f}x)".rjust(24))
+                print(f"{rows:>6}  " + "  ".join(cells))
     for r in prefill:
         if "anchor_bf16_ms" in r:
             print(
@@ -561,6 +690,12 @@ def print_tables(results: dict) -> None:
         peak = r.get("step_peak_above_resident_bytes")
         peak_text = f"peak above resident {peak / 2**20:8.1f} MiB" if peak is not None else ""
         print(f"train  M={r['M']:<5} {r['adapter']:<7} {r['step_ms']:8.3f} ms  {peak_text}{extra}")
+        if r.get("fwd_bwd_eager_ms") is not None:
+            graph = r.get("fwd_bwd_graph_ms")
+            print(
+                f"       fwd+bwd eager {r['fwd_bwd_eager_ms']:.3f} ms, graph "
+                f"{'-' if graph is None else f'{graph:.3f}'} ms, host {r['fwd_bwd_host_ms']:.3f} ms"
+            )
     print("\nsummary:", json.dumps(summarize(results)))
 
 
@@ -573,7 +708,7 @@ def write_atomic(path: Path, text: str) -> None:
 def main() -> int:
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    sections = [s.strip() for s in ARGS.sections.split(",") if s.strip()]
+    sections = SECTIONS
     results: dict = {}
     failures = []
     print(f"LoRDBA bench ({MODE}) on {DEVICE}: hidden {HIDDEN}, rank {RANK}, {DTYPE}")
@@ -581,6 +716,7 @@ def main() -> int:
         runners = {
             "check": check_section,
             "bytes": lambda: bytes_section(Path(tmp)),
+            "fit": fit_section,
             "prefill": prefill_section,
             "train": train_section,
         }

@@ -13,12 +13,12 @@ from scipy.stats import spearmanr
 from loka.mods.lordba import fit_lora
 
 
-def _factor(rows, cols, noise, gen):
-    """Signs times a positive rank-one magnitude, plus ``noise`` of relative magnitude noise."""
+def _factor(rows, cols, noise, gen, column_profile=True):
+    """Signs times a positive rank-one magnitude (constant along rows without a column
+    profile), plus ``noise`` of relative magnitude noise."""
     signs = torch.randint(0, 2, (rows, cols), generator=gen) * 2.0 - 1.0
-    magnitude = torch.outer(
-        torch.rand(rows, generator=gen) + 0.5, torch.rand(cols, generator=gen) + 0.5
-    )
+    columns = torch.rand(cols, generator=gen) + 0.5 if column_profile else torch.ones(cols)
+    magnitude = torch.outer(torch.rand(rows, generator=gen) + 0.5, columns)
     wobble = (1 + noise * torch.randn(rows, cols, generator=gen)).clamp_min(0)
     return signs * magnitude * wobble
 
@@ -34,7 +34,7 @@ def _dense(fit):
 def test_rank_one_magnitudes_reproduce_the_lora_exactly():
     gen = torch.Generator().manual_seed(0)
     lora_a, lora_b = _factor(8, 48, 0.0, gen), _factor(40, 8, 0.0, gen)
-    fit = fit_lora(lora_a, lora_b, scaling=0.5)
+    fit = fit_lora(lora_a, lora_b, scaling=0.5, input_scale=True)
     assert fit.residual_ratio_a < 1e-6 and fit.residual_ratio_b < 1e-6
     assert fit.reconstruction_error < 1e-6
     torch.testing.assert_close(_dense(fit), 0.5 * lora_b @ lora_a, rtol=1e-5, atol=1e-6)
@@ -45,22 +45,27 @@ def test_rank_one_magnitudes_reproduce_the_lora_exactly():
     assert max(rms) / min(rms) == pytest.approx(1.0, rel=1e-5)
 
 
-def test_without_input_scale_exact_only_for_row_constant_magnitudes():
+def test_default_has_no_input_scale_and_is_exact_only_for_row_constant_magnitudes():
     gen = torch.Generator().manual_seed(1)
-    signs = torch.randint(0, 2, (4, 24), generator=gen) * 2.0 - 1.0
-    lora_a = signs * (torch.rand(4, 1, generator=gen) + 0.5)  # |A| constant along each row
+    lora_a = _factor(4, 24, 0.0, gen, column_profile=False)  # |A| constant along each row
     lora_b = _factor(12, 4, 0.0, gen)
-    fit = fit_lora(lora_a, lora_b, input_scale=False)
-    assert fit.scale_in is None and fit.reconstruction_error < 1e-6
-    fit_general = fit_lora(_factor(4, 24, 0.0, gen), lora_b, input_scale=False)
-    assert fit_general.residual_ratio_a > 0.05  # a column profile it cannot represent
+    fit = fit_lora(lora_a, lora_b, scaling=3.0)
+    assert fit.scale_in is None
+    assert fit.residual_ratio_a < 1e-6 and fit.reconstruction_error < 1e-6
+    torch.testing.assert_close(_dense(fit), 3.0 * lora_b @ lora_a, rtol=1e-5, atol=1e-6)
+    # A column profile only q can represent: the default fit misses it, the fit with q does not.
+    profiled = _factor(4, 24, 0.0, gen)
+    assert fit_lora(profiled, lora_b).residual_ratio_a > 0.05
+    assert fit_lora(profiled, lora_b, input_scale=True).reconstruction_error < 1e-6
 
 
-def test_reconstruction_error_tracks_the_residual_ratio():
+@pytest.mark.parametrize("input_scale", [True, False])
+def test_reconstruction_error_tracks_the_residual_ratio(input_scale):
     gen = torch.Generator().manual_seed(2)
     ratios, errors = [], []
     for noise in [0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8]:
-        fit = fit_lora(_factor(16, 96, noise, gen), _factor(80, 16, noise, gen), scaling=2.0)
+        lora_a = _factor(16, 96, noise, gen, column_profile=input_scale)
+        fit = fit_lora(lora_a, _factor(80, 16, noise, gen), 2.0, input_scale=input_scale)
         ratios.append(math.hypot(fit.residual_ratio_a, fit.residual_ratio_b))
         errors.append(fit.reconstruction_error)
         assert fit.reconstruction_error <= fit.error_bound + 1e-9

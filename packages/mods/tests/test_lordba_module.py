@@ -84,14 +84,26 @@ class _OpaqueLinear(nn.Module):
         return self.inner(x) * 2.0
 
 
-def test_pluggable_base_module():
+def _tensor_devices(module):
+    return {t.device for t in [*module.parameters(), *module.buffers()]}
+
+
+def test_pluggable_base_module_moved_with_to():
     torch.manual_seed(2)
     module = _trained_like(
         LoRDBALinear(_OpaqueLinear(nn.Linear(16, 8)), LoRDBAConfig(rank=2, backend="torch"))
     )
     x = torch.randn(4, 16)
-    with torch.no_grad():
+    with torch.no_grad():  # also fills the packed-signs cache on the CPU
         torch.testing.assert_close(module(x), module.base(x) + x @ module.delta_weight().T)
+    # .to() moves base, adapter and (through the cache key) the packed signs together.
+    meta = torch.device("meta")
+    module.to(meta)
+    assert _tensor_devices(module) == {meta}
+    assert {t.device for t in module.packed_signs()} == {meta}
+    assert module(x.to(meta)).device == meta
+    with pytest.raises(ValueError, match=r"input is on cpu, the adapter on meta; move the module"):
+        module(x)
 
 
 def _interpreted() -> bool:
@@ -146,16 +158,50 @@ def test_bad_inputs_are_named():
         LoRDBALinear(nn.ReLU())
 
 
-def test_from_lora_folds_scaling_and_matches_dense_update():
+@pytest.mark.parametrize("input_scale", [False, True])
+def test_from_lora_folds_scaling_and_matches_dense_update(input_scale):
+    # Magnitudes each placement represents exactly: rank one with q, constant rows without.
     gen = torch.Generator().manual_seed(5)
     signs = torch.randint(0, 2, (3, 10), generator=gen) * 2.0 - 1.0
-    lora_a = signs * torch.outer(
-        torch.rand(3, generator=gen) + 0.5, torch.rand(10, generator=gen) + 0.5
-    )
+    columns = torch.rand(10, generator=gen) + 0.5 if input_scale else torch.ones(10)
+    lora_a = signs * torch.outer(torch.rand(3, generator=gen) + 0.5, columns)
     lora_b = torch.outer(torch.rand(6, generator=gen) + 0.5, torch.rand(3, generator=gen) + 0.5)
-    module, fit = LoRDBALinear.from_lora(nn.Linear(10, 6), lora_a, lora_b, scaling=4.0)
+    config = LoRDBAConfig(rank=3, input_scale=input_scale, backend="torch")
+    module, fit = LoRDBALinear.from_lora(nn.Linear(10, 6), lora_a, lora_b, 4.0, config)
+    assert (module.scale_in is not None) == input_scale
     assert module.scaling == 1.0 and fit.reconstruction_error < 1e-6
     torch.testing.assert_close(module.delta_weight(), 4.0 * lora_b @ lora_a)
+
+
+def test_the_default_adapter_has_no_input_scale():
+    module = LoRDBALinear(nn.Linear(10, 6))
+    assert module.scale_in is None and not module.config.input_scale
+    _, fit = LoRDBALinear.from_lora(nn.Linear(10, 6), torch.randn(2, 10), torch.randn(6, 2))
+    assert fit.scale_in is None
+
+
+def test_the_adapter_is_created_on_the_device_of_an_opaque_base():
+    # The meta device stands in for a GPU on a CPU-only machine: a tensor left on the CPU
+    # shows up as a second device (the H200 run hit that with a base without ``weight``).
+    meta = torch.device("meta")
+    module = LoRDBALinear(
+        _OpaqueLinear(nn.Linear(16, 8, device=meta)), LoRDBAConfig(rank=2, input_scale=True)
+    )
+    assert _tensor_devices(module) == {meta}
+    assert {t.device for t in module.packed_signs()} == {meta}
+    assert module(torch.randn(3, 16, device=meta)).shape == (3, 8)
+    # A base whose only tensor is a buffer, as a quantized linear's weight may be.
+    buffered = _OpaqueLinear(nn.Linear(16, 8, device=meta))
+    buffered.register_buffer("quantized_weight", buffered.inner.weight.detach())
+    del buffered.inner
+    assert _tensor_devices(LoRDBALinear(buffered)) == {meta}
+
+
+def test_a_base_spread_over_devices_is_refused():
+    base = _OpaqueLinear(nn.Linear(16, 8))
+    base.register_buffer("stray", torch.zeros(1, device="meta"))
+    with pytest.raises(ValueError, match=r"tensors on several devices \['cpu', 'meta'\]"):
+        LoRDBALinear(base)
 
 
 def test_convert_to_lordba_wraps_chosen_linears_with_zero_output():
@@ -169,7 +215,7 @@ def test_convert_to_lordba_wraps_chosen_linears_with_zero_output():
     assert isinstance(converted[2], LoRDBALinear) and isinstance(converted[0], nn.Linear)
     torch.testing.assert_close(converted(x), expected)  # p = 0 at initialization
     trainable = {n for n, p in converted.named_parameters() if p.requires_grad}
-    adapter = {f"2.{n}" for n in ("latent_a", "latent_b", "scale_in", "scale_rank", "scale_out")}
+    adapter = {f"2.{n}" for n in ("latent_a", "latent_b", "scale_rank", "scale_out")}
     assert trainable == adapter | {"0.weight", "0.bias"}  # only the wrapped base is frozen
     with pytest.raises(ValueError, match=r"no nn\.Linear module matched"):
         convert_to_lordba(nn.Sequential(nn.ReLU()))
@@ -184,7 +230,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _train(adapter_kind, target, steps, rank, seed=0, in_features=32, out_features=32):
+def _train(
+    adapter_kind, target, steps, rank, seed=0, in_features=32, out_features=32, input_scale=False
+):
     gen = torch.Generator().manual_seed(seed)
     base = nn.Linear(in_features, out_features)
     torch.manual_seed(seed)
@@ -194,7 +242,8 @@ def _train(adapter_kind, target, steps, rank, seed=0, in_features=32, out_featur
         lora_b = nn.Parameter(torch.zeros(out_features, rank))
         params, model = [lora_a, lora_b], lambda x: base(x) + x @ lora_a.T @ lora_b.T
     else:
-        model = LoRDBALinear(base, LoRDBAConfig(rank=rank, backend="torch"))
+        config = LoRDBAConfig(rank=rank, input_scale=input_scale, backend="torch")
+        model = LoRDBALinear(base, config)
         params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=1e-2)
     losses = []
@@ -210,16 +259,19 @@ def _train(adapter_kind, target, steps, rank, seed=0, in_features=32, out_featur
     return losses[0], sum(losses[-20:]) / 20
 
 
-def test_training_reduces_loss_like_lora_on_a_sign_structured_update(one_thread):
-    # Target update drawn from the LoRDBA family at rank 4 (any rank-4 LoRA can express it).
+@pytest.mark.parametrize("input_scale", [False, True])
+def test_training_reduces_loss_like_lora_on_a_sign_structured_update(one_thread, input_scale):
+    # Target update drawn at rank 4 from the adapter's own family (with q: a per-input-channel
+    # profile; any rank-4 LoRA can express either).
     gen = torch.Generator().manual_seed(7)
     k = n = 32
     signs_a = torch.randint(0, 2, (4, k), generator=gen) * 2.0 - 1.0
     signs_b = torch.randint(0, 2, (n, 4), generator=gen) * 2.0 - 1.0
     scales = [torch.rand(size, generator=gen) + 0.5 for size in (n, 4, k)]
-    target = (scales[0][:, None] * signs_b * scales[1]) @ (signs_a * scales[2]) / math.sqrt(k)
+    profile = scales[2] if input_scale else torch.ones(k)
+    target = (scales[0][:, None] * signs_b * scales[1]) @ (signs_a * profile) / math.sqrt(k)
     lora_first, lora_last = _train("lora", target, steps=300, rank=8)
-    lordba_first, lordba_last = _train("lordba", target, steps=300, rank=8)
+    lordba_first, lordba_last = _train("lordba", target, 300, 8, input_scale=input_scale)
     assert lora_last < 1e-2 * lora_first
     assert lordba_last < 1e-2 * lordba_first
 

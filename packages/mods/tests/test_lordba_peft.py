@@ -27,7 +27,7 @@ class TinyBlock(nn.Module):
         return self.down(torch.relu(self.up(self.q_proj(x))))
 
 
-def _peft_model(lora_config, rank_one_magnitudes, seed=0):
+def _peft_model(lora_config, rank_one_magnitudes, seed=0, column_profile=True):
     torch.manual_seed(seed)
     base = TinyBlock()
     reference_base = copy.deepcopy(base)
@@ -40,16 +40,18 @@ def _peft_model(lora_config, rank_one_magnitudes, seed=0):
             if rank_one_magnitudes:  # |A|, |B| of rank one: LoRDBA represents them exactly
                 rows, cols = param.shape
                 signs = torch.randint(0, 2, (rows, cols), generator=gen) * 2.0 - 1.0
-                magnitude = torch.outer(
-                    torch.rand(rows, generator=gen) + 0.5, torch.rand(cols, generator=gen) + 0.5
-                )
+                columns = torch.rand(cols, generator=gen) + 0.5
+                if "lora_A" in name and not column_profile:  # without q: constant rows of |A|
+                    columns = torch.ones(cols)
+                magnitude = torch.outer(torch.rand(rows, generator=gen) + 0.5, columns)
                 param.copy_(0.1 * signs * magnitude)
             else:
                 param.normal_(0.0, 0.1, generator=gen)
     return model.eval(), reference_base
 
 
-def test_rank_one_lora_checkpoint_converts_exactly(tmp_path):
+@pytest.mark.parametrize("input_scale", [False, True])
+def test_rank_one_lora_checkpoint_converts_exactly(tmp_path, input_scale):
     config = peft.LoraConfig(
         r=4,
         lora_alpha=8,
@@ -57,10 +59,14 @@ def test_rank_one_lora_checkpoint_converts_exactly(tmp_path):
         use_rslora=True,
         alpha_pattern={"up": 16},
     )
-    model, base = _peft_model(config, rank_one_magnitudes=True)
+    model, base = _peft_model(config, rank_one_magnitudes=True, column_profile=input_scale)
     model.save_pretrained(tmp_path / "ckpt")
-    result = convert_peft_checkpoint(tmp_path / "ckpt", tmp_path / "lordba.safetensors")
+    result = convert_peft_checkpoint(
+        tmp_path / "ckpt", tmp_path / "lordba.safetensors", input_scale=input_scale
+    )
     assert set(result.fits) == {"q_proj", "up", "down"}
+    stored = read_lordba(tmp_path / "lordba.safetensors")
+    assert all((p.scale_in is not None) == input_scale for p in stored.values())
     assert all(fit.reconstruction_error < 1e-5 for fit in result.fits.values())
     assert result.footprint.lora_fp16_bytes == 2 * 4 * ((24 + 24) + (24 + 40) + (40 + 24))
     converted = load_lordba(base, tmp_path / "lordba.safetensors", LoRDBAConfig(backend="torch"))
@@ -73,9 +79,7 @@ def test_generic_lora_checkpoint_error_matches_the_fit_report(tmp_path):
     config = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["up"])
     model, base = _peft_model(config, rank_one_magnitudes=False)
     model.save_pretrained(tmp_path / "ckpt")
-    result = convert_peft_checkpoint(
-        tmp_path / "ckpt", tmp_path / "lordba.safetensors", input_scale=False
-    )
+    result = convert_peft_checkpoint(tmp_path / "ckpt", tmp_path / "lordba.safetensors")
     fit = result.fits["up"]
     assert 0.05 < fit.reconstruction_error <= fit.error_bound
     assert read_lordba(tmp_path / "lordba.safetensors")["up"].scale_in is None

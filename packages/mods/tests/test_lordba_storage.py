@@ -22,20 +22,22 @@ from loka.mods.lordba import (
 
 
 def test_footprint_at_hidden_4096_rank_16():
-    full = lordba_footprint(4096, 4096, 16)
-    # signs: 2 x 16 x 4096 / 8 bytes; scales: (4096 + 16 + 4096) fp16.
-    assert full.lordba_bytes == 2 * 16 * 512 + 2 * (4096 + 16 + 4096)
-    assert full.lora_fp16_bytes == 2 * 16 * (4096 + 4096)
-    assert full.ratio == pytest.approx(7.99, abs=0.01)  # the input scale costs as much as the signs
-    without_input_scale = lordba_footprint(4096, 4096, 16, input_scale=False)
-    assert without_input_scale.ratio >= 10
-    assert lordba_footprint(4096, 4096, 32).ratio >= 10
+    default = lordba_footprint(4096, 4096, 16)
+    # signs: 2 x 16 x 4096 / 8 bytes; scales: (16 + 4096) fp16 (m and p; no q by default).
+    assert default.lordba_bytes == 2 * 16 * 512 + 2 * (16 + 4096)
+    assert default.lora_fp16_bytes == 2 * 16 * (4096 + 4096)
+    assert default.ratio == pytest.approx(10.65, abs=0.01)  # the aim: >= 10x
+    with_q = lordba_footprint(4096, 4096, 16, input_scale=True)
+    assert with_q.lordba_bytes == default.lordba_bytes + 2 * 4096
+    assert with_q.ratio == pytest.approx(7.99, abs=0.01)  # q costs as much as a sign factor
+    assert lordba_footprint(4096, 4096, 32, input_scale=True).ratio >= 10
     # p costs 2 bytes per output channel: a wide up-projection stays under 10x at rank 16.
-    assert lordba_footprint(4096, 11008, 16, input_scale=False).ratio == pytest.approx(
-        9.25, abs=0.01
+    assert lordba_footprint(4096, 11008, 16).ratio == pytest.approx(9.25, abs=0.01)
+    assert lordba_footprint(4096, 11008, 32, input_scale=True).ratio >= 10
+    assert lordba_footprint(13, 5, 3).lordba_bytes == 3 * 2 + 3 * 1 + 2 * (3 + 5)
+    assert lordba_footprint(13, 5, 3, input_scale=True).lordba_bytes == 3 * 2 + 3 * 1 + 2 * (
+        13 + 3 + 5
     )
-    assert lordba_footprint(4096, 11008, 32).ratio >= 10
-    assert lordba_footprint(13, 5, 3).lordba_bytes == 3 * 2 + 3 * 1 + 2 * (13 + 3 + 5)
 
 
 def _model(seed=0, input_scale=True):
@@ -83,11 +85,13 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, input_scale):
         assert torch.equal(loaded(x), model(x))
 
 
-def test_stored_bytes_match_the_footprint(tmp_path):
-    save_lordba(_model(), tmp_path / "a.safetensors")
+@pytest.mark.parametrize("input_scale", [True, False])
+def test_stored_bytes_match_the_footprint(tmp_path, input_scale):
+    save_lordba(_model(input_scale=input_scale), tmp_path / "a.safetensors")
     packed = read_lordba(tmp_path / "a.safetensors")
-    assert packed["0"].nbytes == lordba_footprint(20, 12, 3).lordba_bytes
-    assert packed["2"].nbytes == lordba_footprint(12, 7, 3).lordba_bytes
+    for name, k, n in (("0", 20, 12), ("2", 12, 7)):
+        footprint = lordba_footprint(k, n, 3, input_scale=input_scale)
+        assert packed[name].nbytes == footprint.lordba_bytes
 
 
 def _rewrite(path, mutate_tensors=None, mutate_metadata=None):

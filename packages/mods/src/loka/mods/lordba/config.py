@@ -14,10 +14,13 @@ class LoRDBAConfig:
     """How a LoRDBA adapter is shaped and trained.
 
     rank: number of sign rows of A (and sign columns of B).
-    input_scale: keep the per-input-channel scale ``q`` (K fp16 values). Without it the
-        adapter is ``s * p * (sign(B) @ (m * (sign(A) @ x)))``: about 25% smaller at hidden
-        4096, rank 16 (10.7x vs fp16 LoRA instead of 8.0x) but A's magnitudes are fitted per
-        rank row only.
+    input_scale: add the per-input-channel scale ``q`` (K more fp16 values). Off by default:
+        the adapter is then ``s * p * (sign(B) @ (m * (sign(A) @ x)))``, 10.65x smaller than
+        an fp16 LoRA at hidden 4096, rank 16 (7.99x with ``q``, whose K values cost as much
+        as a sign factor). Without ``q`` A's magnitudes are fitted per rank row only: on the
+        LoRA factors of ``bench/lordba.py``'s ``fit`` section (hidden 4096, rank 16) the
+        relative fit error rose by 0.01-0.08 (to 0.76-0.81 from 0.73-0.75), most where the
+        input channels differ in scale.
     scaling: the fixed output multiplier ``s`` (LoRA's ``alpha / r``). Conversion from a LoRA
         folds the LoRA's own scaling into ``p`` and uses 1.0.
     ste_clip: the straight-through estimator passes a sign's gradient to its latent only
@@ -30,7 +33,7 @@ class LoRDBAConfig:
     """
 
     rank: int = 16
-    input_scale: bool = True
+    input_scale: bool = False
     scaling: float = 1.0
     ste_clip: float = math.inf
     backend: Backend = "auto"

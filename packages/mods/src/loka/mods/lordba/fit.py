@@ -15,8 +15,11 @@ adapter equals the LoRA.
 
 The two inner vectors meet on the rank axis and merge:
 ``s * B_hat @ A_hat = diag(p) sign(B) diag(m) sign(A) diag(q)`` with ``p = s * b_row``,
-``m = b_col * a_row``, ``q = a_col``. With ``input_scale=False``, ``a_col`` is fixed to 1 and
-``a_row`` is each row's mean ``|A|`` (the least-squares fit under that constraint).
+``m = b_col * a_row``, ``q = a_col``. With ``input_scale=False`` (the default: no ``q``, see
+``LoRDBAConfig``), ``a_col`` is fixed to 1 and ``a_row`` is each row's mean ``|A|`` (the
+least-squares fit under that constraint); then ``rho_A`` measures the residual against that
+fit, and is 0 (the adapter equals the LoRA, given ``rho_B = 0``) exactly when ``|A|`` is
+constant along each row.
 
 How the update's relative error ``||dW - dW_hat|| / ||dW||`` follows the ratios, with
 ``kappa = ||B|| ||A|| / ||B A||`` (Frobenius norms):
@@ -109,11 +112,12 @@ def fit_lora(
     lora_b: torch.Tensor,
     scaling: float = 1.0,
     *,
-    input_scale: bool = True,
+    input_scale: bool = False,
 ) -> LoRDBAFit:
     """Fit LoRDBA signs and scales to the LoRA update ``scaling * lora_b @ lora_a``.
 
     ``lora_a: [r, K]``, ``lora_b: [N, r]`` (peft's ``lora_A.weight`` / ``lora_B.weight``).
+    ``input_scale``: also fit the per-input-channel scale ``q`` (K more fp16 values).
     """
     for name, factor in (("lora_a", lora_a), ("lora_b", lora_b)):
         if factor.dim() != 2:

@@ -3,10 +3,11 @@
     out = base(x) + s * p * (sign(B) @ (m * (sign(A) @ (q * x))))
 
 ``A: [r, K]`` and ``B: [N, r]`` are latent full-precision factors that only enter through
-their signs; ``q: [K]`` (optional), ``m: [r]`` and ``p: [N]`` are channel scales; ``s`` is a
-fixed multiplier. The effective update ``diag(p) sign(B) diag(m) sign(A) diag(q)`` equals the
-LoRA update ``B A`` whenever each factor's magnitude ``|A|``, ``|B|`` has rank one (see
-:mod:`loka.mods.lordba.fit`).
+their signs; ``q: [K]`` (optional, off by default: ``LoRDBAConfig.input_scale``), ``m: [r]``
+and ``p: [N]`` are channel scales; ``s`` is a fixed multiplier. The effective update
+``diag(p) sign(B) diag(m) sign(A) diag(q)`` equals the LoRA update ``B A`` whenever ``|B|``
+has rank one and ``|A|`` has rank one (with ``q``) or is constant along each row (without
+``q``); see :mod:`loka.mods.lordba.fit`.
 
 Training: the sign's gradient goes straight through to its latent, gated off where the
 latent has saturated (``|latent| > ste_clip * rms at init``); scales get exact gradients.
@@ -46,6 +47,22 @@ def base_features(base: nn.Module) -> tuple[int, int]:
     )
 
 
+def base_device(base: nn.Module) -> torch.device:
+    """The one device holding ``base``'s tensors (its ``weight``, parameters and buffers, e.g. an
+    FP8 weight kept as a buffer); the CPU for a base without tensors."""
+    tensors = [*base.parameters(), *base.buffers()]
+    weight = getattr(base, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        tensors.append(weight)
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the base {type(base).__name__} has tensors on several devices "
+            f"{sorted(map(str, devices))}; move it to one device first"
+        )
+    return devices.pop() if devices else torch.device("cpu")
+
+
 def latent_rms(values: torch.Tensor) -> float:
     """RMS of a latent factor (1.0 for an all-zero or non-finite one)."""
     rms = float(values.detach().float().square().mean().sqrt()) if values.numel() else 0.0
@@ -54,7 +71,8 @@ def latent_rms(values: torch.Tensor) -> float:
 
 class LoRDBALinear(nn.Module):
     """A frozen ``base`` (``nn.Linear`` or any module with ``in_features``/``out_features``)
-    plus a trainable LoRDBA adapter. A fresh adapter starts at zero output (``p = 0``)."""
+    plus a trainable LoRDBA adapter. A fresh adapter starts at zero output (``p = 0``), on the
+    device of the base's tensors; ``.to()`` moves base and adapter together."""
 
     def __init__(self, base: nn.Module, config: LoRDBAConfig | None = None) -> None:
         super().__init__()
@@ -62,20 +80,22 @@ class LoRDBALinear(nn.Module):
         self.config = config
         self.in_features, self.out_features = base_features(base)
         self.base = base.requires_grad_(False)
-        weight = getattr(base, "weight", None)
-        device = weight.device if isinstance(weight, torch.Tensor) else None
         rank, k, n = config.rank, self.in_features, self.out_features
-        f32 = {"device": device, "dtype": torch.float32}
+        # Drawn on the CPU (the same adapter for a seed on any device, and the latents' RMS is
+        # read without a device sync), then placed beside the base's tensors.
         bound_a = 1.0 / math.sqrt(k)
-        self.latent_a = nn.Parameter(torch.empty(rank, k, **f32).uniform_(-bound_a, bound_a))
-        self.latent_b = nn.Parameter(torch.empty(n, rank, **f32).uniform_(-1.0, 1.0) / math.sqrt(n))
+        latent_a = torch.empty(rank, k).uniform_(-bound_a, bound_a)
+        latent_b = torch.empty(n, rank).uniform_(-1.0, 1.0) / math.sqrt(n)
+        self.latent_rms_a = latent_rms(latent_a)
+        self.latent_rms_b = latent_rms(latent_b)
+        f32 = {"device": base_device(base), "dtype": torch.float32}
+        self.latent_a = nn.Parameter(latent_a.to(**f32))
+        self.latent_b = nn.Parameter(latent_b.to(**f32))
         self.scale_in = nn.Parameter(torch.ones(k, **f32)) if config.input_scale else None
         # ||sign(A) x|| ~ sqrt(K) ||x||: m keeps the rank activations at the input's scale.
         self.scale_rank = nn.Parameter(torch.full((rank,), bound_a, **f32))
         self.scale_out = nn.Parameter(torch.zeros(n, **f32))
         self.scaling = float(config.scaling)
-        self.latent_rms_a = latent_rms(self.latent_a)
-        self.latent_rms_b = latent_rms(self.latent_b)
         self._packed_cache: tuple[tuple, PackedSigns] | None = None
 
     # ---- construction -----------------------------------------------------------------
@@ -166,6 +186,11 @@ class LoRDBALinear(nn.Module):
             )
         if not x.is_floating_point():
             raise TypeError(f"LoRDBALinear expects a floating-point input, got {x.dtype}")
+        if x.device != self.latent_a.device:
+            raise ValueError(
+                f"LoRDBALinear: the input is on {x.device}, the adapter on "
+                f"{self.latent_a.device}; move the module with .to({str(x.device)!r})"
+            )
         ops = select_ops(self.config.backend, x.device)
         packed = self.packed_signs()
         x2 = x.reshape(-1, self.in_features)

@@ -76,9 +76,10 @@ def _check_supported(config: dict, weights: dict[str, torch.Tensor], directory: 
 
 
 def convert_peft_checkpoint(
-    checkpoint: str | os.PathLike, output: str | os.PathLike, *, input_scale: bool = True
+    checkpoint: str | os.PathLike, output: str | os.PathLike, *, input_scale: bool = False
 ) -> PeftConversion:
-    """Convert the peft LoRA checkpoint directory ``checkpoint`` to the LoRDBA file ``output``."""
+    """Convert the peft LoRA checkpoint directory ``checkpoint`` to the LoRDBA file ``output``
+    (``input_scale``: also fit and store the per-input-channel scale ``q``)."""
     directory = Path(checkpoint)
     config, weights = _read_checkpoint(directory)
     _check_supported(config, weights, directory)

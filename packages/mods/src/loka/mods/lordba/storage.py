@@ -61,7 +61,7 @@ class Footprint:
 
 
 def lordba_footprint(
-    in_features: int, out_features: int, rank: int, *, input_scale: bool = True
+    in_features: int, out_features: int, rank: int, *, input_scale: bool = False
 ) -> Footprint:
     """Bytes of one adapter as stored, e.g. ``lordba_footprint(4096, 4096, 16).ratio``."""
     signs = rank * (packed_length(in_features) + packed_length(out_features))
