@@ -82,8 +82,11 @@ from loka.kernels import (  # noqa: E402
     KernelRecipe,
     QuantConfig,
     fp8_gemm,
+    fp8_gemm_tma,
+    grouped_gemm,
     launch,
     norm_quantize,
+    quantization,
     quantize_reference,
     quantize_transpose_with,
     quantize_with,
@@ -100,8 +103,8 @@ GPU = DEVICE.type == "cuda"
 ROWS: list[dict] = []
 CHECKS: list[dict] = []
 DEADLINE = [math.inf]  # end of the current section's share of the time budget
-SECTION_SHARE = {"host": 0.08, "tune": 0.25, "fwd": 0.3, "lnfwd": 0.08, "norm": 0.07, "bwd": 0.14,
-                 "grouped": 0.08}  # fmt: skip
+SECTION_SHARE = {"tune": 0.5, "host": 0.06, "fwd": 0.17, "lnfwd": 0.05, "norm": 0.04, "bwd": 0.12,
+                 "grouped": 0.06}  # fmt: skip
 
 
 def shapes() -> dict:
@@ -602,14 +605,15 @@ def bench_host(M: int, K: int) -> None:
            backend="triton", **shape)  # fmt: skip
     record("host", "empty Triton launch (cached plan)", lambda: floor(("one",), (1,), (one,), {}),
            backend="loka.launch", **shape)  # fmt: skip
-    paths = {
-        "quantize row": lambda: quantize_with(x, QuantConfig("e4m3", "row")),
-        "quantize tensor": lambda: quantize_with(x, QuantConfig("e4m3", "tensor")),
-        "quantize block": lambda: quantize_with(x, QuantConfig("e4m3", "block", (1, 128))),
-        "quantize_transpose row": lambda: quantize_transpose_with(x, QuantConfig("e5m2", "row")),
-        "quantize_transpose block": lambda: quantize_transpose_with(
-            x, QuantConfig("e5m2", "block", (1, 128))
-        ),
+    row, tensor = QuantConfig("e4m3", "row"), QuantConfig("e4m3", "tensor")
+    block, grad_row = QuantConfig("e4m3", "block", (1, 128)), QuantConfig("e5m2", "row")
+    grad_block = QuantConfig("e5m2", "block", (1, 128))
+    paths = {  # configs made once, as modules keep them
+        "quantize row": lambda: quantize_with(x, row),
+        "quantize tensor": lambda: quantize_with(x, tensor),
+        "quantize block": lambda: quantize_with(x, block),
+        "quantize_transpose row": lambda: quantize_transpose_with(x, grad_row),
+        "quantize_transpose block": lambda: quantize_transpose_with(x, grad_block),
         "norm_quantize layernorm": lambda: norm_quantize(x, w, bias, kind="layernorm"),
         "norm_quantize rmsnorm": lambda: norm_quantize(x, w, None, kind="rmsnorm"),
     }
@@ -630,18 +634,36 @@ def bench_host(M: int, K: int) -> None:
 
 
 # ----------------------------------------------------------------------------------- tile sweeps
-GEMM_TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+GEMM_TILES = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); spilling ones left out (ptxas)
     "plain": [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
               (256, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4)],
-    "fast": [(128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3)],
+    "fast": [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
+             (256, 128, 128, 8, 3)],
     "block": [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (64, 128, 128, 4, 4)],
-    "tma": [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
-            (256, 128, 128, 8, 3)],
+    "tma": [(128, 128, 128, 8, 4), (128, 128, 128, 8, 3), (256, 128, 128, 8, 3)],
     "tma_fast": [(128, 128, 128, 8, 4), (128, 256, 128, 8, 3)],
 }  # fmt: skip
-TRANSPOSE_TILES = [((64, 64), (128, 256), 4), ((128, 128), (128, 256), 8),
-                   ((64, 128), (128, 256), 4), ((128, 64), (128, 256), 4),
-                   ((128, 128), (64, 64), 8), ((128, 128), (128, 256), 4)]  # fmt: skip
+ROW_TILES = [{"elements": e, "warps": w} for e, w in
+             ((4096, None), (8192, None), (16384, None), (8192, 16), (16384, 16), (4096, 4))]  # fmt: skip
+TRANSPOSE_TILES = [((64, 64), 4), ((32, 128), 4), ((64, 128), 8), ((128, 64), 4),
+                   ((128, 128), 8), ((128, 128), 16)]  # fmt: skip
+AMAX_TILES = [(128, 256), (64, 256), (64, 128), (256, 128)]
+GROUPED_TILES = [(128, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3),
+                 (128, 128, 128, 8, 3)]  # fmt: skip
+TUNED: dict = {}  # the defaults the sweep chose and applied, for the metadata
+
+
+# Shapes of the sweeps; the smoke run walks two variants of each at tiny shapes on CPU.
+TUNE_SHAPES = {
+    "rows": [(32, 128), (16, 256)] if MODE == "smoke" else [(8192, 1024), (8192, 4096)],
+    "transpose": [(64, 128), (32, 64)] if MODE == "smoke" else [(8192, 4096), (8192, 1024)],
+    "gemm": [(32, 128, 64)] if MODE == "smoke" else [(8192, 4096, 4096), (8192, 1024, 4096)],
+    "grouped": (2, 32, 128, 64) if MODE == "smoke" else (32, 16384, 128, 128),
+}
+
+
+def _variants(variants: list) -> list:
+    return variants[:2] if MODE == "smoke" else variants
 
 
 def _tile_dict(t: tuple) -> dict:
@@ -650,95 +672,204 @@ def _tile_dict(t: tuple) -> dict:
             "num_stages": st}  # fmt: skip
 
 
-def bench_tune(M: int, K: int, N: int) -> None:
-    """Tile sweeps of the Triton GEMMs (float32 and fast accumulation, row and block scales,
-    the 1x128 scale layout) and of the transpose-quantization, checked then timed."""
-    g = torch.Generator(device=DEVICE).manual_seed(11 * M + K + N)
-    x = torch.randn(M, K, device=DEVICE, generator=g).to(torch.bfloat16)
-    w = torch.randn(N, K, device=DEVICE, generator=g).to(torch.bfloat16)
-    rows = sample_rows(M)
-    ref = x[rows].double() @ w.double().T
-    shape = {"M": M, "K": K, "N": N, "flops": 2.0 * M * K * N}
-    qx, qw = (
-        quantize_with(x, QuantConfig("e4m3", "row")),
-        quantize_with(w, QuantConfig("e4m3", "row")),
-    )
-    bx = quantize_with(x, QuantConfig("e4m3", "block", (1, 128)))
-    bw = quantize_with(w, QuantConfig("e4m3", "block", (128, 128)))
-    bw1 = quantize_with(w, QuantConfig("e4m3", "block", (1, 128)))  # as wgrad's second operand
+def _fastest(rows: list[tuple[object, list[dict]]]) -> object:
+    """The variant whose rows (one per shape) are all correct with the least total time
+    relative to the best time at each shape; None if none is."""
+    best_at: dict = {}
+    for _, rs in rows:
+        for i, r in enumerate(rs):
+            if r["ok"] and r.get("t_ms"):
+                best_at[i] = min(best_at.get(i, math.inf), r["t_ms"])
+    scored = [(sum(r["t_ms"] / best_at[i] for i, r in enumerate(rs)), variant)
+              for variant, rs in rows
+              if rs and all(r["ok"] and r.get("t_ms") for r in rs)]  # fmt: skip
+    return min(scored, key=lambda sv: sv[0])[1] if scored else None
 
-    def run(name, fn, recipe):  # checked on the second call: the cached launch plan's
-        record("tune", name, fn, backend=name.split()[0], recipe=recipe,
-               check=lambda: (fn(), rel_err(fn()[rows], ref))[1], bound=ERR_BOUND["e4m3"], **shape)  # fmt: skip
 
-    # Autotuned (as the full benchmark and users run them), then the fixed tiles.
+def _clear_plans(*launchers) -> None:
+    for launcher in launchers:
+        launcher._plans.clear()
+
+
+def bench_tune() -> None:
+    """Tile sweeps, each variant checked then timed at the quick shapes; the fastest correct
+    variant becomes the default for the rest of the run (and is recorded in TUNED)."""
+    tune_quantize_rows()
+    tune_transpose()
+    tune_gemms()
+    tune_grouped()
+    print("tuned defaults:", json.dumps(TUNED, default=str), flush=True)
+
+
+def tune_quantize_rows() -> None:
+    g = torch.Generator(device=DEVICE).manual_seed(21)
+    xs = [
+        torch.randn(*rc, device=DEVICE, generator=g).to(torch.bfloat16)
+        for rc in TUNE_SHAPES["rows"]
+    ]
+    cfg = QuantConfig("e4m3", "row")
+    wants = [quantize_reference(x, cfg) for x in xs]
+    results = []
+    for tile in _variants(ROW_TILES):
+        quantization.ROW_TILE.update(tile)
+        quantization._group_tiles.cache_clear()
+        _clear_plans(quantization._QUANTIZE_GROUPS)
+        rs = []
+        for x, want in zip(xs, wants, strict=True):
+            fn = lambda x=x: quantize_with(x, cfg)  # noqa: E731
+
+            def exact(fn=fn, want=want):
+                fn()
+                assert_same_fp8(fn(), want)
+                return 0.0
+
+            rs.append(record("tune", f"quantize row {tile}", fn, backend="loka.quantize",
+                             recipe="e4m3/row", check=exact, M=x.shape[0], K=x.shape[1]))  # fmt: skip
+        results.append((tile, rs))
+    quantization.ROW_TILE.update(_fastest(results) or ROW_TILES[0])
+    quantization._group_tiles.cache_clear()
+    _clear_plans(quantization._QUANTIZE_GROUPS)
+    TUNED["quantization.ROW_TILE"] = dict(quantization.ROW_TILE)
+
+
+def tune_transpose() -> None:
+    g = torch.Generator(device=DEVICE).manual_seed(22)
+    dys = [
+        torch.randn(*rc, device=DEVICE, generator=g).to(torch.bfloat16)
+        for rc in TUNE_SHAPES["transpose"]
+    ]
+    tq = transpose_quantization
+    launchers = (tq._TRANSPOSE_QUANTIZE, tq._ROW_COL_AMAX)
+
+    def sweep(label, cfg, variants, apply):
+        wants = [
+            (quantize_reference(d, cfg), quantize_reference(d.t().contiguous(), cfg)) for d in dys
+        ]
+        results = []
+        for variant in _variants(variants):
+            apply(variant)
+            _clear_plans(*launchers)
+            rs = []
+            for d, (want_q, want_qt) in zip(dys, wants, strict=True):
+                fn = lambda d=d: quantize_transpose_with(d, cfg)  # noqa: E731
+
+                def exact(fn=fn, want_q=want_q, want_qt=want_qt):
+                    fn()
+                    q, qt = fn()
+                    assert_same_fp8(q, want_q)
+                    assert_same_fp8(qt, want_qt)
+                    return 0.0
+
+                rs.append(record("tune", f"transpose-quantize {label} {variant}", fn,
+                                 backend="loka.quantize_transpose", recipe=f"{cfg.fmt}/{label}",
+                                 check=exact, M=d.shape[0], K=0, N=d.shape[1]))  # fmt: skip
+            results.append((variant, rs))
+        best = _fastest(results)
+        apply(best if best is not None else variants[0])
+        _clear_plans(*launchers)
+
+    row, block = QuantConfig("e5m2", "row"), QuantConfig("e5m2", "block", (1, 128))
+    sweep("row", row, TRANSPOSE_TILES, lambda v: tq.TILES.update(quantize=v[0], warps=v[1]))
+    sweep("row amax tile", row, AMAX_TILES, lambda v: tq.TILES.update(amax=v))
+    sweep("block", block, [8, 16], lambda v: tq.TILES.update(block_warps=v))
+    TUNED["transpose_quantization.TILES"] = dict(tq.TILES)
+
+
+def tune_gemms() -> None:
+    g = torch.Generator(device=DEVICE).manual_seed(23)
+    cases = []
+    for M, K, N in TUNE_SHAPES["gemm"]:
+        x = torch.randn(M, K, device=DEVICE, generator=g).to(torch.bfloat16)
+        w = torch.randn(N, K, device=DEVICE, generator=g).to(torch.bfloat16)
+        rows = sample_rows(M)
+        ref = x[rows].double() @ w.double().T
+        ops = {gran: (quantize_with(x, QuantConfig("e4m3", gran, blk)),
+                      quantize_with(w, QuantConfig("e4m3", gran, wblk)))
+               for gran, blk, wblk in (("row", None, None), ("block", (1, 128), (128, 128)))}  # fmt: skip
+        ops["block 1x128"] = (
+            ops["block"][0],
+            quantize_with(w, QuantConfig("e4m3", "block", (1, 128))),
+        )
+        cases.append(((M, K, N), rows, ref, ops))
+
+    def sweep(kind, tiles, gran, call):
+        results = []
+        for t in _variants(tiles):
+            rs = []
+            for (M, K, N), rows, ref, ops in cases:
+                qa, qb = ops[gran]
+                fn = lambda qa=qa, qb=qb, t=t: call(qa, qb, _tile_dict(t))  # noqa: E731
+                check = lambda fn=fn, rows=rows, ref=ref: (fn(), rel_err(fn()[rows], ref))[1]  # noqa: E731
+                rs.append(record("tune", f"{kind} {gran} {t}", fn, backend=kind, recipe=f"e4m3:e4m3/{gran}",
+                                 check=check, bound=ERR_BOUND["e4m3"], M=M, K=K, N=N,
+                                 flops=2.0 * M * K * N))  # fmt: skip
+            results.append((t, rs))
+        return _fastest(results)
+
+    mm = fp8_gemm.triton_fp8_mm
+    plain = sweep("triton.fp8", GEMM_TILES["plain"], "row", lambda a, b, t: mm(a, b, tile=t))
+    fast = sweep("triton.fp8.fast", GEMM_TILES["fast"], "row",
+                 lambda a, b, t: mm(a, b, tile=t, fast_accum=True))  # fmt: skip
+    block = sweep("triton.fp8", GEMM_TILES["block"], "block", lambda a, b, t: mm(a, b, tile=t))
+    # The 1x128 x 1x128 product of wgrad, with its scales read K-block-major or gathered.
+    for transposed in (False, True):
+        fp8_gemm.TRANSPOSE_ROW_BLOCK_SCALES = transposed
+        sweep(f"triton.fp8 scales K-block-major={transposed}", [block or GEMM_TILES["block"][0]],
+              "block 1x128", lambda a, b, t: mm(a, b, tile=t))  # fmt: skip
+    fp8_gemm.TRANSPOSE_ROW_BLOCK_SCALES = True
+    tma = sweep("triton.fp8.tma", GEMM_TILES["tma"], "row",
+                lambda a, b, t: triton_fp8_mm_tma(a, b, tile=t))  # fmt: skip
+    tma_fast = sweep("triton.fp8.tma.fast", GEMM_TILES["tma_fast"], "row",
+                     lambda a, b, t: triton_fp8_mm_tma(a, b, tile=t, fast_accum=True))  # fmt: skip
+    for key, best in (("plain", plain), ("fast", fast), ("block", block)):
+        if best is not None:
+            fp8_gemm.HEURISTIC_TILES[key] = best
+    for key, best in ((False, tma), (True, tma_fast)):
+        if best is not None:
+            fp8_gemm_tma.DEFAULT_TILES[key] = best
+    _clear_plans(fp8_gemm._FP8_GEMM, fp8_gemm_tma._TMA)
+    TUNED["fp8_gemm.HEURISTIC_TILES"] = dict(fp8_gemm.HEURISTIC_TILES)
+    TUNED["fp8_gemm_tma.DEFAULT_TILES"] = {str(k): v for k, v in fp8_gemm_tma.DEFAULT_TILES.items()}
+    # The autotuner (full runs, users' default), through the cached-plan path on its 2nd call.
     tuning = os.environ.get("LOKA_KERNELS_AUTOTUNE")
     os.environ["LOKA_KERNELS_AUTOTUNE"] = "1"
-    run("triton.fp8 autotuned", lambda: fp8_gemm.triton_fp8_mm(qx, qw), "e4m3:e4m3/row")
-    run("triton.fp8.tma autotuned", lambda: triton_fp8_mm_tma(qx, qw), "e4m3:e4m3/row")
-    run("triton.fp8 autotuned", lambda: fp8_gemm.triton_fp8_mm(bx, bw), "e4m3:e4m3/block")
+    (M, K, N), rows, ref, ops = cases[0]
+    auto = lambda: mm(*ops["row"])  # noqa: E731
+    record("tune", "triton.fp8 row autotuned", auto, backend="triton.fp8", recipe="e4m3:e4m3/row",
+           check=lambda: (auto(), rel_err(auto()[rows], ref))[1], bound=ERR_BOUND["e4m3"],
+           M=M, K=K, N=N, flops=2.0 * M * K * N)  # fmt: skip
     os.environ.pop("LOKA_KERNELS_AUTOTUNE")
     if tuning is not None:
         os.environ["LOKA_KERNELS_AUTOTUNE"] = tuning
 
-    for t in GEMM_TILES["plain"]:
-        run(
-            f"triton.fp8 {t}",
-            lambda t=t: fp8_gemm.triton_fp8_mm(qx, qw, tile=_tile_dict(t)),
-            "e4m3:e4m3/row",
-        )
-    for t in GEMM_TILES["fast"]:
-        fn = lambda t=t: fp8_gemm.triton_fp8_mm(qx, qw, tile=_tile_dict(t), fast_accum=True)  # noqa: E731
-        run(f"triton.fp8.fast {t}", fn, "e4m3:e4m3/row")
-    for t in GEMM_TILES["block"]:
-        run(
-            f"triton.fp8 {t}",
-            lambda t=t: fp8_gemm.triton_fp8_mm(bx, bw, tile=_tile_dict(t)),
-            "e4m3:e4m3/block",
-        )
-    for transposed in (True, False):
-        fp8_gemm.TRANSPOSE_ROW_BLOCK_SCALES = transposed
-        for t in GEMM_TILES["block"][:2]:
-            fn = lambda t=t: fp8_gemm.triton_fp8_mm(bx, bw1, tile=_tile_dict(t))  # noqa: E731
-            run(f"triton.fp8 {t} 1x128 x 1x128 scales transposed={transposed}", fn,
-                "e4m3:e4m3/block")  # fmt: skip
-    fp8_gemm.TRANSPOSE_ROW_BLOCK_SCALES = True
-    for kind, fast in (("tma", False), ("tma_fast", True)):
-        for t in GEMM_TILES[kind]:
 
-            def fn(t=t, fast=fast):
-                return triton_fp8_mm_tma(qx, qw, tile=_tile_dict(t), fast_accum=fast)
+def tune_grouped() -> None:
+    G, M, K, N = TUNE_SHAPES["grouped"]
+    g = torch.Generator(device=DEVICE).manual_seed(24)
+    a = [torch.randn(M, K, device=DEVICE, generator=g).to(torch.bfloat16) for _ in range(G)]
+    b = [torch.randn(N, K, device=DEVICE, generator=g).to(torch.bfloat16) for _ in range(G)]
+    cfg = QuantConfig("e4m3", "row")
+    qa, qb = [quantize_with(t, cfg) for t in a], [quantize_with(t, cfg) for t in b]
+    refs = [ai[:256].double() @ bi.double().T for ai, bi in zip(a, b, strict=True)]
 
-            run(f"triton.fp8.tma{'.fast' if fast else ''} {t}", fn, "e4m3:e4m3/row")
+    def err(outs):
+        return max(rel_err(o[:256], rf) for o, rf in zip(outs, refs, strict=True))
 
-    # Transpose-quantization of a gradient, per (quantizing tile, amax tile, warps).
-    dy = torch.randn(M, N, device=DEVICE, generator=g).to(torch.bfloat16)
-    cfg = QuantConfig("e5m2", "row")
-    want_q, want_qt = quantize_reference(dy, cfg), quantize_reference(dy.t().contiguous(), cfg)
-    original = transpose_quantization._tiles
-    for tiles in TRANSPOSE_TILES:
-        transpose_quantization._tiles = lambda mode, tiles=tiles: tiles
-        for launcher in (
-            transpose_quantization._TRANSPOSE_QUANTIZE,
-            transpose_quantization._ROW_COL_AMAX,
+    shape = {"M": M, "K": K, "N": N, "flops": 2.0 * G * M * K * N}
+    results = []
+    for t in _variants(GROUPED_TILES):
+        grouped_gemm.HEURISTIC_TILE = t
+        rs = []
+        for label, (ga, gb), bound in (
+            ("bf16", (a, b), ERR_BOUND["bf16"]),
+            ("fp8 row", (qa, qb), ERR_BOUND["e4m3"]),
         ):
-            launcher._plans.clear()
-        fn = lambda: quantize_transpose_with(dy, cfg)  # noqa: E731
-
-        def exact(fn=fn):
-            q, qt = fn()
-            assert_same_fp8(q, want_q)
-            assert_same_fp8(qt, want_qt)
-            return 0.0
-
-        record("tune", f"transpose-quantize row tiles={tiles}", fn, backend="loka.quantize_transpose",
-               recipe="e5m2/row", check=exact, M=M, K=0, N=N)  # fmt: skip
-    transpose_quantization._tiles = original
-    for launcher in (
-        transpose_quantization._TRANSPOSE_QUANTIZE,
-        transpose_quantization._ROW_COL_AMAX,
-    ):
-        launcher._plans.clear()
+            fn = lambda ga=ga, gb=gb: triton_grouped_mm(ga, gb)  # noqa: E731
+            rs.append(record("tune", f"triton.grouped {label} G={G} {t}", fn, backend="triton.grouped",
+                             check=lambda fn=fn: err(fn()), bound=bound, **shape))  # fmt: skip
+        results.append((t, rs))
+    grouped_gemm.HEURISTIC_TILE = _fastest(results) or GROUPED_TILES[0]
+    TUNED["grouped_gemm.HEURISTIC_TILE"] = grouped_gemm.HEURISTIC_TILE
 
 
 # -------------------------------------------------------------------------------- summary
@@ -966,10 +1097,13 @@ def device_name() -> str:
     )
 
 
+STAMP = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")  # one name for every (partial) write
+
+
 def write(aim: dict, started: float) -> None:
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    stamp = STAMP
     base = out / f"kernels_{MODE}_{stamp}"
     tmp = base.with_suffix(".csv.tmp")
     with tmp.open("w", newline="") as f:
@@ -994,6 +1128,7 @@ def write(aim: dict, started: float) -> None:
         "timing": "triton.testing.do_bench median (eager, launch overhead included); t_graph_ms: "
         "do_bench_cudagraph median for small shapes where capturable",
         "aims": aim,
+        "tuned_defaults": TUNED,
         "checks": CHECKS,
     }
     tmp = base.with_suffix(".json.tmp")
@@ -1015,8 +1150,8 @@ def main() -> int:
     compiled_ln = compiled_ln_linear() if use_compile else None
     budget = ARGS.budget_s or {"smoke": 60.0, "quick": 150.0, "full": 330.0}[MODE]
     for name, run in (
+        ("tune", bench_tune),
         ("host", lambda: [bench_host(M, K) for M, K in sh["host"]]),
-        ("tune", lambda: [bench_tune(8192, 4096, 4096)] if GPU else None),
         (
             "fwd",
             lambda: [bench_fwd_and_gemm(M, K, N, compiled) for M in sh["M"] for K, N in sh["KN"]],
@@ -1045,6 +1180,7 @@ def main() -> int:
                              "pass": "", "ok": False, "error": traceback.format_exc()[-300:]})  # fmt: skip
             if GPU:
                 torch.cuda.empty_cache()
+            write({}, started)  # what is done so far survives a run cut short
     derive()
     aim = aims()
     write(aim, started)

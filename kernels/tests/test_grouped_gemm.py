@@ -92,3 +92,12 @@ def test_batched_path_matches_the_reference():
     want = grouped_mm_reference(list(a3), list(b3), bias=bias, activation="gelu",
                                 out_dtype=torch.float32)  # fmt: skip
     assert_groups_match(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_groups_of_one_shape_take_the_uniform_grid(fp8):
+    a, b = groups([(40, 48, 24)] * 3, seed=3)
+    if fp8:
+        cfg = QuantConfig("e4m3", "row")
+        a, b = [quantize_with(t, cfg) for t in a], [quantize_with(t, cfg) for t in b]
+    assert_groups_match(triton_grouped_mm(a, b), grouped_mm_reference(a, b), 1e-2)

@@ -23,7 +23,9 @@ from loka.kernels.runtime import (
     FP8_MIN_CAPABILITY,
     aligned,
     autotuning,
+    cdiv,
     interpreting,
+    next_pow2,
     require_triton_device,
 )
 
@@ -116,7 +118,7 @@ def _fp8_gemm_kernel(
 
 def _configs() -> list[triton.Config]:
     shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages: Hopper FP8 tiles for LRM shapes
-        (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4),
+        (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 3), (128, 128, 128, 8, 4),
         (64, 128, 128, 4, 4), (128, 64, 128, 4, 4), (64, 64, 128, 4, 5),
     ]  # fmt: skip
     return [
@@ -127,31 +129,54 @@ def _configs() -> list[triton.Config]:
     ]
 
 
+def _spills(config: triton.Config, fast_accum: bool, block_scales: bool) -> bool:
+    """Tiles whose accumulators spill registers (ptxas for sm_90a, Triton 3.6): float32
+    promotion keeps a second accumulator, so more than 64 float32 per thread no longer fit,
+    and block scales need a whole warpgroup of 8 warps for a 128x128 tile."""
+    per_thread = config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"] // (32 * config.num_warps)
+    if block_scales:
+        return per_thread > 64 or (config.num_warps < 8 and per_thread > 32)
+    return not fast_accum and per_thread > 64
+
+
 def _prune(configs, named_args, **kwargs):
-    """Drop tiles much larger than the problem (they only add masked work)."""
-    m = max(64, triton.next_power_of_2(named_args["M"]))
-    n = max(64, triton.next_power_of_2(named_args["N"]))
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= m and c.kwargs["BLOCK_N"] <= n]
+    """Drop tiles much larger than the problem (they only add masked work), and tiles that
+    spill registers for this accumulation."""
+    m = max(64, next_pow2(named_args["M"]))
+    n = max(64, next_pow2(named_args["N"]))
+    block = 2 in (kwargs.get("A_SCALE"), kwargs.get("B_SCALE"))
+    fast = bool(kwargs.get("FAST_ACCUM"))
+    kept = [
+        c
+        for c in configs
+        if c.kwargs["BLOCK_M"] <= m and c.kwargs["BLOCK_N"] <= n and not _spills(c, fast, block)
+    ]
     return kept or configs[:1]
 
 
 def _interpreter_tile(M: int, N: int) -> dict:
-    bm = min(64, max(16, triton.next_power_of_2(M)))
-    bn = min(64, max(16, triton.next_power_of_2(N)))
+    bm = min(64, max(16, next_pow2(M)))
+    bn = min(64, max(16, next_pow2(N)))
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8}
 
 
-def _heuristic_tile(M: int, N: int) -> dict:
-    big = M >= 128 and N >= 128
-    bm, bn = (128, 128) if big else (64, 64)
-    return {
-        "BLOCK_M": bm,
-        "BLOCK_N": bn,
-        "BLOCK_K": 128,
-        "GROUP_M": 8,
-        "num_warps": 8 if big else 4,
-        "num_stages": 3,
-    }
+# The tile launched without autotuning (LOKA_KERNELS_AUTOTUNE=0), per accumulation: "plain"
+# (float32 promotion every K step), "fast", "block" (block scales). Measured on an H200
+# (bench/kernels.py --sections tune).
+HEURISTIC_TILES: dict[str, tuple[int, int, int, int, int]] = {  # BLOCK_M, N, K, warps, stages
+    "plain": (128, 128, 128, 8, 3),
+    "fast": (128, 128, 128, 8, 3),
+    "block": (128, 128, 128, 8, 3),
+}
+
+
+def _heuristic_tile(M: int, N: int, kind: str) -> dict:
+    if M < 128 or N < 128:
+        bm, bn, bk, warps, stages = 64, 64, 128, 4, 3
+    else:
+        bm, bn, bk, warps, stages = HEURISTIC_TILES[kind]
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps,
+            "num_stages": stages}  # fmt: skip
 
 
 def _quick_bench(fn, quantiles=None):
@@ -246,7 +271,7 @@ def triton_fp8_mm(
         a.data.view(torch.uint8) if soft else a.data,
         b.data.view(torch.uint8) if soft else b.data,
         out, sa, sb, out if bias is None else bias,
-        M, N, K, triton.next_power_of_2(M), a.data.stride(0), b.data.stride(0), out.stride(0),
+        M, N, K, next_pow2(M), a.data.stride(0), b.data.stride(0), out.stride(0),
         a_ss, a_ks, b_ss, b_ks,
     )  # fmt: skip
     tuned = not soft and autotuning() and tile is None
@@ -268,14 +293,17 @@ def triton_fp8_mm(
     if tuned:
 
         def grid(meta):
-            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+            return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
 
         launcher(key, grid, args, meta)
     else:
         # One tile: the interpreter's (autotuning it would only cost time), or a heuristic one.
-        cfg = dict(tile) if tile else _interpreter_tile(M, N) if soft else _heuristic_tile(M, N)
+        kind = "block" if 2 in (a_mode, b_mode) else "fast" if fast_accum else "plain"
+        cfg = (
+            dict(tile) if tile else _interpreter_tile(M, N) if soft else _heuristic_tile(M, N, kind)
+        )
         options = {k: cfg.pop(k) for k in ("num_warps", "num_stages") if k in cfg}
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
         launcher(key, grid, args, {**meta, **cfg}, **options)
     return out
 

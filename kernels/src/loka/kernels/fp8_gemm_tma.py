@@ -25,7 +25,9 @@ from loka.kernels.launch import Launcher
 from loka.kernels.runtime import (
     aligned,
     autotuning,
+    cdiv,
     interpreting,
+    next_pow2,
     require_triton_device,
 )
 
@@ -114,11 +116,20 @@ _TMA = Launcher(_fp8_gemm_tma_kernel)
 _TMA_TUNED = Launcher(_fp8_gemm_tma_autotuned)
 
 
-def _default_tile(soft: bool) -> dict:
+# The tile launched without autotuning, by fast accumulation (False/True): BLOCK_M, N, K,
+# warps, stages. Measured on an H200 (bench/kernels.py --sections tune).
+DEFAULT_TILES: dict[bool, tuple[int, int, int, int, int]] = {
+    False: (128, 128, 128, 8, 4),
+    True: (128, 128, 128, 8, 4),
+}
+
+
+def _default_tile(soft: bool, fast_accum: bool) -> dict:
     if soft:
         return {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 8}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
-            "num_stages": 4}  # fmt: skip
+    bm, bn, bk, warps, stages = DEFAULT_TILES[fast_accum]
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps,
+            "num_stages": stages}  # fmt: skip
 
 
 @functools.cache
@@ -167,7 +178,7 @@ def triton_fp8_mm_tma(
     b_data = b.data.view(torch.uint8) if soft else b.data
     num_sms = 4 if soft else _num_sms(a.device.index or 0)
     scalars = (a.inv_scale, b.inv_scale, out if bias is None else bias, M, N, K)
-    scalars += (triton.next_power_of_2(M),)
+    scalars += (next_pow2(M),)
     tuned = not soft and autotuning() and tile is None
     launcher = _TMA_TUNED if tuned else _TMA
     key = (
@@ -199,12 +210,12 @@ def triton_fp8_mm_tma(
     args = (*descs.values(), *scalars)
 
     def grid(cfg):
-        return (min(num_sms, triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])),)
+        return (min(num_sms, cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])),)
 
     if tuned:
         launcher(key, grid, args, meta)
     else:
-        tile = dict(tile) if tile else _default_tile(soft)
+        tile = dict(tile) if tile else _default_tile(soft, fast_accum)
         options = {k: tile.pop(k) for k in ("num_warps", "num_stages") if k in tile}
         _set_block_shapes({**descs, **tile})
         launcher(key, grid(tile), args, {**meta, **tile}, **options)

@@ -16,11 +16,16 @@ import triton
 import triton.language as tl
 
 from loka.kernels.epilogue import ACTIVATION_IDS, activation_tl, apply_epilogue, check_bias
-from loka.kernels.formats import check_activation, check_high_precision_2d, check_out_dtype
+from loka.kernels.formats import (
+    HIGH_PRECISION_DTYPES,
+    check_activation,
+    check_high_precision_2d,
+    check_out_dtype,
+)
 from loka.kernels.fp8_bits import fp8_decode_tl
 from loka.kernels.fp8_gemm import check_fp8_operands, mm_reference
 from loka.kernels.fp8_tensor import Fp8Tensor
-from loka.kernels.runtime import autotuning, interpreting, require_triton_device
+from loka.kernels.runtime import autotuning, cdiv, interpreting, next_pow2, require_triton_device
 from loka.kernels.torch_gemm import bf16_mm, scaled_mm
 
 # Operand element kinds: how the kernel types a pointer it reads from the metadata.
@@ -30,7 +35,16 @@ KINDS = {
 }  # fmt: skip
 # Host metadata buffers copied by captured CUDA graphs, kept alive for their replays.
 _CAPTURED_METADATA: list[torch.Tensor] = []
-META_FIELDS = 12  # a, b, c, a_scale, b_scale, bias pointers; M, N, K; a, b, c row strides
+META_FIELDS = 12
+# The tile launched without autotuning: BLOCK_M, N, K, warps, stages. Measured on an H200
+# (bench/kernels.py --sections tune).
+HEURISTIC_TILE: tuple[int, int, int, int, int] = (
+    128,
+    64,
+    64,
+    4,
+    3,
+)  # a, b, c, a_scale, b_scale, bias pointers; M, N, K; a, b, c row strides
 
 
 @triton.jit
@@ -56,19 +70,25 @@ def _grouped_gemm_kernel(
     A_KIND: tl.constexpr, B_KIND: tl.constexpr, C_KIND: tl.constexpr, BIAS_KIND: tl.constexpr,
     SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     SOFT_FP8: tl.constexpr, G_POW2: tl.constexpr, ALIGNED: tl.constexpr,
+    C_ALIGNED: tl.constexpr, UNIFORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """SCALE: 0 none (high precision), 1 tensor, 2 row."""
-    pid = tl.program_id(0)
-    # Which group owns tile `pid`: count each group's tiles for this config's block sizes.
-    groups = tl.arange(0, G_POW2)
-    g_ok = groups < G
-    ms = tl.load(meta_ptr + groups * 12 + 6, mask=g_ok, other=0).to(tl.int32)
-    ns = tl.load(meta_ptr + groups * 12 + 7, mask=g_ok, other=0).to(tl.int32)
-    tiles = tl.cdiv(ms, BLOCK_M) * tl.cdiv(ns, BLOCK_N)
-    ends = tl.cumsum(tiles, axis=0)
-    g = tl.sum((ends <= pid).to(tl.int32), axis=0)
-    local = pid - tl.sum(tl.where(groups < g, tiles, 0), axis=0)
+    """SCALE: 0 none (high precision), 1 tensor, 2 row. UNIFORM: every group has one shape,
+    and the grid is (tiles of one group, groups)."""
+    if UNIFORM:
+        g = tl.program_id(1)
+        local = tl.program_id(0)
+    else:
+        # Which group owns tile `pid`: count each group's tiles for this config's block sizes.
+        pid = tl.program_id(0)
+        groups = tl.arange(0, G_POW2)
+        g_ok = groups < G
+        ms = tl.load(meta_ptr + groups * 12 + 6, mask=g_ok, other=0).to(tl.int32)
+        ns = tl.load(meta_ptr + groups * 12 + 7, mask=g_ok, other=0).to(tl.int32)
+        tiles = tl.cdiv(ms, BLOCK_M) * tl.cdiv(ns, BLOCK_N)
+        ends = tl.cumsum(tiles, axis=0)
+        g = tl.sum((ends <= pid).to(tl.int32), axis=0)
+        local = pid - tl.sum(tl.where(groups < g, tiles, 0), axis=0)
     meta = meta_ptr + g * 12
     M = tl.load(meta + 6).to(tl.int32)
     N = tl.load(meta + 7).to(tl.int32)
@@ -85,6 +105,9 @@ def _grouped_gemm_kernel(
         b_ptr = tl.multiple_of(b_ptr, 16)
         lda = tl.multiple_of(lda, 16)
         ldb = tl.multiple_of(ldb, 16)
+    if C_ALIGNED:  # 16-byte output rows: vector stores
+        c_ptr = tl.multiple_of(c_ptr, 16)
+        ldc = tl.multiple_of(ldc, 8)
     grid_n = tl.cdiv(N, BLOCK_N)
     offs_m = (local // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (local % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -151,6 +174,21 @@ def _data(t: torch.Tensor | Fp8Tensor) -> torch.Tensor:
     return t.data if isinstance(t, Fp8Tensor) else t
 
 
+def _plainly_valid(a: Sequence, b: Sequence) -> bool:
+    """The common case of high-precision groups, checked in one sweep (host time is most of
+    a grouped GEMM's time at small shapes); False sends the caller to the per-group checks,
+    which name the problem."""
+    ts = (*a, *b)
+    if not all(isinstance(t, torch.Tensor) for t in ts):
+        return False
+    dtype = a[0].dtype
+    if dtype not in HIGH_PRECISION_DTYPES:
+        return False
+    if any(t.dtype != dtype or t.dim() != 2 or t.stride(1) != 1 for t in ts):
+        return False
+    return all(x.shape[1] == y.shape[1] for x, y in zip(a, b, strict=True))
+
+
 def _check_groups(a: Sequence, b: Sequence, bias: Sequence | None) -> tuple[bool, str | None]:
     """Validate the lists; returns (is_fp8, granularity of the FP8 scales or None)."""
     if len(a) != len(b) or not a:
@@ -160,6 +198,8 @@ def _check_groups(a: Sequence, b: Sequence, bias: Sequence | None) -> tuple[bool
     if bias is not None and len(bias) != len(a):
         raise ValueError(f"bias must have one entry per group ({len(a)}), got {len(bias)}")
     fp8 = isinstance(a[0], Fp8Tensor)
+    if not fp8 and _plainly_valid(a, b):
+        return False, None
     for g, (ag, bg) in enumerate(zip(a, b, strict=True)):
         if fp8:
             check_fp8_operands(ag, bg)
@@ -271,26 +311,33 @@ def triton_grouped_mm(
         A_KIND=KINDS[_data(a[0]).dtype], B_KIND=KINDS[_data(b[0]).dtype], C_KIND=KINDS[out_dtype],
         BIAS_KIND=KINDS[bias[0].dtype] if bias is not None else 0,
         SCALE={None: 0, "tensor": 1, "row": 2}[granularity], HAS_BIAS=bias is not None,
-        ACTIVATION=ACTIVATION_IDS[activation], SOFT_FP8=soft, G_POW2=triton.next_power_of_2(G),
+        ACTIVATION=ACTIVATION_IDS[activation], SOFT_FP8=soft, G_POW2=next_pow2(G),
         ALIGNED=all(
             _data(t).data_ptr() % 16 == 0 and _data(t).stride(0) % 16 == 0 and _data(t).shape[1] % 16 == 0
             for t in (*a, *b)
         ),
+        C_ALIGNED=all(c.data_ptr() % 16 == 0 and c.shape[1] % 8 == 0 for c in outs),
     )  # fmt: skip
-    max_k = triton.next_power_of_2(max(_data(t).shape[1] for t in a))
+    max_k = next_pow2(max(_data(t).shape[1] for t in a))
+
+    uniform = len(set(sizes)) == 1 and len({_data(t).shape[1] for t in a}) == 1
+    args["UNIFORM"] = uniform
 
     def grid(cfg):
-        return (
-            sum(triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]) for m, n in sizes),
-        )
+        if uniform:
+            m, n = sizes[0]
+            return (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), G)
+        return (sum(cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]) for m, n in sizes),)
 
     if soft or not autotuning():  # one tile: the interpreter's, or a heuristic one
         fixed = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}
         if not soft:
-            fixed = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+            bm, bn, bk, warps, stages = HEURISTIC_TILE
+            fixed = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
+                     "num_stages": stages}  # fmt: skip
         _grouped_gemm_kernel[grid(fixed)](meta_t, G, 0, max_k, **args, **fixed)
     else:
-        work = triton.next_power_of_2(sum(m * n for m, n in sizes))
+        work = next_pow2(sum(m * n for m, n in sizes))
         _grouped_gemm_autotuned[grid](meta_t, G, work, max_k, **args)
     return outs
 

@@ -19,7 +19,7 @@ from loka.kernels.formats import QuantConfig, check_high_precision_2d, scale_gri
 from loka.kernels.fp8_bits import FORMAT_IDS
 from loka.kernels.fp8_tensor import Fp8Tensor
 from loka.kernels.launch import Launcher
-from loka.kernels.runtime import aligned, interpreting, require_triton_device
+from loka.kernels.runtime import aligned, cdiv, interpreting, next_pow2, require_triton_device
 from loka.kernels.scaling import (
     finite_abs,
     finite_abs_tl,
@@ -33,6 +33,9 @@ from loka.kernels.scaling import (
 
 # Rows up to this many elements are quantized from registers in one read.
 MAX_ROW_IN_REGISTERS = 16384
+# Rowwise tiles: at least `elements` per program (whole rows when they fit), `warps` per
+# program (None: by tile size). Measured on an H200 (bench/kernels.py --sections tune).
+ROW_TILE: dict[str, int | None] = {"elements": 4096, "warps": None}
 
 
 @triton.jit
@@ -184,8 +187,8 @@ def _num_warps(elements: int) -> int:
 
 def _tile(R: int, C: int, target: int) -> tuple[int, int]:
     """A [BLOCK_R, BLOCK_C] tile of about `target` elements covering whole rows when it can."""
-    block_c = min(triton.next_power_of_2(max(C, 1)), target)
-    block_r = min(triton.next_power_of_2(max(R, 1)), max(1, target // block_c))
+    block_c = min(next_pow2(max(C, 1)), target)
+    block_r = min(next_pow2(max(R, 1)), max(1, target // block_c))
     return block_r, block_c
 
 
@@ -279,8 +282,8 @@ def quantize_with(
 def _tensor_tiles(R: int, C: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_R, BLOCK_C, tiles along C, tiles, amax partials) of a tensorwise quantization."""
     br, bc = _tile(R, C, 1024 if interpreting() else 4096)
-    tiles_c = triton.cdiv(C, bc)
-    tiles = triton.cdiv(R, br) * tiles_c
+    tiles_c = cdiv(C, bc)
+    tiles = cdiv(R, br) * tiles_c
     return br, bc, tiles_c, tiles, min(tiles, _max_partials())
 
 
@@ -331,10 +334,10 @@ def _quantize_tensor(
     if plan is None:
         meta = dict(
             FMT=FORMAT_IDS[config.fmt], SOFT_FP8=interpreting(), POW2=config.pow2,
-            HAS_UB=has_ub, DELAYED=delayed, PARTIALS=triton.next_power_of_2(max(partials, 1)),
+            HAS_UB=has_ub, DELAYED=delayed, PARTIALS=next_pow2(max(partials, 1)),
             BLOCK_R=br, BLOCK_C=bc,
         )  # fmt: skip
-        grid = (triton.cdiv(R, br), tiles_c)
+        grid = (cdiv(R, br), tiles_c)
         _QUANTIZE_TENSOR(key, grid, args, meta, num_warps=_num_warps(br * bc))
     else:
         _QUANTIZE_TENSOR.launch(plan, args)
@@ -351,16 +354,22 @@ def _group_tiles(
     quantization."""
     if granularity == "row":
         loop_c = C > MAX_ROW_IN_REGISTERS
-        br, bc = _tile(R, C, 4096 if loop_c else max(4096, triton.next_power_of_2(C)))
-        grid, whole, scale_stride = (triton.cdiv(R, br), 1), False, 1
+        target = ROW_TILE["elements"]
+        br, bc = _tile(R, C, target if loop_c else max(target, next_pow2(C)))
+        grid, whole, scale_stride = (cdiv(R, br), 1), False, 1
+        if ROW_TILE["warps"]:
+            return grid, _row_tile(whole, br, bc, loop_c), scale_stride, ROW_TILE["warps"]
     else:
         block_r, bc = block
         loop_c = False
         whole = block_r > 1
         br = block_r if whole else _tile(R, bc, 4096)[0]
-        grid, scale_stride = (triton.cdiv(R, br), triton.cdiv(C, bc)), triton.cdiv(C, bc)
-    tile = {"WHOLE_TILE": whole, "BLOCK_R": br, "BLOCK_C": bc, "LOOP_C": loop_c}
-    return grid, tile, scale_stride, _num_warps(br * bc)
+        grid, scale_stride = (cdiv(R, br), cdiv(C, bc)), cdiv(C, bc)
+    return grid, _row_tile(whole, br, bc, loop_c), scale_stride, _num_warps(br * bc)
+
+
+def _row_tile(whole: bool, br: int, bc: int, loop_c: bool) -> dict:
+    return {"WHOLE_TILE": whole, "BLOCK_R": br, "BLOCK_C": bc, "LOOP_C": loop_c}
 
 
 def _quantize_groups(

@@ -26,6 +26,17 @@ def autotuning() -> bool:
     return os.environ.get("LOKA_KERNELS_AUTOTUNE", "1") not in ("0", "")
 
 
+# Plain-Python twins of triton.cdiv and triton.next_power_of_2: those are constexpr functions
+# whose host calls cost microseconds each, paid on every launch.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def aligned(t: torch.Tensor) -> bool:
     """Whether a tensor's data is 16-byte aligned (Triton specializes kernels on it)."""
     return t.data_ptr() % 16 == 0

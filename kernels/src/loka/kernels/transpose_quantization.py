@@ -30,7 +30,7 @@ from loka.kernels.quantization import (
     quantize_with,
     tensor_amax_tl,
 )
-from loka.kernels.runtime import aligned, interpreting, require_triton_device
+from loka.kernels.runtime import aligned, cdiv, interpreting, next_pow2, require_triton_device
 from loka.kernels.scaling import (
     finite_abs_tl,
     inverse_tl,
@@ -44,10 +44,9 @@ MODES = {"tensor": 0, "row": 1, "block1": 2, "block128": 3}
 
 @triton.jit
 def _row_col_amax_kernel(
-    x_ptr, row_amax_ptr, col_amax_ptr, R, C, stride_r, stride_c,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, amax_ptr, R, C, stride_r, stride_c, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Row and column amaxes by atomic max into zeroed buffers.
+    """Row and column amaxes by atomic max into amax = [rows (R) | columns (C)], zeroed.
 
     Amaxes are finite and >= 0, so their float32 bits order like int32: one integer atomic
     max per value (a float atomic max takes two, one per sign).
@@ -59,12 +58,9 @@ def _row_col_amax_kernel(
     a = finite_abs_tl(x)
     row_bits = tl.max(a, axis=1).to(tl.int32, bitcast=True)
     col_bits = tl.max(a, axis=0).to(tl.int32, bitcast=True)
-    tl.atomic_max(
-        row_amax_ptr.to(tl.pointer_type(tl.int32)) + rows, row_bits, mask=rows < R, sem="relaxed"
-    )
-    tl.atomic_max(
-        col_amax_ptr.to(tl.pointer_type(tl.int32)) + cols, col_bits, mask=cols < C, sem="relaxed"
-    )
+    bits_ptr = amax_ptr.to(tl.pointer_type(tl.int32))
+    tl.atomic_max(bits_ptr + rows, row_bits, mask=rows < R, sem="relaxed")
+    tl.atomic_max(bits_ptr + R + cols, col_bits, mask=cols < C, sem="relaxed")
 
 
 @triton.jit
@@ -98,7 +94,7 @@ def _transpose_quantize_kernel(
         amax = tensor_amax_tl(x, amax_in_ptr, q_amax_ptr, partials, DELAYED, PARTIALS)
         scale = scale_from_amax_tl(amax, FMT, POW2, HAS_UB, scale_ub)
         q = saturate_cast_tl(x, scale, FMT, SOFT_FP8, out_ty)
-        qt = q
+        qt = tl.trans(q)
         if (pid_r == 0) & (pid_c == 0):
             if not DELAYED:
                 tl.store(q_amax_ptr, amax)
@@ -108,7 +104,7 @@ def _transpose_quantize_kernel(
         amax = tl.max(tl.max(finite_abs_tl(x), axis=1), axis=0)
         scale = scale_from_amax_tl(amax, FMT, POW2, HAS_UB, scale_ub)
         q = saturate_cast_tl(x, scale, FMT, SOFT_FP8, out_ty)
-        qt = q
+        qt = tl.trans(q)
         q_at = pid_r * q_scale_stride + pid_c
         t_at = pid_c * t_scale_stride + pid_r
         _store_group_stats(q_amax_ptr, q_scale_ptr, q_inv_ptr, q_at, amax, scale, True)
@@ -124,7 +120,7 @@ def _transpose_quantize_kernel(
         row_scale = scale_from_amax_tl(row_amax, FMT, POW2, HAS_UB, scale_ub)
         col_scale = scale_from_amax_tl(col_amax, FMT, POW2, HAS_UB, scale_ub)
         q = saturate_cast_tl(x, row_scale[:, None], FMT, SOFT_FP8, out_ty)
-        qt = saturate_cast_tl(x, col_scale[None, :], FMT, SOFT_FP8, out_ty)
+        qt = tl.trans(saturate_cast_tl(x, col_scale[None, :], FMT, SOFT_FP8, out_ty))
         if MODE == 2:
             row_at = rows * q_scale_stride + pid_c
             col_at = cols * t_scale_stride + pid_r
@@ -144,19 +140,27 @@ def _transpose_quantize_kernel(
                     t_amax_ptr, t_scale_ptr, t_inv_ptr, cols, col_amax, col_scale, c_ok
                 )
     tl.store(q_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
-    tl.store(qt_ptr + cols[:, None] * R + rows[None, :], tl.trans(qt), mask=tl.trans(mask))
+    tl.store(qt_ptr + cols[:, None] * R + rows[None, :], qt, mask=tl.trans(mask))
 
 
 _ROW_COL_AMAX = Launcher(_row_col_amax_kernel)
 _TRANSPOSE_QUANTIZE = Launcher(_transpose_quantize_kernel)
 
 
+# GPU tiles: the quantizing pass's (BLOCK_R, BLOCK_C) and warps for row and tensor scales
+# ("quantize", "warps"; blocks always take 128x128 tiles, "block_warps"), and the row/column
+# amax pass's tile. Registers bound the occupancy here: a 128x128 tile on 8 warps takes about
+# 200 per thread. Measured on an H200 (bench/kernels.py --sections tune).
+TILES: dict = {"quantize": (128, 128), "warps": 8, "block_warps": 8, "amax": (128, 256)}
+
+
 def _tiles(mode: int) -> tuple[tuple[int, int], tuple[int, int], int]:
-    """((BLOCK_R, BLOCK_C) of the quantizing pass, the same of the row/column amax pass,
-    warps of the quantizing pass)."""
+    """(quantizing tile, amax tile, warps of the quantizing pass)."""
     if interpreting():  # small tiles: tests cross tile boundaries
         return ((128, 128) if mode >= 2 else (32, 32)), (32, 16), 4
-    return (128, 128), (128, 256), 8
+    if mode >= 2:
+        return (128, 128), TILES["amax"], TILES["block_warps"]
+    return TILES["quantize"], TILES["amax"], TILES["warps"]
 
 
 def quantize_transpose(
@@ -199,27 +203,36 @@ def quantize_transpose_with(
     qt = torch.empty((C, R), dtype=config.dtype, device=device)
     partials = 0
     gathered = None
-    f32 = {"dtype": torch.float32, "device": device}
+    f32 = torch.float32
     if mode == 0:  # one scale: qt shares q's amax, scale and inverse scale
         if delayed:
-            q_amax = torch.zeros(1, **f32)
+            q_amax = torch.zeros(1, dtype=f32, device=device)
         else:  # [amax, partial amaxes...]
             partials = _tensor_tiles(R, C)[-1]
-            q_amax = torch.empty(1 + partials, **f32)
+            q_amax = torch.empty(1 + partials, dtype=f32, device=device)
             _launch_amax_partials(x, q_amax)
-        q_scale, q_inv = torch.empty(1, **f32), torch.empty(1, **f32)
+        q_scale = torch.empty(1, dtype=f32, device=device)
+        q_inv = torch.empty(1, dtype=f32, device=device)
         t_amax, t_scale, t_inv = q_amax, q_scale, q_inv
         q_shape = t_shape = (1,)
     else:
         # Six tensors, not views of one buffer: callers (custom ops) may not return aliases.
         q_shape, t_shape = config.scale_shape(R, C), config.scale_shape(C, R)
-        q_amax, q_scale, q_inv = (torch.empty(q_shape, **f32) for _ in range(3))
-        t_amax, t_scale, t_inv = (torch.empty(t_shape, **f32) for _ in range(3))
+        q_amax = torch.empty(q_shape, dtype=f32, device=device)
+        q_scale = torch.empty(q_shape, dtype=f32, device=device)
+        q_inv = torch.empty(q_shape, dtype=f32, device=device)
+        t_amax = torch.empty(t_shape, dtype=f32, device=device)
+        t_scale = torch.empty(t_shape, dtype=f32, device=device)
+        t_inv = torch.empty(t_shape, dtype=f32, device=device)
         if mode == 1:  # row and column amaxes gathered by atomics in one zeroed scratch buffer
-            gathered = torch.zeros(R + C, **f32)
-            args = (x, gathered, gathered[R:], R, C, *x.stride())
-            grid = (triton.cdiv(R, abr), triton.cdiv(C, abc))
-            _ROW_COL_AMAX(key, grid, args, {"BLOCK_R": abr, "BLOCK_C": abc}, num_warps=8)
+            gathered = torch.zeros(R + C, dtype=f32, device=device)
+            args = (x, gathered, R, C, *x.stride())
+            plan = _ROW_COL_AMAX.lookup(key)
+            if plan is None:
+                grid = (cdiv(R, abr), cdiv(C, abc))
+                _ROW_COL_AMAX(key, grid, args, {"BLOCK_R": abr, "BLOCK_C": abc}, num_warps=8)
+            else:
+                _ROW_COL_AMAX.launch(plan, args)
     soft = interpreting()
     has_ub, ub = ub_args(config.scale_ub)
     args = (
@@ -232,10 +245,10 @@ def quantize_transpose_with(
     if plan is None:
         meta = dict(
             MODE=mode, FMT=FORMAT_IDS[config.fmt], SOFT_FP8=soft, POW2=config.pow2,
-            HAS_UB=has_ub, DELAYED=delayed, PARTIALS=triton.next_power_of_2(max(partials, 1)),
+            HAS_UB=has_ub, DELAYED=delayed, PARTIALS=next_pow2(max(partials, 1)),
             BLOCK_R=br, BLOCK_C=bc,
         )  # fmt: skip
-        grid = (triton.cdiv(R, br), triton.cdiv(C, bc))
+        grid = (cdiv(R, br), cdiv(C, bc))
         _TRANSPOSE_QUANTIZE(key, grid, args, meta, num_warps=warps)
     else:
         _TRANSPOSE_QUANTIZE.launch(plan, args)
