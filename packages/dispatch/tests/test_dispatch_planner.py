@@ -221,7 +221,7 @@ def test_plan_invariants_on_random_tables(times, verdicts) -> None:
         total += r["predicted_ms"]
         if r["recipe"] != "bf16":  # never unsafe, never slower than bf16
             assert verdicts[PASSES.index(p) * 2 + recipes.index(r["recipe"])] == "safe"
-            assert r["predicted_ms"] < r["bf16_ms"]
+            assert r["predicted_ms"] * 1.05 < r["bf16_ms"]
         assert len(r["rejected"]) == 2  # every other candidate, bf16 included, with a reason
     # Brute force: no valid combination of safe candidates is faster.
     opts = {p: [("bf16", 1.0, 0.0)] + [
@@ -233,7 +233,7 @@ def test_plan_invariants_on_random_tables(times, verdicts) -> None:
         (fr, _, fq), (dr, _, dq), (wr, _, _) = combo
         credit = (fq if wr != "bf16" and fr == wr else 0) + (dq if wr != "bf16" and dr == wr else 0)
         eff[2] -= min(credit, combo[2][2])
-        if all(r == "bf16" or e < 1.0 for (r, _, _), e in zip(combo, eff, strict=True)):
+        if all(r == "bf16" or e * 1.05 < 1.0 for (r, _, _), e in zip(combo, eff, strict=True)):
             best = min(best, sum(eff))
     assert total == pytest.approx(best)
     assert plan.summary.predicted_speedup >= 1.0 - 1e-12

@@ -13,7 +13,14 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `loka --help` lists them.
-COMMAND_MODULES: tuple[str, ...] = ("loka.dispatch.cli.lora_plan",)
+COMMAND_MODULES: tuple[str, ...] = (
+    "loka.dispatch.cli.demo",
+    "loka.dispatch.cli.probe",
+    "loka.dispatch.cli.bench",
+    "loka.dispatch.cli.plan",
+    "loka.dispatch.cli.report",
+    "loka.dispatch.cli.lora_plan",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

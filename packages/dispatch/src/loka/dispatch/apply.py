@@ -1,0 +1,298 @@
+"""`apply(model, plan)`: put a plan's FP8 passes into a live model, through `loka.mods`.
+
+Everything is checked before anything changes: the plan's schema version (when read from
+a file), that its sites are this model's (names, in/out features, the model fingerprint
+recorded with the plan), that each planned backend can run on the model's device. A site
+that does not match falls back to bf16 with a warning, or, with ``strict=True``, the call
+fails naming every problem; a plan that matches almost nothing of the model is refused in
+either mode. The swap itself is `loka.mods.apply`, which is all or nothing; `Applied.undo`
+restores the original modules (holding the same, possibly trained, Parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+import torch
+from torch import nn
+
+from loka.dispatch.planner import Plan, PlanSummary, sites_fingerprint
+from loka.kernels import registry
+from loka.schema import PASSES, validate
+
+log = logging.getLogger("loka.dispatch")
+
+
+class PlanMismatchError(ValueError):
+    """The plan does not fit this model (or device); nothing was applied."""
+
+
+class PlanFallbackWarning(UserWarning):
+    """A planned site or backend was left out (bf16 kept, or another backend used)."""
+
+
+@dataclass(frozen=True)
+class ApplyConfig:
+    """How `apply` treats the plan.
+
+    strict: any mismatch raises `PlanMismatchError` (else: that site stays bf16, warned).
+    module_filter_fn: ``fn(module, name) -> bool``; sites it rejects stay bf16.
+    fuse_norm: also fuse the norm that feeds each FP8 site (needs `sample`); sites whose
+        norm cannot be fused keep it separate.
+    replace_unrunnable_backends: a planned backend that cannot run on the model's device
+        (e.g. a GPU-only backend on the CPU) is replaced by the default backend of the same
+        recipe (identical numerics; speed not what was planned); False: the site stays bf16.
+    """
+
+    strict: bool = False
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None
+    fuse_norm: bool = False
+    replace_unrunnable_backends: bool = True
+
+
+@dataclass
+class Applied:
+    """What `apply` did: the sites now in FP8, those kept in bf16 and why, and the mods
+    report that can undo it."""
+
+    model: nn.Module = field(repr=False)
+    plan: Plan = field(repr=False)
+    sites: list[str]
+    fallbacks: dict[str, str]
+    report: Any = field(repr=False)  # loka.mods Report
+    demoted: dict[str, str] = field(default_factory=dict)
+    undone: bool = False
+
+    def undo(self) -> None:
+        """Restore the model's original modules (the Parameters are the same objects)."""
+        if self.undone:
+            raise RuntimeError("this apply was already undone")
+        if self.report is not None:
+            self.report.undo()
+        self.undone = True
+
+    def demote(self, site: str, reason: str) -> bool:
+        """Run `site` in bf16 from now on (the runtime guard's action); False if it already
+        was. The module keeps its Parameters; `undo` still restores the original."""
+        if site in self.demoted or site not in self.sites:
+            return False
+        from loka.mods.config import Fp8LinearConfig
+        from loka.mods.fp8_linear import Fp8Linear
+
+        module = self.model.get_submodule(site)
+        if type(module) is Fp8Linear:
+            parent_name, _, child = site.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            setattr(parent, child, module.to_linear())
+        elif isinstance(module, Fp8Linear):  # a fused norm+linear: keep the fusion, drop FP8
+            module._init_fp8(Fp8LinearConfig.bf16())
+        else:
+            return False
+        self.demoted[site] = reason
+        log.warning("loka: site %s demoted to bf16: %s", site, reason)
+        return True
+
+    def summary(self) -> str:
+        text = f"{len(self.sites)} site(s) in FP8"
+        if self.fallbacks:
+            text += f", {len(self.fallbacks)} kept in bf16"
+        if self.demoted:
+            text += f", {len(self.demoted)} demoted since"
+        return text
+
+
+def _as_plan(plan: Plan | pl.DataFrame | str | os.PathLike[str]) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, pl.DataFrame):
+        table = validate(plan, "plan")
+        summary = PlanSummary(0, 0, 0, 1.0, 1.0, None, None, None, False, "unknown")
+        return Plan(table, summary, {})
+    from loka.dispatch.tables import read_plan
+
+    return read_plan(plan)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _linear_sites(model: nn.Module) -> dict[str, nn.Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _check_site(
+    name: str, rows: list[dict], linears: dict[str, nn.Linear], planned: dict
+) -> str | None:
+    module = linears.get(name)
+    if module is None:
+        return f"{name!r}: no nn.Linear of that name in the model"
+    if type(module) is not nn.Linear:
+        return f"{name!r} is a {type(module).__name__} (already converted?), not an nn.Linear"
+    K, N = rows[0]["K"], rows[0]["N"]
+    if (module.in_features, module.out_features) != (K, N):
+        return (
+            f"{name!r}: the plan was made for K={K}, N={N}; the module has "
+            f"in_features={module.in_features}, out_features={module.out_features}"
+        )
+    if name in planned and tuple(planned[name]) != (K, N):
+        return f"{name!r}: the plan's rows and its metadata disagree on K, N"
+    return None
+
+
+def _runnable_backend(backend: str, recipe: str, device: torch.device, K: int, N: int,
+                      pass_: str, replace: bool) -> tuple[str | None, str | None]:  # fmt: skip
+    """(backend to use, note) for one FP8 pass on `device`; (None, reason) when none runs."""
+    from loka.schema import Recipe
+
+    reason = registry.get(backend).runnable_reason(device)
+    if reason is None:
+        return backend, None
+    if not replace:
+        return None, reason
+    parsed = Recipe.parse(recipe)
+    for other in registry.backends("mm"):
+        if other.name.endswith(".fast") or ("bf16", "bf16") in other.formats:
+            continue
+        if (
+            other.runnable_reason(device) is None
+            and other.supports(parsed, 128, K, N, pass_) is None
+        ):
+            return other.name, f"{backend} cannot run here ({reason}); using {other.name}"
+    return None, reason
+
+
+def _fusable_sites(model: nn.Module, rows: list[dict], sample: Any) -> set[str]:
+    """FP8 sites whose input is the output of a norm feeding nothing else, and whose forward
+    recipe the fused norm+quantize kernel runs (rowwise, dynamic)."""
+    from loka.mods.trace import trace_norm_consumers
+    from loka.schema import Recipe
+
+    if sample is None:
+        raise ValueError("ApplyConfig.fuse_norm traces the model: pass a sample batch")
+    trace = trace_norm_consumers(model, sample)
+    consumers: dict[str, set[str]] = {}
+    for norm, linear in trace.consumed:
+        consumers.setdefault(norm, set()).add(linear)
+    fed = {next(iter(lins)) for lins in consumers.values() if len(lins) == 1}
+    out = set()
+    for r in rows:
+        if r["pass"] == "fwd" and r["site"] in fed:
+            recipe = Recipe.parse(r["recipe"])
+            if recipe.is_bf16 or (recipe.granularity == "row" and recipe.scaling == "dynamic"):
+                out.add(r["site"])
+    return out
+
+
+def apply(
+    model: nn.Module,
+    plan: Plan | pl.DataFrame | str | os.PathLike[str],
+    config: ApplyConfig | None = None,
+    *,
+    sample: Any = None,
+) -> Applied:
+    """Apply `plan` (a `Plan`, a plan table, or a plan file) to `model` in place.
+
+    Returns an `Applied` (undo with `.undo()`). Raises `PlanMismatchError` with the model
+    unchanged when the plan does not fit (any site with ``strict=True``; most sites always).
+    `sample` is one model input, needed for norm fusion (``config.fuse_norm``).
+    """
+    from loka.mods.apply import ModsError
+    from loka.mods.apply import apply as mods_apply
+    from loka.mods.spec import ModSpec
+
+    config = config or ApplyConfig()
+    plan = _as_plan(plan)
+    table = plan.table
+    device = _model_device(model)
+    linears = _linear_sites(model)
+    planned = json.loads(plan.metadata["sites"]) if "sites" in plan.metadata else {}
+    rows_by_site: dict[str, list[dict]] = {}
+    for row in table.iter_rows(named=True):
+        rows_by_site.setdefault(row["site"], []).append(row)
+
+    problems: dict[str, str] = {}
+    for name, rows in rows_by_site.items():
+        if (reason := _check_site(name, rows, linears, planned)) is not None:
+            problems[name] = reason
+    matched = len(rows_by_site) - len(problems)
+    if rows_by_site and 2 * matched <= len(rows_by_site):  # half or more do not match
+        fingerprint = sites_fingerprint(
+            (n, m.in_features, m.out_features) for n, m in linears.items()
+        )
+        raise PlanMismatchError(
+            f"this plan was made for another model (plan fingerprint "
+            f"{plan.metadata.get('model_fingerprint', 'unknown')}, this model's {fingerprint}): "
+            f"{len(problems)} of its {len(rows_by_site)} sites do not match, e.g. "
+            + "; ".join(list(problems.values())[:3])
+        )
+    fp8_rows = {n: r for n, r in rows_by_site.items() if any(x["recipe"] != "bf16" for x in r)}
+    notes: dict[str, str] = {}
+    spec_rows = []
+    for name, rows in fp8_rows.items():
+        if name in problems:
+            continue
+        module = linears[name]
+        if config.module_filter_fn is not None and not config.module_filter_fn(module, name):
+            notes[name] = "excluded by module_filter_fn"
+            continue
+        if {r["pass"] for r in rows} != set(PASSES):
+            problems[name] = f"{name!r}: the plan does not give all three passes"
+            continue
+        site_rows = []
+        for r in rows:
+            if r["recipe"] == "bf16":
+                site_rows.append({**r, "backend": None})
+                continue
+            backend, note = _runnable_backend(r["backend"], r["recipe"], device, r["K"], r["N"],
+                                              r["pass"], config.replace_unrunnable_backends)  # fmt: skip
+            if backend is None:
+                problems[name] = f"{name!r} {r['pass']}: {note}"
+                break
+            if note:
+                warnings.warn(
+                    f"loka: {name} {r['pass']}: {note}", PlanFallbackWarning, stacklevel=2
+                )
+            site_rows.append({**r, "backend": backend})
+        else:
+            spec_rows += site_rows
+    relevant = {n: p for n, p in problems.items() if n in fp8_rows or config.strict}
+    if relevant and config.strict:
+        raise PlanMismatchError("plan does not fit this model: " + "; ".join(relevant.values()))
+    for reason in relevant.values():
+        warnings.warn(f"loka: {reason}; the site stays bf16", PlanFallbackWarning, stacklevel=2)
+    spec_sites = {r["site"] for r in spec_rows}
+    fused = _fusable_sites(model, spec_rows, sample) if config.fuse_norm else set()
+    report = None
+    if spec_rows:
+        try:
+            report = mods_apply(model, ModSpec.from_plan(spec_rows, fuse_norm=fused), sample)
+        except ModsError as exc:
+            if config.strict:
+                raise PlanMismatchError(f"loka.mods refused the plan: {exc}") from exc
+            # Find the sites that fail on their own, keep them in bf16, apply the rest.
+            for site in sorted(spec_sites):
+                rows = [r for r in spec_rows if r["site"] == site]
+                try:
+                    mods_apply(
+                        model, ModSpec.from_plan(rows, fuse_norm=fused & {site}), sample
+                    ).undo()
+                except ModsError as one:
+                    relevant[site] = str(one)
+                    warnings.warn(f"loka: {one}; the site stays bf16", PlanFallbackWarning,
+                                  stacklevel=2)  # fmt: skip
+            spec_rows = [r for r in spec_rows if r["site"] not in relevant]
+            spec_sites -= set(relevant)
+            if spec_rows:
+                report = mods_apply(model, ModSpec.from_plan(spec_rows, fuse_norm=fused), sample)
+    fallbacks = {**{n: relevant[n] for n in relevant}, **notes}
+    applied = Applied(model, plan, sorted(spec_sites), fallbacks, report)
+    log.info("loka: plan applied: %s", applied.summary())
+    return applied

@@ -1,0 +1,37 @@
+"""Helpers shared by the `loka` commands of loka-dispatch (demo, probe, bench, plan, report)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def use_interpreter_without_gpu() -> None:
+    """Without a CUDA GPU, run Triton kernels in its CPU interpreter. Must happen before
+    loka.kernels is first imported (Triton decides when a kernel is defined)."""
+    if "loka.kernels" in sys.modules:
+        return
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if not has_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def fail(message: str) -> int:
+    """Print an error the way every loka command does and return exit status 1."""
+    from loka.dispatch.console import console
+
+    console.print(f"[bold red]error:[/] {message}")
+    return 1
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The errors a command reports as a message (bad input), not as a traceback."""
+    from loka.dispatch.bench import CacheMismatchError
+    from loka.schema import SchemaError
+
+    return (FileNotFoundError, SchemaError, CacheMismatchError, ValueError)

@@ -1,0 +1,47 @@
+"""`loka demo`: a zoo model trained LoKA's way: bf16 warm-up with Probe, plan, apply,
+continue; prints the plan and the speedup, writes the report."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from loka.dispatch.cli._common import fail, use_interpreter_without_gpu
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="probe, plan, apply and keep training a zoo model; print the plan and speedup",
+        description="On a GPU: the large preset, speed measured. On the CPU: the tiny preset, a "
+        "minute or so, planned for the H200 from the shipped table (estimated, and said so).",
+    )
+    parser.add_argument("--model", default="dhen", help="zoo model (default dhen)")
+    parser.add_argument("--preset", default=None, help="default: large on a GPU, tiny on CPU")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="bf16 steps with Probe")
+    parser.add_argument("--steps", type=int, default=None, help="steps after applying the plan")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kernel-bench", type=Path, default=None,
+                        help="plan from this kernel_bench table instead of measuring/estimating")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("loka-demo"))
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    use_interpreter_without_gpu()
+    for name in ("warmup_steps", "steps"):
+        value = getattr(args, name)
+        if value is not None and value < (1 if name == "warmup_steps" else 0):
+            return fail(f"--{name.replace('_', '-')} must be positive, got {value}")
+    try:
+        from loka.dispatch.demo import run_demo
+    except ImportError as exc:
+        return fail(f"loka demo needs loka-probe and loka-zoo (the demo extra): {exc}")
+    try:
+        run_demo(args.model, args.preset, warmup_steps=args.warmup_steps, steps=args.steps,
+                 device=args.device, out=args.out, seed=args.seed,
+                 kernel_bench=str(args.kernel_bench) if args.kernel_bench else None)  # fmt: skip
+    except ValueError as exc:
+        return fail(str(exc))
+    return 0

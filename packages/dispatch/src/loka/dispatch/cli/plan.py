@@ -1,0 +1,70 @@
+"""`loka plan`: choose per site and pass the fastest safe kernel; write the plan table."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from loka.dispatch.cli._common import fail, use_interpreter_without_gpu, user_errors
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan each GEMM site's kernels from probe tables and kernel_bench",
+        description="Join site_errors (Probe) with kernel_bench: per site and pass the fastest "
+        "candidate whose error is safe, never slower than bf16; every rejection with its reason.",
+    )
+    parser.add_argument("--tables", type=Path, required=True, help="probe tables folder")
+    parser.add_argument("--kernel-bench", type=Path, default=None,
+                        help="kernel_bench table (default: measure here, or estimate for the H200)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("plan.parquet"))
+    parser.add_argument("--min-speedup", type=float, default=1.05,
+                        help="speedup over bf16 every FP8 pass must reach (1.05)")  # fmt: skip
+    parser.add_argument("--allow-fast-accum", action="store_true")
+    parser.add_argument("--allow-undecided", action="store_true")
+    parser.add_argument("--error-budget-total", type=float, default=None,
+                        help="global budget: sum of error bounds over all FP8 passes")  # fmt: skip
+    parser.add_argument("--gemm-share", type=float, default=None,
+                        help="g for the end-to-end prediction when sites.time_share is empty")  # fmt: skip
+    parser.add_argument("--exclude", action="append", default=[], help="site glob kept in bf16")
+    parser.add_argument("--show", choices=("fp8", "all", "none"), default="fp8")
+    parser.add_argument("--budget-s", type=float, default=180.0, help="bench budget if measuring")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    use_interpreter_without_gpu()
+    from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
+    from loka.dispatch.console import console, print_plan
+    from loka.dispatch.planner import PlanConfig, make_plan
+    from loka.dispatch.tables import load_probe_tables
+    from loka.schema import read_table
+
+    try:
+        tables = load_probe_tables(args.tables)
+        if args.kernel_bench is not None:
+            bench = read_table(args.kernel_bench, "kernel_bench")
+        else:
+            result = benchmark(site_shapes(tables["sites"]), cache=BenchCache(),
+                               cost_model=CostModel.shipped(), budget_s=args.budget_s)  # fmt: skip
+            for note in result.notes:
+                console.print(f"bench: {note}")
+            bench = result.table
+        config = PlanConfig(
+            min_speedup=args.min_speedup, allow_fast_accum=args.allow_fast_accum,
+            allow_undecided=args.allow_undecided, error_budget_total=args.error_budget_total,
+            exclude=tuple(args.exclude),
+        )  # fmt: skip
+        plan = make_plan(tables["sites"], tables["site_errors"], bench, config,
+                         gemm_share=args.gemm_share)  # fmt: skip
+    except user_errors() as exc:
+        return fail(str(exc))
+    if args.show != "none":
+        print_plan(plan.table, only_fp8=args.show == "fp8")
+    for line in plan.summary.lines():
+        console.print(line)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    plan.write(args.out)
+    console.print(f"wrote {args.out}")
+    return 0

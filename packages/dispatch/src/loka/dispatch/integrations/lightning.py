@@ -1,0 +1,38 @@
+"""`LokaCallback`: a PyTorch Lightning callback running a `Session` on the LightningModule.
+
+    trainer = lightning.Trainer(callbacks=[LokaCallback(SessionConfig(warmup_steps=200))])
+
+The session starts with training (bf16 warm-up with Probe), plans and applies after the
+warm-up, and steps after every optimizer step (Lightning's `on_train_batch_end`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as lp
+
+from loka.dispatch.integrations.session import Session, SessionConfig
+
+
+class LokaCallback(lp.Callback):
+    def __init__(self, config: SessionConfig | None = None, *, sample: Any = None) -> None:
+        super().__init__()
+        self.config = config
+        self.sample = sample
+        self.session: Session | None = None
+
+    def on_train_start(self, trainer: lp.Trainer, pl_module: lp.LightningModule) -> None:
+        if self.session is None:
+            self.session = Session(pl_module, self.config, sample=self.sample)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # Lightning calls this after the optimizer step of the batch (when it stepped).
+        if self.session is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self.session.step(loss.detach() if hasattr(loss, "detach") else loss)
+
+    def on_train_end(self, trainer: lp.Trainer, pl_module: lp.LightningModule) -> None:
+        if self.session is not None:
+            self.session.close()

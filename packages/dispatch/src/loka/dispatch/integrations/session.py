@@ -1,0 +1,259 @@
+"""`Session`: LoKA in a training loop, a few lines.
+
+    session = loka.dispatch.Session(model, SessionConfig(warmup_steps=200), sample=batch)
+    for batch in batches:
+        loss = loss_fn(model(batch)); loss.backward(); optimizer.step(); optimizer.zero_grad()
+        session.step(loss)
+
+The first `warmup_steps` steps run in bf16 with Probe attached; then the session plans
+(`loka.dispatch.make_plan` on the probed tables and kernel timings: measured on this GPU
+through the cache, or estimated from the shipped table without one), applies the plan to
+the model in place and arms the runtime guard. With `reprobe_every`, Probe is re-attached
+every so many steps for `reprobe_steps` steps, and a site whose error drifted past its
+budget is demoted to bf16. Under torch.distributed the tables are merged across ranks
+(Probe's collectives), the plan is made on rank 0 and broadcast, and every rank applies it.
+The optimizer needs nothing: converted modules keep the same Parameter objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import torch
+from torch import nn
+
+from loka.dispatch.apply import Applied, ApplyConfig, apply
+from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
+from loka.dispatch.integrations.distributed import plan_once, rank
+from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
+from loka.dispatch.planner import Plan, PlanConfig, make_plan
+from loka.schema import read_table, write_table
+
+log = logging.getLogger("loka.dispatch")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """What a `Session` does and when.
+
+    warmup_steps: bf16 steps with Probe before planning.
+    probe: a `loka.probe.ProbeConfig` (None: Probe's defaults, sampling every step of a
+        short warm-up: ``ProbeConfig(every=1, warmup_steps=0)`` when warmup_steps < 100).
+    kernel_bench: a kernel_bench table (DataFrame or parquet path) to plan from; None:
+        measure on this GPU (cached in `cache_dir`), or estimate from the shipped H200
+        table where no FP8 GPU is present.
+    gemm_share: g for the end-to-end prediction when Probe could not time sites (CPU).
+    reprobe_every / reprobe_steps: re-attach Probe every N steps after applying, for M steps.
+    out_dir: write the probe tables, kernel_bench, plan and report there (rank 0).
+    """
+
+    warmup_steps: int = 100
+    probe: Any = None
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    apply: ApplyConfig = field(default_factory=ApplyConfig)
+    guard: GuardConfig | None = field(default_factory=GuardConfig)
+    kernel_bench: pl.DataFrame | str | os.PathLike[str] | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    bench_budget_s: float | None = 180.0
+    gemm_share: float | None = None
+    reprobe_every: int | None = None
+    reprobe_steps: int = 50
+    out_dir: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
+        if self.reprobe_every is not None and self.reprobe_every <= self.reprobe_steps:
+            raise ValueError("reprobe_every must be larger than reprobe_steps")
+        if self.reprobe_steps < 1:
+            raise ValueError(f"reprobe_steps must be >= 1, got {self.reprobe_steps}")
+
+
+def _probe_module():
+    try:
+        import loka.probe as probe
+    except ImportError as exc:  # the `demo` extra
+        raise ImportError(
+            "a Session probes the model with loka-probe: pip install 'loka-dispatch[demo]' "
+            "(or plan from saved tables with loka.dispatch.make_plan)"
+        ) from exc
+    return probe
+
+
+class Session:
+    """Warm-up with Probe, plan, apply, guard; call `step()` after every optimizer step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: SessionConfig | None = None,
+        *,
+        sample: Any = None,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Session needs an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.config = config or SessionConfig()
+        self.sample = sample
+        self.on_event = on_event
+        self.steps = 0
+        self.phase = "warmup"
+        self.plan: Plan | None = None
+        self.applied: Applied | None = None
+        self.guard: RuntimeGuard | None = None
+        self.tables: dict[str, pl.DataFrame] = {}
+        self.kernel_bench: pl.DataFrame | None = None
+        self.events: list[str] = []
+        self.nonfinite_losses = 0
+        self._reprobe_start: int | None = None
+        self.probe = self._attach_probe()
+        self._event(f"warm-up: {self.config.warmup_steps} bf16 step(s) with Probe")
+
+    # -- loop API ---------------------------------------------------------------------
+
+    def step(self, loss: torch.Tensor | float | None = None) -> None:
+        """Mark the end of a training step (after `optimizer.step()`). `loss`, if given, is
+        checked for finiteness only on guard-check steps (no extra host sync)."""
+        step = self.steps
+        self.steps += 1
+        if self.phase == "warmup":
+            self.probe.step()
+            if self.steps >= self.config.warmup_steps:
+                self.plan_and_apply()
+            return
+        if self.guard is not None:
+            checking = self.guard._armed_step is not None
+            for event in self.guard.step(step):
+                self._event(f"step {event.step}: {event.site} {event.action}: {event.reason}")
+            if checking and loss is not None and not math.isfinite(float(loss)):
+                self.nonfinite_losses += 1
+                self._event(f"step {step}: non-finite loss {float(loss)}")
+        self._reprobe(step)
+
+    def plan_and_apply(self) -> Plan:
+        """End the warm-up now: tables, plan (rank 0, broadcast), apply, guard."""
+        if self.phase != "warmup":
+            raise RuntimeError(f"the plan was already applied (phase {self.phase!r})")
+        self.tables = self.probe.tables()  # a collective under torch.distributed
+        self.probe.detach()
+        self.probe = None
+        self.plan = plan_once(self._make_plan)
+        self.applied = apply(self.model, self.plan, self.config.apply, sample=self.sample)
+        self.phase = "applied"
+        self._event(f"plan applied after {self.steps} step(s): {self.applied.summary()}")
+        for line in self.plan.summary.lines():
+            self._event(f"  {line}")
+        if self.config.guard is not None:
+            self.guard = RuntimeGuard(self.applied, self.config.guard)
+            self.guard.arm(self.steps)
+        if self.config.out_dir is not None and rank() == 0:
+            self.save(self.config.out_dir)
+        return self.plan
+
+    def close(self) -> None:
+        """Detach Probe and the guard's hooks; the model keeps its applied plan."""
+        if self.probe is not None:
+            self.probe.detach()
+            self.probe = None
+        if self.guard is not None:
+            self.guard.disarm()
+
+    def undo(self) -> None:
+        """Close, and put the model's original modules back."""
+        self.close()
+        if self.applied is not None and not self.applied.undone:
+            self.applied.undo()
+
+    def save(self, directory: str | os.PathLike[str]) -> dict[str, Path]:
+        """Write the probe tables, kernel_bench, plan and HTML report into `directory`."""
+        from loka.dispatch.report import write_report
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for name in ("sites", "site_errors", "tensor_stats"):
+            if name in self.tables:
+                paths[name] = write_table(self.tables[name], directory / f"{name}.parquet", name)
+        if self.kernel_bench is not None:
+            paths["kernel_bench"] = write_table(
+                self.kernel_bench, directory / "kernel_bench.parquet", "kernel_bench"
+            )
+        if self.plan is not None:
+            paths["plan"] = self.plan.write(directory / "plan.parquet")
+            paths["report"] = write_report(
+                directory / "report.html", sites=self.tables["sites"],
+                site_errors=self.tables["site_errors"], plan=self.plan.table,
+                kernel_bench=self.kernel_bench, summary=self.plan.summary,
+            )  # fmt: skip
+        return paths
+
+    # -- internals --------------------------------------------------------------------
+
+    def _event(self, text: str) -> None:
+        self.events.append(text)
+        log.info("loka: %s", text)
+        if self.on_event is not None:
+            self.on_event(text)
+
+    def _probe_config(self):
+        probe = _probe_module()
+        if self.config.probe is not None:
+            return self.config.probe
+        if self.config.warmup_steps < 100:
+            return probe.ProbeConfig(every=1, warmup_steps=0)
+        return probe.ProbeConfig()
+
+    def _attach_probe(self):
+        return _probe_module().Probe(self.model, self._probe_config())
+
+    def _make_plan(self) -> Plan:
+        sites, errors = self.tables["sites"], self.tables["site_errors"]
+        self.kernel_bench = self._kernel_bench(sites)
+        return make_plan(sites, errors, self.kernel_bench, self.config.plan,
+                         gemm_share=self.config.gemm_share)  # fmt: skip
+
+    def _kernel_bench(self, sites: pl.DataFrame) -> pl.DataFrame:
+        given = self.config.kernel_bench
+        if isinstance(given, pl.DataFrame):
+            return given
+        if given is not None:
+            return read_table(given, "kernel_bench")
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        result = benchmark(
+            site_shapes(sites), device=device, cache=BenchCache(self.config.cache_dir),
+            cost_model=CostModel.shipped(), budget_s=self.config.bench_budget_s,
+        )  # fmt: skip
+        for note in result.notes:
+            self._event(f"bench: {note}")
+        return result.table
+
+    def _reprobe(self, step: int) -> None:
+        every = self.config.reprobe_every
+        if every is None or self.applied is None:
+            return
+        since = self.steps - self.config.warmup_steps
+        if self.probe is None and since > 0 and since % every == 0:
+            config = self._probe_config()
+            self.probe = _probe_module().Probe(self.model, config)
+            self._reprobe_start = self.steps
+            self._event(f"step {step}: re-probing for {self.config.reprobe_steps} step(s)")
+            return
+        if self.probe is not None:
+            self.probe.step()
+            if self.steps - self._reprobe_start >= self.config.reprobe_steps:
+                tables = self.probe.tables()
+                self.probe.detach()
+                self.probe = None
+                if self.guard is not None:
+                    for event in self.guard.check_errors(tables["site_errors"], step):
+                        self._event(
+                            f"step {event.step}: {event.site} {event.action}: {event.reason}"
+                        )

@@ -1,0 +1,102 @@
+"""Zoo models as Dispatch workloads: their linear sites' shapes, and Probe runs on them.
+(Uses loka-zoo and loka-probe: the `demo` extra.)"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import polars as pl
+import torch
+from torch import nn
+
+from loka.dispatch.bench.candidates import m_bucket
+from loka.dispatch.bench.runner import Shape
+
+LARGE_MODELS = ("dlrm", "dhen", "wukong", "hstu")
+
+
+def linear_shapes(setup, batch=None) -> list[tuple[str, int, int, int]]:
+    """(site, M, K, N) of every nn.Linear of a zoo setup's model, from one forward pass."""
+    model = setup.model
+    seen: dict[str, tuple[int, int, int]] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+
+            def hook(module, args, out, name=name) -> None:
+                x = args[0]
+                seen[name] = (x.numel() // x.shape[-1], module.in_features, module.out_features)
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            setup.loss(model, batch if batch is not None else next(setup.train_batches()))
+    finally:
+        for h in handles:
+            h.remove()
+    return [(name, *shape) for name, shape in seen.items()]
+
+
+def zoo_shapes(
+    names: tuple[str, ...] = LARGE_MODELS, preset: str = "large", device: str | None = None,
+    cpu_batch: int = 32,
+) -> dict[str, list[tuple[str, int, int, int]]]:  # fmt: skip
+    """Per zoo model, the (site, M, K, N) of its linears at the preset's batch size. On the
+    CPU the models run a `cpu_batch` batch and M is scaled to the preset's batch (exact for
+    the CTR models, whose rows per sample are fixed; approximate for jagged sequences)."""
+    import loka.zoo as zoo
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = {}
+    for name in names:
+        preset_batch = zoo.SPECS[name].presets[preset][2]
+        batch = preset_batch if device != "cpu" else min(cpu_batch, preset_batch)
+        setup = zoo.create(name, preset, device=device, batch_size=batch)
+        scale = preset_batch / batch
+        out[name] = [(s, max(1, round(m * scale)), k, n) for s, m, k, n in linear_shapes(setup)]
+        del setup
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    return out
+
+
+def shapes_of(site_shapes: dict[str, list[tuple[str, int, int, int]]]) -> list[Shape]:
+    """The distinct benchmark shapes, largest GEMMs first."""
+    found = {Shape(m_bucket(m), k, n) for rows in site_shapes.values() for _, m, k, n in rows}
+    return sorted(found, key=lambda s: -s.M_bucket * s.K * s.N)
+
+
+def probe_zoo(
+    name: str,
+    preset: str = "tiny",
+    *,
+    steps: int = 20,
+    device: str = "cpu",
+    seed: int = 0,
+    batch_size: int | None = None,
+    probe_config=None,
+    autocast: bool = False,
+    out: str | os.PathLike[str] | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> dict[str, pl.DataFrame]:
+    """Train a zoo model for `steps` steps with Probe attached; return (and optionally save
+    to `out`) the sites, tensor_stats and site_errors tables."""
+    import loka.zoo as zoo
+    from loka.probe import Probe, ProbeConfig
+
+    setup = zoo.create(name, preset, device=device, seed=seed, batch_size=batch_size)
+    config = probe_config or ProbeConfig(every=1, warmup_steps=0)
+    with Probe(setup.model, config) as probe:
+
+        def step(i: int, loss: float) -> None:
+            probe.step()
+            if on_step is not None:
+                on_step(i, loss)
+
+        zoo.train(setup, steps, autocast_dtype=torch.bfloat16 if autocast else None, on_step=step)
+        tables = probe.tables()
+        if out is not None:
+            probe.save(Path(out))
+    return tables

@@ -1,0 +1,188 @@
+"""apply(model, plan): checks, fallbacks, undo, bad input; and the runtime guard."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # FP8 passes run in Triton's interpreter
+
+import copy
+import warnings
+
+import polars as pl
+import pytest
+import torch
+from torch import nn
+
+import loka.zoo as zoo
+from loka.dispatch.apply import ApplyConfig, PlanFallbackWarning, PlanMismatchError, apply
+from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
+from loka.dispatch.planner import make_plan
+from loka.dispatch.tables import read_plan
+from loka.dispatch.testing import synthetic_kernel_bench
+from loka.mods.fp8_linear import Fp8Linear
+from loka.schema import PASSES, SchemaError, validate
+
+ROW = "e4m3:e4m3/row/dynamic"
+
+
+def probe_like_tables(model: nn.Module, M: int = 32) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """sites and site_errors for every nn.Linear, every recipe safe (as Probe would write)."""
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    sites = pl.DataFrame(
+        [{"site": n, "kind": "linear", "K": m.in_features, "N": m.out_features, "M_min": M,
+          "M_p50": M, "M_max": M, "calls": 1, "groups": 1, "has_bias": m.bias is not None,
+          "dtype": "float32", "fwd_ms": None, "bwd_ms": None, "time_share": None}
+         for n, m in linears],
+        schema_overrides={"fwd_ms": pl.Float64, "bwd_ms": pl.Float64, "time_share": pl.Float64},
+    )  # fmt: skip
+    errors = pl.DataFrame(
+        [{"site": n, "recipe": ROW, "pass": p, "n": 8, "mean_rel_err": 0.035, "std_rel_err": 0.001,
+          "lcb_rel_err": 0.034, "ucb_rel_err": 0.036, "sqnr_db": 29.0, "max_abs_err": 0.1,
+          "bf16_rel_err": 0.003, "budget": 0.06 if p == "fwd" else 0.09, "confidence": 0.95,
+          "method": "student-t", "verdict": "safe", "emulated": True, "step_last": 7}
+         for n, _ in linears for p in PASSES]
+    )  # fmt: skip
+    return validate(sites, "sites"), validate(errors, "site_errors")
+
+
+def fc1_plan(model: nn.Module):
+    """A plan putting the two blocks.i.fc1 (K=32, N=64) in FP8, everything else in bf16."""
+    sites, errors = probe_like_tables(model)
+    return make_plan(sites, errors, synthetic_kernel_bench([(32, 32, 64)]))
+
+
+@pytest.fixture
+def dhen():
+    torch.manual_seed(0)
+    return zoo.create("dhen", "tiny", seed=1, batch_size=32)  # small M: the interpreter is slow
+
+
+def _outputs(setup) -> torch.Tensor:
+    setup.model.eval()
+    with torch.no_grad():
+        return setup.model(setup.eval_batches(1)[0])
+
+
+def _types(model: nn.Module) -> dict[str, type]:
+    return {n: type(m) for n, m in model.named_modules()}
+
+
+def test_apply_converts_the_planned_sites_and_undo_restores_them(dhen, tmp_path) -> None:
+    plan = fc1_plan(dhen.model)
+    assert plan.fp8_sites() == ["blocks.0.fc1", "blocks.1.fc1"]
+    before, originals = _outputs(dhen), {n: dhen.model.get_submodule(n) for n in plan.fp8_sites()}
+    path = plan.write(tmp_path / "plan.parquet")
+    applied = apply(dhen.model, path)  # from the file: schema checked on read
+    assert applied.sites == ["blocks.0.fc1", "blocks.1.fc1"] and applied.fallbacks == {}
+    for name in applied.sites:
+        module = dhen.model.get_submodule(name)
+        assert type(module) is Fp8Linear and module.weight is originals[name].weight
+        assert str(module.fp8_config.fwd.recipe) == ROW
+    fp8 = _outputs(dhen)
+    rel = ((fp8 - before).norm() / before.norm()).item()
+    assert 0 < rel < 0.1  # FP8 changed the numbers, by about FP8's error
+    # It trains: the optimizer built on the original Parameters keeps working.
+    dhen.model.train()
+    losses = zoo.train(dhen, 2)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    applied.undo()
+    for name, module in originals.items():
+        assert dhen.model.get_submodule(name) is module
+    with pytest.raises(RuntimeError, match="already undone"):
+        applied.undo()
+
+
+def test_a_plan_for_another_model_is_refused_and_nothing_changes(dhen) -> None:
+    other = zoo.create("dlrm", "tiny")
+    plan = make_plan(*probe_like_tables(other.model), synthetic_kernel_bench([(32, 367, 64)]))
+    state, types = copy.deepcopy(dhen.model.state_dict()), _types(dhen.model)
+    with pytest.raises(PlanMismatchError, match="another model") as err:
+        apply(dhen.model, plan)
+    assert "fingerprint" in str(err.value) and "top.0" in str(err.value)
+    assert _types(dhen.model) == types
+    for k, v in dhen.model.state_dict().items():
+        assert torch.equal(v, state[k])
+
+
+def test_a_mismatched_site_falls_back_or_fails_when_strict(dhen) -> None:
+    plan = fc1_plan(dhen.model)
+    # Pretend the plan was made for a wider blocks.1.fc1.
+    table = plan.table.with_columns(
+        pl.when(pl.col("site") == "blocks.1.fc1").then(48).otherwise(pl.col("K")).alias("K")
+    )
+    plan.table = table
+    types = _types(dhen.model)
+    with pytest.raises(PlanMismatchError, match=r"blocks\.1\.fc1.*K=48"):
+        apply(dhen.model, plan, ApplyConfig(strict=True))
+    assert _types(dhen.model) == types
+    with pytest.warns(PlanFallbackWarning, match=r"blocks\.1\.fc1.*stays bf16"):
+        applied = apply(dhen.model, plan)
+    assert applied.sites == ["blocks.0.fc1"] and "K=48" in applied.fallbacks["blocks.1.fc1"]
+    assert type(dhen.model.get_submodule("blocks.1.fc1")) is nn.Linear
+    applied.undo()
+
+
+def test_filters_and_unrunnable_backends(dhen) -> None:
+    sites, errors = probe_like_tables(dhen.model)
+    gpu_only = make_plan(
+        sites, errors, synthetic_kernel_bench([(32, 32, 64)], backend="torch.scaled_mm")
+    )
+    with pytest.warns(PlanFallbackWarning, match="torch.scaled_mm.*using triton"):
+        applied = apply(dhen.model, gpu_only)
+    assert dhen.model.get_submodule("blocks.0.fc1").fp8_config.fwd.backend.startswith("triton")
+    applied.undo()
+    with pytest.warns(PlanFallbackWarning, match="does not run on CPU"):
+        kept = apply(dhen.model, gpu_only, ApplyConfig(replace_unrunnable_backends=False))
+    assert kept.sites == [] and _types(dhen.model)["blocks.0.fc1"] is nn.Linear
+    only_first = apply(dhen.model, fc1_plan(dhen.model),
+                       ApplyConfig(module_filter_fn=lambda m, name: name.startswith("blocks.0")))  # fmt: skip
+    assert only_first.sites == ["blocks.0.fc1"]
+    assert only_first.fallbacks == {"blocks.1.fc1": "excluded by module_filter_fn"}
+    only_first.undo()
+
+
+def test_a_plan_table_of_another_schema_version_is_refused(dhen, tmp_path) -> None:
+    path = fc1_plan(dhen.model).write(tmp_path / "plan.parquet")
+    footer = {**pl.read_parquet_metadata(path), "loka.schema_version": "99"}
+    pl.read_parquet(path).write_parquet(path, metadata=footer)  # as a future LoKA would
+    types = _types(dhen.model)
+    with pytest.raises(SchemaError, match="schema version 99"):
+        apply(dhen.model, path)
+    with pytest.raises(SchemaError, match="version 99"):
+        read_plan(path)
+    assert _types(dhen.model) == types
+
+
+def test_guard_demotes_a_site_that_produces_nonfinite_values(dhen) -> None:
+    applied = apply(dhen.model, fc1_plan(dhen.model))
+    guard = RuntimeGuard(applied, GuardConfig(check_every=1))
+    guard.arm(0)
+    site = dhen.model.get_submodule("blocks.1.fc1")
+    forward = site.forward
+    site.forward = lambda x: forward(x) * float("inf")  # an overflow inside the site
+    optimizer = torch.optim.SGD(dhen.model.parameters(), lr=0.0)
+    batch = next(dhen.train_batches())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = dhen.loss(dhen.model, batch)
+        loss.backward()
+    optimizer.step()
+    events = guard.step(0)
+    demoted = [e for e in events if e.action == "demoted"]
+    assert [e.site for e in demoted] == ["blocks.1.fc1"]
+    assert "non-finite values from finite inputs" in demoted[0].reason
+    assert type(dhen.model.get_submodule("blocks.1.fc1")) is nn.Linear
+    assert "blocks.1.fc1" in applied.demoted and applied.sites == ["blocks.0.fc1", "blocks.1.fc1"]
+    # Downstream sites saw non-finite inputs: observed, not blamed.
+    assert all(e.site != "blocks.0.fc1" for e in demoted)
+    # Error drift found by a re-probe demotes too.
+    _, errors = probe_like_tables(dhen.model)
+    drifted = errors.with_columns(
+        pl.when(pl.col("site") == "blocks.0.fc1").then(pl.lit("unsafe")).otherwise(pl.col("verdict")).alias("verdict"),
+        pl.when(pl.col("site") == "blocks.0.fc1").then(0.2).otherwise(pl.col("ucb_rel_err")).alias("ucb_rel_err"),
+    )  # fmt: skip
+    events = guard.check_errors(drifted, 5)
+    assert [e.site for e in events] == ["blocks.0.fc1"] and "error drift" in events[0].reason
+    applied.undo()
+    assert all(t is not Fp8Linear for t in _types(dhen.model).values())
