@@ -230,17 +230,24 @@ def relative_error(actual: torch.Tensor | None, expected: torch.Tensor | None) -
 
 def check_section() -> list[dict]:
     """Triton path vs the pure-torch path of the same module, on the device."""
-    shapes = (
-        [(5, 40, 36, 3)]
+    shapes = (  # M, K, N, rank, input scale q
+        [(5, 40, 36, 3, False), (5, 40, 36, 3, True)]
         if ARGS.smoke
-        else [(1, 4096, 4096, 16), (37, 1000, 1032, 5), (512, 4096, 4096, 16)]
+        else [
+            (1, 4096, 4096, 16, False),
+            (37, 1000, 1032, 5, False),
+            (37, 1000, 1032, 5, True),
+            (512, 4096, 4096, 16, False),
+            (512, 4096, 4096, 16, True),
+        ]
     )
     tolerance = 2e-2 if CUDA else 1e-4  # bf16 on the GPU, float32 on CPU
     records = []
-    for rows, k, n, rank in shapes:
+    for rows, k, n, rank, input_scale in shapes:
         torch.manual_seed(rows)
         base = nn.Linear(k, n, device=DEVICE, dtype=DTYPE)
-        kernels = trained_like(LoRDBALinear(base, LoRDBAConfig(rank=rank, backend="triton")))
+        config = LoRDBAConfig(rank=rank, input_scale=input_scale, backend="triton")
+        kernels = trained_like(LoRDBALinear(base, config))
         reference = copy.deepcopy(kernels)
         reference.config = dataclasses.replace(kernels.config, backend="torch")
         x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)
@@ -262,6 +269,7 @@ def check_section() -> list[dict]:
                 "K": k,
                 "N": n,
                 "rank": rank,
+                "input_scale": input_scale,
                 "dtype": str(DTYPE),
                 "max_rel_error": worst,
                 "errors": errors,
@@ -270,8 +278,8 @@ def check_section() -> list[dict]:
             }
         )
         print(
-            f"  check M={rows} K={k} N={n} r={rank}: max rel error {worst:.2e} "
-            f"({'ok' if worst <= tolerance else 'FAIL'})"
+            f"  check M={rows} K={k} N={n} r={rank} q={input_scale}: max rel error "
+            f"{worst:.2e} ({'ok' if worst <= tolerance else 'FAIL'})"
         )
     return records
 
@@ -631,6 +639,7 @@ def print_tables(results: dict) -> None:
     for r in results.get("check", []):
         print(
             f"check  M={r['M']:<5} K={r['K']:<5} N={r['N']:<5} r={r['rank']:<3} "
+            f"q={r['input_scale']!s:<5} "
             f"max rel err {r['max_rel_error']:.2e}  {'ok' if r['ok'] else 'FAIL'}"
         )
     for r in results.get("bytes", []):
