@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from loka.kernels.runtime import autotuning, require_triton_device
+from loka.kernels.runtime import autotuning, next_pow2, require_triton_device
 from loka.kernels.sign_gemm.packing import check_packed_signs
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -44,7 +44,7 @@ def packed_rank(packed: torch.Tensor) -> int:
 
 def rank_block(rank: int) -> int:
     """Padded rank tile: a power of two, at least 16 (the smallest ``tl.dot`` dimension)."""
-    return max(16, triton.next_power_of_2(rank))
+    return max(16, next_pow2(rank))
 
 
 def unit_stride_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,7 @@ def unit_stride_rows(tensor: torch.Tensor) -> torch.Tensor:
 
 def m_bucket(rows: int) -> int:
     """Autotuning key for the token count: its power-of-two bucket, so a new M seldom retunes."""
-    return min(triton.next_power_of_2(max(rows, 1)), 1 << 16)
+    return min(next_pow2(max(rows, 1)), 1 << 16)
 
 
 def tuning_configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loka.kernels.runtime import cdiv
 from loka.kernels.sign_gemm import _launch
 from loka.kernels.sign_gemm._tiles import mma, unpack_sign_tile
 from loka.kernels.sign_gemm.packing import unpack_signs
@@ -118,7 +119,7 @@ def sign_down(
     _launch.launch(
         _sign_down_kernel,
         _sign_down_tuned,
-        lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]),),
+        lambda meta: (cdiv(rows, meta["BLOCK_M"]),),
         args,
         device=x.device,
         interpreted=_INTERPRETED,

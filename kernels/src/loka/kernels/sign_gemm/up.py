@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loka.kernels.runtime import cdiv
 from loka.kernels.sign_gemm import _launch
 from loka.kernels.sign_gemm._tiles import mma, unpack_sign_tile
 from loka.kernels.sign_gemm.packing import unpack_signs
@@ -146,7 +147,7 @@ def sign_up(
     _launch.launch(
         _sign_up_kernel,
         _sign_up_tuned,
-        lambda meta: (triton.cdiv(rows, meta["BLOCK_M"]), triton.cdiv(length, meta["BLOCK_C"])),
+        lambda meta: (cdiv(rows, meta["BLOCK_M"]), cdiv(length, meta["BLOCK_C"])),
         args,
         device=left.device,
         interpreted=_INTERPRETED,

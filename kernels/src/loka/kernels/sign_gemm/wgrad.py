@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loka.kernels.runtime import cdiv
 from loka.kernels.sign_gemm import _launch
 from loka.kernels.sign_gemm._tiles import mma
 
@@ -155,8 +156,8 @@ def _default_split(rows: int, length: int, device: torch.device) -> int:
     if device.type != "cuda":
         return min(2, max(1, rows))
     programs = torch.cuda.get_device_properties(device).multi_processor_count * 2
-    column_blocks = triton.cdiv(length, _SPLIT_SIZING_BLOCK_C)
-    return max(1, min(triton.cdiv(programs, column_blocks), rows // _MIN_ROWS_PER_SPLIT))
+    column_blocks = cdiv(length, _SPLIT_SIZING_BLOCK_C)
+    return max(1, min(cdiv(programs, column_blocks), rows // _MIN_ROWS_PER_SPLIT))
 
 
 def sign_wgrad(
@@ -194,7 +195,7 @@ def sign_wgrad(
     _launch.launch(
         _wgrad_partial_kernel,
         _wgrad_partial_tuned,
-        lambda meta: (triton.cdiv(length, meta["BLOCK_C"]), split),
+        lambda meta: (cdiv(length, meta["BLOCK_C"]), split),
         args,
         device=left.device,
         interpreted=_INTERPRETED,
@@ -202,7 +203,7 @@ def sign_wgrad(
         BLOCK_R=block_r,
     )
     block_c = 128 if left.device.type == "cuda" else 32
-    _wgrad_finalize_kernel[(triton.cdiv(length, block_c),)](
+    _wgrad_finalize_kernel[(cdiv(length, block_c),)](
         partial,
         latent,
         latent if col_scale is None else col_scale.contiguous(),
