@@ -117,6 +117,7 @@ class Fp8Linear(nn.Linear):
         device = self.weight.device
         self._no_history = torch.zeros(0, device=device)
         self._weight_key = torch.full((2,), -1, dtype=torch.int64)
+        self._weight_stamp = (-1, -1)
         N, K = self.out_features, self.in_features
         _, Kp, Np = self.plan.multiples.pad(1, K, N)
         cache: list[torch.Tensor] = []
@@ -130,11 +131,22 @@ class Fp8Linear(nn.Linear):
             cache += [torch.empty(grid, device=device) for _ in range(3)]
         self._weight_cache = cache
 
+    def set_config(self, config: Fp8LinearConfig) -> None:
+        """Run with another config from the next call on (e.g. demote a site to bf16); the
+        Parameters stay, amax histories of the new config start empty."""
+        self._init_fp8(config)
+
     def refresh_weight_cache(self) -> None:
         """Re-make the weight's FP8 copies now if the weight changed (forward does this too)."""
         layouts = self.plan.weight_layouts
         if not (layouts[0] or layouts[1]):
             return
+        if not torch.compiler.is_compiling():
+            # Eager fast path: a Python comparison instead of reading the key tensor.
+            stamp = (self.weight._version, self.weight.data_ptr())
+            if stamp == self._weight_stamp:
+                return
+            self._weight_stamp = stamp
         _, Kp, Np = self.plan.multiples.pad(1, self.in_features, self.out_features)
         call(
             "refresh_weight", self.weight, self._weight_key, self._weight_cache,
