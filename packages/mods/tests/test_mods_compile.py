@@ -1,5 +1,6 @@
 """torch.compile: FP8 modules compile with fullgraph=True (no graph break in steady state)
-and train exactly as in eager mode, weight-cache refreshes and delayed scaling included."""
+and train exactly as in eager mode, weight-cache refreshes and delayed scaling included;
+so does a zoo model with mods applied."""
 
 import os
 
@@ -10,6 +11,8 @@ import copy
 import torch
 from torch import nn
 
+import loka.zoo as zoo
+from loka.mods import ModSpec, SiteMods, apply
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.fp8_linear import Fp8Linear
 from loka.mods.norm_linear import fuse_pair
@@ -58,3 +61,26 @@ def test_compiled_under_autocast():
         got, want = compiled(x), module(x)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, want)
+
+
+def test_zoo_model_with_mods_compiles_without_graph_breaks():
+    torch._dynamo.reset()
+    s = zoo.create("dhen", "tiny", batch_size=16)
+    batch = next(s.train_batches())
+    fwd_only = Fp8LinearConfig(ROW, "bf16", "bf16")
+    sites = {
+        "blocks.0.fc1": SiteMods(fp8=fwd_only, fuse_norm=True),
+        "input_projection": SiteMods(fp8=fwd_only),
+    }
+    apply(s.model, ModSpec(sites=sites, auto_group=True), batch)
+    compiled = torch.compile(s.model, fullgraph=True, backend="aot_eager")
+    got = compiled(batch)
+    got.sum().backward()
+    got_grads = [p.grad.clone() for p in s.model.parameters()]
+    s.model.zero_grad()
+    want = s.model(batch)
+    want.sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, p in zip(got_grads, s.model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+    assert torch._dynamo.explain(s.model)(batch).graph_break_count == 0
