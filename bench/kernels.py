@@ -672,17 +672,25 @@ def _tile_dict(t: tuple) -> dict:
             "num_stages": st}  # fmt: skip
 
 
+def _gpu_ms(row: dict) -> float | None:
+    """The GPU time of a row: CUDA-graph time where measured, else eager. Eager times of
+    small shapes carry the host's time, which varies by machine and moment (seen: 70 vs
+    110 us for one call), and must not pick tiles."""
+    tg = row.get("t_graph_ms")
+    return tg if tg is not None and not math.isnan(tg) else row.get("t_ms")
+
+
 def _fastest(rows: list[tuple[object, list[dict]]]) -> object:
-    """The variant whose rows (one per shape) are all correct with the least total time
-    relative to the best time at each shape; None if none is."""
+    """The variant whose rows (one per shape) are all correct with the least total GPU time
+    relative to the best at each shape; None if none is."""
     best_at: dict = {}
     for _, rs in rows:
         for i, r in enumerate(rs):
-            if r["ok"] and r.get("t_ms"):
-                best_at[i] = min(best_at.get(i, math.inf), r["t_ms"])
-    scored = [(sum(r["t_ms"] / best_at[i] for i, r in enumerate(rs)), variant)
+            if r["ok"] and _gpu_ms(r):
+                best_at[i] = min(best_at.get(i, math.inf), _gpu_ms(r))
+    scored = [(sum(_gpu_ms(r) / best_at[i] for i, r in enumerate(rs)), variant)
               for variant, rs in rows
-              if rs and all(r["ok"] and r.get("t_ms") for r in rs)]  # fmt: skip
+              if rs and all(r["ok"] and _gpu_ms(r) for r in rs)]  # fmt: skip
     return min(scored, key=lambda sv: sv[0])[1] if scored else None
 
 

@@ -35,16 +35,10 @@ KINDS = {
 }  # fmt: skip
 # Host metadata buffers copied by captured CUDA graphs, kept alive for their replays.
 _CAPTURED_METADATA: list[torch.Tensor] = []
-META_FIELDS = 12
+META_FIELDS = 12  # a, b, c, a_scale, b_scale, bias pointers; M, N, K; a, b, c row strides
 # The tile launched without autotuning: BLOCK_M, N, K, warps, stages. Measured on an H200
 # (bench/kernels.py --sections tune).
-HEURISTIC_TILE: tuple[int, int, int, int, int] = (
-    128,
-    64,
-    64,
-    4,
-    3,
-)  # a, b, c, a_scale, b_scale, bias pointers; M, N, K; a, b, c row strides
+HEURISTIC_TILE: tuple[int, int, int, int, int] = (128, 128, 64, 8, 3)  # fmt: skip
 
 
 @triton.jit

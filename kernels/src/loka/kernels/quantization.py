@@ -35,7 +35,7 @@ from loka.kernels.scaling import (
 MAX_ROW_IN_REGISTERS = 16384
 # Rowwise tiles: at least `elements` per program (whole rows when they fit), `warps` per
 # program (None: by tile size). Measured on an H200 (bench/kernels.py --sections tune).
-ROW_TILE: dict[str, int | None] = {"elements": 4096, "warps": None}
+ROW_TILE: dict[str, int | None] = {"elements": 4096, "warps": 4}
 
 
 @triton.jit

@@ -151,7 +151,7 @@ _TRANSPOSE_QUANTIZE = Launcher(_transpose_quantize_kernel)
 # ("quantize", "warps"; blocks always take 128x128 tiles, "block_warps"), and the row/column
 # amax pass's tile. Registers bound the occupancy here: a 128x128 tile on 8 warps takes about
 # 200 per thread. Measured on an H200 (bench/kernels.py --sections tune).
-TILES: dict = {"quantize": (128, 128), "warps": 8, "block_warps": 8, "amax": (128, 256)}
+TILES: dict = {"quantize": (32, 128), "warps": 4, "block_warps": 8, "amax": (256, 128)}
 
 
 def _tiles(mode: int) -> tuple[tuple[int, int], tuple[int, int], int]:
