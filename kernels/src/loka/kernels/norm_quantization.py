@@ -20,7 +20,7 @@ from loka.kernels.fp8_bits import FORMAT_IDS
 from loka.kernels.fp8_tensor import Fp8Tensor
 from loka.kernels.launch import Launcher
 from loka.kernels.quantization import cached_config, quantize_reference
-from loka.kernels.runtime import aligned, interpreting, require_triton_device
+from loka.kernels.runtime import aligned, cdiv, interpreting, next_pow2, require_triton_device
 from loka.kernels.scaling import (
     finite_abs_tl,
     inverse_tl,
@@ -138,7 +138,7 @@ def _check_norm_args(
 
 
 def _rows_tile(N: int) -> tuple[int, int, int]:
-    block_n = triton.next_power_of_2(max(N, 1))
+    block_n = next_pow2(max(N, 1))
     block_m = max(1, min(16, 4096 // block_n))
     return block_m, block_n, 4 if block_m * block_n <= 2048 else 8
 
@@ -189,7 +189,7 @@ def norm_quantize(
                 WRITE_Y=return_normed, FMT=FORMAT_IDS[fmt], SOFT_FP8=soft, POW2=pow2,
                 HAS_UB=has_ub, BLOCK_M=block_m, BLOCK_N=block_n,
             )  # fmt: skip
-            _NORM_QUANTIZE(key, (triton.cdiv(M, block_m),), args, meta, num_warps=warps)
+            _NORM_QUANTIZE(key, (cdiv(M, block_m),), args, meta, num_warps=warps)
         else:
             _NORM_QUANTIZE.launch(plan, args)
     elif M:
@@ -229,10 +229,10 @@ def norm_backward(
         programs = max(
             1, min(M, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
         )
-    rows_per_program = triton.cdiv(max(M, 1), programs)
+    rows_per_program = cdiv(max(M, 1), programs)
     parts = torch.zeros((2, programs, N), dtype=torch.float32, device=x.device)
     if M and N:
-        block_n = triton.next_power_of_2(N)
+        block_n = next_pow2(N)
         _norm_backward_kernel[(programs,)](
             dy, x, weight if weight is not None else x, mean if mean is not None else rstd, rstd,
             dx, parts[0], parts[1], M, N, dy.stride(0), x.stride(0), rows_per_program,
