@@ -135,8 +135,19 @@ def elapsed() -> float:
     return time.time() - START
 
 
+# Each section's share of --budget-s; time a section leaves unused goes to the next ones.
+SHARES = {"linear": 0.6, "lnlinear": 0.25, "grouped": 0.15}
+SECTION_DEADLINE = [math.inf]
+
+
 def over_budget() -> bool:
-    return elapsed() > ARGS.budget_s
+    return elapsed() > min(ARGS.budget_s, SECTION_DEADLINE[0])
+
+
+def start_section(section: str, remaining: list[str]) -> None:
+    left = ARGS.budget_s - elapsed()
+    share = SHARES[section] / sum(SHARES[s] for s in remaining)
+    SECTION_DEADLINE[0] = elapsed() + max(left, 0.0) * share
 
 
 def timed_ms(fn: Callable[[], object]) -> float:
@@ -160,7 +171,7 @@ def record(section: str, shape: str, path: str, fn: Callable[[], object], **fiel
     check = fields.pop("check", None)
     row = {"section": section, "shape": shape, "path": path, "ok": True, "error": "", **fields}
     if over_budget():
-        row.update(ok=False, error="skipped: past --budget-s")
+        row.update(ok=False, error="skipped: past this section's share of --budget-s")
         ROWS.append(row)
         return row
     try:
@@ -626,8 +637,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     runners = {"linear": linear_section, "lnlinear": ln_section, "grouped": grouped_section}
     errors = {}
-    for section in ARGS.sections.split(","):
-        print(f"[{elapsed():6.1f} s] {section}", flush=True)
+    sections = ARGS.sections.split(",")
+    unknown = [s for s in sections if s not in runners]
+    if unknown:
+        raise SystemExit(f"unknown sections {unknown}; choose from {list(runners)}")
+    for i, section in enumerate(sections):
+        start_section(section, sections[i:])
+        print(f"[{elapsed():6.1f} s] {section} (until {SECTION_DEADLINE[0]:.0f} s)", flush=True)
         try:
             runners[section]()
         except Exception as exc:
