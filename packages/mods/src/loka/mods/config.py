@@ -8,8 +8,6 @@ from typing import Any
 from loka.kernels import PASSES, registry
 from loka.mods.recipe import BF16, BF16_RECIPE, Fp8Recipe, as_recipe
 
-HIGH_PRECISION_BACKEND = "torch.bf16"
-
 
 @dataclass(frozen=True)
 class PassConfig:

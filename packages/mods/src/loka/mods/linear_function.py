@@ -85,6 +85,11 @@ def gemm(a: Quantized, a_config: str, b_data, b_inv, b_config, bias, backend, tr
     return call("mm", data, inv, a_config, b_data, b_inv, b_config, bias, backend, GEMM_OUT_DTYPE)
 
 
+def unpad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The ``[rows, cols]`` corner of a padded GEMM output (t itself when not padded)."""
+    return t if t.shape == (rows, cols) else t[:rows, :cols]
+
+
 class SavedForBackward(NamedTuple):
     x: torch.Tensor | None  # the GEMM input in high precision (wgrad in high precision)
     xt_data: torch.Tensor | None  # x^T quantized (wgrad in FP8)
@@ -119,7 +124,8 @@ def linear_backward(
         dx = gemm(
             quantized, plan.dgrad_dy, saved.wt_data, saved.wt_inv_scale, plan.dgrad_wt, None,
             plan.dgrad_backend,
-        )[:M, :K]  # fmt: skip
+        )  # fmt: skip
+        dx = unpad(dx, M, K)
     elif need_dx:
         dx = high_precision_mm(dy, saved.weight, compute_dtype)
     if need_dw and plan.wgrad_dyt:
@@ -132,7 +138,8 @@ def linear_backward(
         dw = gemm(
             quantized, plan.wgrad_dyt, saved.xt_data, saved.xt_inv_scale, plan.wgrad_xt, None,
             plan.wgrad_backend, transposed=True,
-        )[:N, :K]  # fmt: skip
+        )  # fmt: skip
+        dw = unpad(dw, N, K)
     elif need_dw:
         dw = high_precision_mm(dy.t(), saved.x, compute_dtype)
     return dx, dw
@@ -169,7 +176,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             )  # fmt: skip
             b = None if bias is None else pad_vector(bias, Np)
             y = gemm(quantized, plan.fwd_x, cache[0], cache[2], plan.fwd_w, b, plan.fwd_backend)
-            y = y[:M, :N].to(compute_dtype)
+            y = unpad(y, M, N).to(compute_dtype)
         else:
             b = None if bias is None else bias.to(compute_dtype)
             y = F.linear(x.to(compute_dtype), weight.to(compute_dtype), b)

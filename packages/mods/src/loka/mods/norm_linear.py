@@ -26,6 +26,7 @@ from loka.mods.linear_function import (
     linear_backward,
     pad_vector,
     quantize_operand,
+    unpad,
 )
 from loka.mods.linear_plan import LinearPlan
 from loka.mods.ops import call
@@ -202,7 +203,7 @@ class NormLinearFunction(torch.autograd.Function):
         b = None if bias is None else pad_vector(bias, Np)
         quantized = Quantized(qd, qi, qa, None, None)
         y = gemm(quantized, plan.fwd_x, cache[0], cache[2], plan.fwd_w, b, plan.fwd_backend)
-        y = y[:M, :N].to(compute_dtype)
+        y = unpad(y, M, N).to(compute_dtype)
         if keep_wgrad and plan.wgrad_xt:
             quantized = quantize_operand(
                 normed, plan.wgrad_xt, input_history, plan.wgrad_x_window, ready, Mp, Kp,

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from loka.kernels import QuantConfig, quantize_reference
+from loka.kernels import quantize_reference
 from loka.kernels.fp8_gemm import mm_reference
 from loka.mods.config import Fp8LinearConfig, PassConfig
 from loka.mods.linear_plan import operand_config
@@ -59,9 +59,3 @@ def fp8_linear_reference(
         (grad_amax, input_amax),
     )  # fmt: skip
     return LinearPasses(y, dx, dw)
-
-
-def quantization_error(x: torch.Tensor, config: QuantConfig) -> float:
-    """Relative Frobenius error of quantizing `x` (how hard an operand is for a recipe)."""
-    q = quantize_reference(x, config).dequantize()
-    return float((q - x.float()).norm() / x.float().norm().clamp_min(1e-30))
