@@ -1,4 +1,5 @@
-"""With FP8 on, an Fp8Linear's error is what Probe predicted for its recipe at that site."""
+"""With FP8 on, an Fp8Linear's error is what Probe predicted for its recipe at that site;
+Probe profiles a model after mods (fused and grouped sites included)."""
 
 import os
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from loka.mods import Fp8Linear, Fp8LinearConfig
+from loka.mods import Fp8Linear, Fp8LinearConfig, GroupedLinear, ModSpec, NormLinear, apply
+from loka.zoo.layers import PerFeatureProjections
 
 probe = pytest.importorskip("loka.probe", reason="Probe's predictions need loka-probe")
 gemm_error = pytest.importorskip("loka.probe.gemm_error")
@@ -70,3 +72,34 @@ def test_fp8_linear_errors_match_probe_predictions():
             # sampled (it measured row["n"] of the 6), far inside FP8's own error.
             assert abs(ours - row["mean_rel_err"]) <= 0.05 * row["mean_rel_err"], (pass_, recipe)
             assert 0.01 < ours < 0.1
+
+
+class Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = PerFeatureProjections(4, 16, 16)
+        self.norm, self.fc = nn.LayerNorm(64), nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.fc(self.norm(self.features(x).flatten(1)))
+
+
+def test_probe_profiles_a_model_after_mods():
+    torch.manual_seed(0)
+    model, x = Tower(), torch.randn(32, 4, 16)
+    apply(model, ModSpec(auto_fuse=True, auto_group=True), x)
+    assert isinstance(model.features, GroupedLinear) and isinstance(model.fc, NormLinear)
+    config = probe.ProbeConfig(
+        every=1, warmup_steps=0, rows=32, recipes={"fwd": FWD[:1], "dgrad": (), "wgrad": ()},
+        real_fp8=False, timing=False,
+    )  # fmt: skip
+    with probe.Probe(model, config) as p:
+        for _ in range(2):
+            model(x).square().mean().backward()
+            p.step()
+        tables = p.tables()
+        assert p.errors == []
+    kinds = dict(tables["sites"].select(["site", "kind"]).iter_rows())
+    assert kinds == {"features": "grouped", "fc": "linear"}
+    errors = tables["site_errors"]
+    assert errors.height == 2 and all(0.01 < e < 0.1 for e in errors["mean_rel_err"])
