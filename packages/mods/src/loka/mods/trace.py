@@ -48,11 +48,7 @@ class ConsumerTrace:
 
 
 def _call(model: nn.Module, example: Any) -> Any:
-    if isinstance(example, tuple):
-        return model(*example)
-    if isinstance(example, dict) and "args" in example and "kwargs" in example:
-        return model(*example["args"], **example["kwargs"])
-    return model(example)
+    return model(*example) if isinstance(example, tuple) else model(example)
 
 
 def run_model(model: nn.Module, example: Any, seed: int = 0) -> Any:
