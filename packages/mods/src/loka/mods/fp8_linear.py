@@ -170,8 +170,13 @@ class Fp8Linear(nn.Linear):
         for name in HISTORY_BUFFERS:
             if prefix + name in missing_keys:
                 missing_keys.remove(prefix + name)
-        if any(prefix + name in state_dict for name in HISTORY_BUFFERS):
-            self._delayed_ready = True
+        loaded = [
+            self._buffers[n]
+            for n in HISTORY_BUFFERS
+            if prefix + n in state_dict and self._buffers.get(n) is not None
+        ]
+        if loaded:  # a history that holds values sets scales from the next call on
+            self._delayed_ready = all(bool(h.amax() > 0) for h in loaded)
 
     # --- forward ----------------------------------------------------------------------------
 
@@ -195,8 +200,11 @@ class Fp8Linear(nn.Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _mark_delayed_ready(self) -> None:
-        """After the first call (dynamic scales, amaxes recorded) delayed recipes use history."""
-        if not self._delayed_ready and (self.plan.input_window or self.plan.grad_window):
+        """After the first training call (dynamic scales, amaxes recorded by its forward and,
+        next, its backward) delayed recipes use the history. An inference call first would
+        leave the gradient history empty, so it does not count."""
+        delayed = self.plan.input_window or self.plan.grad_window
+        if not self._delayed_ready and delayed and torch.is_grad_enabled():
             self._delayed_ready = True
 
     def extra_repr(self) -> str:
