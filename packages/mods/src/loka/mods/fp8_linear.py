@@ -28,7 +28,6 @@ from loka.mods.linear_plan import LinearPlan
 from loka.mods.ops import call, decode
 
 HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
-_CACHE_SLOTS = 8
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -131,6 +130,12 @@ class Fp8Linear(nn.Linear):
             cache += [torch.empty(grid, device=device) for _ in range(3)]
         self._weight_cache = cache
 
+    def gemm_weights(self) -> tuple[torch.Tensor, ...]:
+        """What the GEMMs read of the cache: (W data, W inverse scales, W^T data, W^T
+        inverse scales); empty tensors for a layout whose pass is not FP8."""
+        cache = self._weight_cache
+        return cache[0], cache[2], cache[4], cache[6]
+
     def set_config(self, config: Fp8LinearConfig) -> None:
         """Run with another config from the next call on (e.g. demote a site to bf16); the
         Parameters stay, amax histories of the new config start empty."""
@@ -194,7 +199,7 @@ class Fp8Linear(nn.Linear):
             x2d, self.weight, self.bias, self.plan, compute_dtype(x),
             torch.is_grad_enabled() and self.weight.requires_grad, self._delayed_ready,
             self._history("amax_history_input"), self._history("amax_history_grad_output"),
-            *self._weight_cache,
+            *self.gemm_weights(),
         )  # fmt: skip
         self._mark_delayed_ready()
         return y.view(*x.shape[:-1], self.out_features)

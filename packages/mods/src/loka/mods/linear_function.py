@@ -149,7 +149,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with per-pass FP8. Arguments after the plan: the compute dtype of the
     high-precision passes, whether the weight gradient will be needed (else nothing is kept
     for wgrad), whether delayed histories hold values yet, the input and grad histories,
-    then the 8 cached weight tensors (fwd layout data/scale/inv/amax, then dgrad)."""
+    then the cached weight's FP8 data and inverse scales, fwd layout then dgrad layout."""
 
     @staticmethod
     def forward(
@@ -175,7 +175,7 @@ class Fp8LinearFunction(torch.autograd.Function):
                 transpose=plan.shares_x and keep_wgrad,
             )  # fmt: skip
             b = None if bias is None else pad_vector(bias, Np)
-            y = gemm(quantized, plan.fwd_x, cache[0], cache[2], plan.fwd_w, b, plan.fwd_backend)
+            y = gemm(quantized, plan.fwd_x, cache[0], cache[1], plan.fwd_w, b, plan.fwd_backend)
             y = unpad(y, M, N).to(compute_dtype)
         else:
             b = None if bias is None else bias.to(compute_dtype)
@@ -192,8 +192,8 @@ class Fp8LinearFunction(torch.autograd.Function):
             quantized.t_data if keep_wgrad and plan.wgrad_xt else None,
             quantized.t_inv_scale if keep_wgrad and plan.wgrad_xt else None,
             weight if not plan.dgrad_dy else None,
-            cache[4],
-            cache[6],
+            cache[2],
+            cache[3],
         )
         ctx.plan, ctx.compute_dtype, ctx.ready = plan, compute_dtype, ready
         ctx.shape = (M, K, N)
@@ -215,4 +215,4 @@ class Fp8LinearFunction(torch.autograd.Function):
         dx = None if dx is None else dx.to(x_dtype)
         dw = None if dw is None else dw.to(w_dtype)
         db = dy.sum(0).to(b_dtype) if need_db else None
-        return dx, dw, db, None, None, None, None, None, None, *([None] * 8)
+        return dx, dw, db, None, None, None, None, None, None, *([None] * 4)

@@ -160,7 +160,7 @@ class NormLinear(Fp8Linear):
             (norm.kind, norm.eps_for(x.dtype)), compute_dtype(x),
             torch.is_grad_enabled() and self.weight.requires_grad, self._delayed_ready,
             self._history("amax_history_input"), self._history("amax_history_grad_output"),
-            *self._weight_cache,
+            *self.gemm_weights(),
         )  # fmt: skip
         self._mark_delayed_ready()
         return y.view(*x.shape[:-1], self.out_features)
@@ -202,7 +202,7 @@ class NormLinearFunction(torch.autograd.Function):
         )
         b = None if bias is None else pad_vector(bias, Np)
         quantized = Quantized(qd, qi, qa, None, None)
-        y = gemm(quantized, plan.fwd_x, cache[0], cache[2], plan.fwd_w, b, plan.fwd_backend)
+        y = gemm(quantized, plan.fwd_x, cache[0], cache[1], plan.fwd_w, b, plan.fwd_backend)
         y = unpad(y, M, N).to(compute_dtype)
         if keep_wgrad and plan.wgrad_xt:
             quantized = quantize_operand(
@@ -215,8 +215,8 @@ class NormLinearFunction(torch.autograd.Function):
             quantized.t_data if wgrad_fp8 else None,
             quantized.t_inv_scale if wgrad_fp8 else None,
             weight if not plan.dgrad_dy else None,
-            cache[4],
-            cache[6],
+            cache[2],
+            cache[3],
         )
         ctx.plan, ctx.kind, ctx.compute_dtype, ctx.ready = plan, kind, compute_dtype, ready
         ctx.shape = (M, K, N)
@@ -246,7 +246,7 @@ class NormLinearFunction(torch.autograd.Function):
             dnb = dnb if need[2] else None
         dw = None if dw is None else dw.to(w_dtype)
         db = dy.sum(0).to(b_dtype) if need[4] else None
-        return dx, dnw, dnb, dw, db, None, None, None, None, None, None, None, *([None] * 8)
+        return dx, dnw, dnb, dw, db, None, None, None, None, None, None, None, *([None] * 4)
 
 
 def fuse_pair(
