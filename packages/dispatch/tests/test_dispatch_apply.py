@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import loka.zoo as zoo
-from loka.dispatch.apply import ApplyConfig, PlanFallbackWarning, PlanMismatchError, apply
+from loka.dispatch.apply_plan import ApplyConfig, PlanFallbackWarning, PlanMismatchError, apply
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
 from loka.dispatch.planner import make_plan
 from loka.dispatch.tables import read_plan

@@ -124,6 +124,9 @@ def test_shared_quantization_makes_the_backward_pair_worth_it() -> None:
     assert [rows[p]["recipe"] for p in PASSES] == [ROW] * 3
     assert rows["wgrad"]["predicted_ms"] == pytest.approx(0.75)
     assert "shared with other passes: 0.4 ms" in rows["wgrad"]["reason"]
+    inference = plan_rows(make_plan(sites, errors, bench, PlanConfig(inference=True)))
+    assert [inference[p]["recipe"] for p in PASSES] == [ROW, "bf16", "bf16"]
+    assert "inference plan" in inference["dgrad"]["rejected"][0]["reason"]
     alone = plan_rows(make_plan(sites, errors, bench, PlanConfig(share_quantization=False)))
     assert alone["wgrad"]["recipe"] == "bf16" and alone["fwd"]["recipe"] == ROW
     # A margin demanded over bf16 applies to every FP8 pass.

@@ -17,7 +17,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "loka.dispatch.apply": ("Applied", "ApplyConfig", "PlanFallbackWarning",
+    "loka.dispatch.apply_plan": ("Applied", "ApplyConfig", "PlanFallbackWarning",
                             "PlanMismatchError", "apply"),
     "loka.dispatch.bench": ("BenchCache", "BenchResult", "CacheMismatchError", "CostModel",
                             "Shape", "benchmark", "site_shapes"),
@@ -31,7 +31,7 @@ _EXPORTS = {
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:
-    from loka.dispatch.apply import (
+    from loka.dispatch.apply_plan import (
         Applied,
         ApplyConfig,
         PlanFallbackWarning,

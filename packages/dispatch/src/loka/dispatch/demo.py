@@ -80,7 +80,9 @@ def run_demo(
     setup.model.train()
     # Probe samples every warm-up step on short runs; on long ones (GPU) Probe's schedule
     # leaves most steps unsampled, and those time the bf16 baseline.
-    probe = ProbeConfig(every=1, warmup_steps=0) if warmup_steps < 100 else ProbeConfig()
+    probe = ProbeConfig()
+    if warmup_steps < 100:
+        probe = ProbeConfig(every=1, warmup_steps=0, queue_size=max(2, warmup_steps))
     config = SessionConfig(
         warmup_steps=warmup_steps, probe=probe, out_dir=out, kernel_bench=kernel_bench,
     )  # fmt: skip

@@ -63,6 +63,8 @@ class PlanConfig:
     exclude: tuple[str, ...] = ()
     # Credit quantizations shared between passes (see the module documentation).
     share_quantization: bool = True
+    # Plan for inference: only the forward pass counts (dgrad and wgrad stay bf16).
+    inference: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min_speedup) and self.min_speedup >= 1.0):
@@ -293,6 +295,8 @@ def _site_options(
                 reason = None
                 if config.excluded(site["site"]):
                     reason = "site excluded by PlanConfig.exclude"
+                elif config.inference and pass_ != "fwd":
+                    reason = "inference plan: only the forward pass runs"
                 elif verdict == "unsafe":
                     reason = f"unsafe: error bound {bound:.4g} > budget {budget:.4g}"
                 elif verdict == UNDECIDED and not config.allow_undecided:
@@ -400,8 +404,13 @@ def _rows(choice: _SiteChoice, config: PlanConfig) -> list[dict]:
                 continue
             with_it = _best_with(o, choice, i)
             if math.isinf(with_it):
+                what = (
+                    "slower than bf16"
+                    if o.median_ms >= b.median_ms
+                    else f"not {config.min_speedup:g}x faster than bf16"
+                )
                 reason = (
-                    f"slower than bf16: {o.median_ms:.4g} ms vs {b.median_ms:.4g} ms "
+                    f"{what}: {o.median_ms:.4g} ms vs {b.median_ms:.4g} ms "
                     "(also with quantizations shared)"
                 )
             elif budget_moved and with_it < total:
@@ -490,7 +499,8 @@ def make_plan(
         notes.append(f"{skipped} grouped/bmm site(s) not planned (linear sites only)")
     rows = [r for c in choices for r in _rows(c, config)]
     table = validate(pl.DataFrame(rows, schema_overrides=_PLAN_TYPES), "plan")
-    summary = _summary(choices, table, devices, gemm_share, notes)
+    passes = ("fwd",) if config.inference else PASSES
+    summary = _summary(choices, table, devices, gemm_share, notes, passes)
     metadata = {
         "producer": "loka-dispatch planner",
         "model_fingerprint": sites_fingerprint(
@@ -514,25 +524,31 @@ _PLAN_TYPES = {
 }
 
 
-def _summary(choices, table, devices, gemm_share, notes) -> PlanSummary:
+def _summary(choices, table, devices, gemm_share, notes, passes) -> PlanSummary:
     timed = [c for c in choices if c.note is None]
-    bf16_total = sum(c.bf16[p].median_ms for c in timed for p in PASSES)
-    plan_total = sum(c.current()[0] for c in timed)
+    index = [PASSES.index(p) for p in passes]
+
+    def planned(c: _SiteChoice) -> float:
+        return sum(c.current()[3][i] for i in index)
+
+    def bf16(c: _SiteChoice) -> float:
+        return sum(c.bf16[p].median_ms for p in passes)
+
+    bf16_total = sum(bf16(c) for c in timed)
+    plan_total = sum(planned(c) for c in timed)
     # s is about the hardware: the best pre-quantized GEMM among all timed FP8 candidates,
     # safe or not, against bf16.
     prequant_total = sum(
-        min(c.best_gemm.get(p, math.inf), c.bf16[p].gemm_ms) for c in timed for p in PASSES
+        min(c.best_gemm.get(p, math.inf), c.bf16[p].gemm_ms) for c in timed for p in passes
     )
     s_prequant = bf16_total / prequant_total if prequant_total > 0 else 1.0
     shares = [c.share for c in timed]
     g = None
     predicted = ceiling = None
-    if timed and all(s is not None for s in shares):
+    # sites.time_share is a share of the training step: it says nothing of inference.
+    if timed and passes == PASSES and all(s is not None for s in shares):
         g = float(sum(shares))
-        rest = sum(
-            c.share * c.current()[0] / sum(c.bf16[p].median_ms for p in PASSES) for c in timed
-        )
-        predicted = 1.0 / ((1.0 - g) + rest)
+        predicted = 1.0 / ((1.0 - g) + sum(c.share * planned(c) / bf16(c) for c in timed))
     elif gemm_share is not None:
         g = gemm_share
         predicted = 1.0 / ((1.0 - g) + g * plan_total / bf16_total) if bf16_total > 0 else None

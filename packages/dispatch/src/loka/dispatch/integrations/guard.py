@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loka.dispatch.apply import Applied
+from loka.dispatch.apply_plan import Applied
 from loka.dispatch.integrations.distributed import is_distributed
 
 log = logging.getLogger("loka.dispatch")

@@ -29,7 +29,7 @@ import polars as pl
 import torch
 from torch import nn
 
-from loka.dispatch.apply import Applied, ApplyConfig, apply
+from loka.dispatch.apply_plan import Applied, ApplyConfig, apply
 from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
 from loka.dispatch.integrations.distributed import plan_once, rank
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
@@ -133,9 +133,11 @@ class Session:
             checking = self.guard._armed_step is not None
             for event in self.guard.step(step):
                 self._event(f"step {event.step}: {event.site} {event.action}: {event.reason}")
-            if checking and loss is not None and not math.isfinite(float(loss)):
-                self.nonfinite_losses += 1
-                self._event(f"step {step}: non-finite loss {float(loss)}")
+            if checking and loss is not None:
+                value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+                if not math.isfinite(value):
+                    self.nonfinite_losses += 1
+                    self._event(f"step {step}: non-finite loss {value}")
         self._reprobe(step)
 
     def plan_and_apply(self) -> Plan:
@@ -208,7 +210,9 @@ class Session:
         if self.config.probe is not None:
             return self.config.probe
         if self.config.warmup_steps < 100:
-            return probe.ProbeConfig(every=1, warmup_steps=0)
+            # Sample every step, and let the analysis queue hold them all (none dropped).
+            steps = self.config.warmup_steps
+            return probe.ProbeConfig(every=1, warmup_steps=0, queue_size=max(2, steps))
         return probe.ProbeConfig()
 
     def _attach_probe(self):

@@ -1,4 +1,5 @@
-"""`apply(model, plan)`: put a plan's FP8 passes into a live model, through `loka.mods`.
+"""`apply(model, plan)` (module `apply_plan`, so that the name `loka.dispatch.apply` stays the
+function): put a plan's FP8 passes into a live model, through `loka.mods`.
 
 Everything is checked before anything changes: the plan's schema version (when read from
 a file), that its sites are this model's (names, in/out features, the model fingerprint

@@ -1,0 +1,193 @@
+"""Session in a plain loop (warm-up, plan, apply, guard, re-probe), under DDP with gloo (two
+processes: the plan is made once and broadcast), and in Lightning and HF Trainer."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # FP8 passes run in Triton's interpreter
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import loka.zoo as zoo
+from loka.dispatch import PlanConfig, Session, SessionConfig
+from loka.dispatch.integrations import GuardConfig
+from loka.dispatch.testing import synthetic_kernel_bench
+from loka.mods.fp8_linear import Fp8Linear
+from loka.probe import ProbeConfig
+
+# blocks.i.fc1 of dhen tiny at batch 32: FP8 wins there in the synthetic table.
+BENCH = synthetic_kernel_bench([(32, 32, 64)])
+PROBE = ProbeConfig(every=1, warmup_steps=0, min_batches=2, rows=32, queue_size=16)
+
+
+def _config(**kw) -> SessionConfig:
+    # One FP8 site keeps the interpreted FP8 steps affordable.
+    plan = PlanConfig(exclude=("*blocks.1.*",))
+    return SessionConfig(warmup_steps=2, probe=PROBE, kernel_bench=BENCH, plan=plan, **kw)
+
+
+def test_plain_loop_session_plans_applies_guards_and_reprobes(tmp_path) -> None:
+    setup = zoo.create("dhen", "tiny", seed=2, batch_size=32)
+    events = []
+    config = _config(guard=GuardConfig(check_every=2), reprobe_every=2, reprobe_steps=1,
+                     out_dir=tmp_path)  # fmt: skip
+    session = Session(setup.model, config, on_event=events.append)
+    losses = zoo.train(setup, 6, on_step=lambda step, loss: session.step(loss))
+    assert session.phase == "applied" and session.applied.sites == ["blocks.0.fc1"]
+    assert all(type(setup.model.get_submodule(s)) is Fp8Linear for s in session.applied.sites)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert any("plan applied after 2 step(s)" in e for e in events)
+    assert any("re-probing for 1 step(s)" in e for e in events)
+    assert session.guard.events == []  # nothing went wrong, nothing demoted
+    for name in ("sites", "site_errors", "kernel_bench", "plan", "report"):
+        assert (tmp_path / (f"{name}.html" if name == "report" else f"{name}.parquet")).exists()
+    session.undo()
+    assert not any(isinstance(m, Fp8Linear) for m in setup.model.modules())
+    with pytest.raises(ValueError, match="reprobe_every"):
+        SessionConfig(reprobe_every=5, reprobe_steps=5)
+
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import loka.zoo as zoo
+    import loka.dispatch.integrations.session as session_module
+    from loka.dispatch import PlanConfig, Session, SessionConfig
+    from loka.dispatch.testing import synthetic_kernel_bench
+    from loka.probe import ProbeConfig
+
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    planned = []
+    real = session_module.make_plan
+    session_module.make_plan = lambda *a, **k: planned.append(rank) or real(*a, **k)
+    setup = zoo.create("dhen", "tiny", seed=5, batch_size=32)
+    model = DDP(setup.model)
+    probe = ProbeConfig(every=1, warmup_steps=0, min_batches=2, rows=32, queue_size=16)
+    config = SessionConfig(warmup_steps=2, probe=probe,
+                           kernel_bench=synthetic_kernel_bench([(16, 32, 64)]),
+                           plan=PlanConfig(exclude=("*blocks.1.*",)))
+    session = Session(model, config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = setup.train_batches()
+    for step in range(3):
+        batch = next(batches)
+        batch = {k: v.chunk(2)[rank] for k, v in batch.items()}  # each rank its half
+        loss = setup.loss(model, batch)
+        opt.zero_grad(); loss.backward(); opt.step()
+        session.step(loss)
+    weight = model.module.blocks[0].fc1.weight.detach().clone()
+    dist.all_reduce(weight)
+    same = torch.allclose(weight / 2, model.module.blocks[0].fc1.weight)
+    print(json.dumps({"rank": rank, "planned": planned, "sites": session.applied.sites,
+                      "plan": session.plan.table.to_dicts(), "same_weights": bool(same),
+                      "types": [type(m).__name__ for m in model.modules()]}))
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_ddp_with_gloo_plans_once_and_every_rank_applies_the_same_plan(tmp_path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    r0, r1 = sorted(results, key=lambda r: r["rank"])
+    assert r0["planned"] == [0] and r1["planned"] == []  # made once, on rank 0
+    assert r0["plan"] == r1["plan"] and r0["types"] == r1["types"]
+    assert r0["sites"] == r1["sites"] == ["module.blocks.0.fc1"]
+    assert r0["same_weights"] and r1["same_weights"]  # DDP kept the replicas in sync
+
+
+class _ClickModule(nn.Module):
+    """A zoo model behind the interface HF's Trainer and Lightning expect."""
+
+    def __init__(self, setup) -> None:
+        super().__init__()
+        self.setup, self.model = setup, setup.model
+
+    def forward(self, dense, sparse, labels):
+        batch = {"dense": dense, "sparse": sparse, "label": labels}
+        return {"loss": self.setup.loss(self.model, batch)}
+
+
+def _samples(setup, n_batches: int) -> list[dict]:
+    batches = setup.train_batches()
+    out = []
+    for _ in range(n_batches):
+        batch = next(batches)
+        batch["labels"] = batch.pop("label")  # the name HF's collator passes on
+        out += [{k: v[i] for k, v in batch.items()} for i in range(len(batch["labels"]))]
+    return out
+
+
+def test_lightning_callback_runs_the_session(tmp_path) -> None:
+    import lightning.pytorch as lp
+
+    from loka.dispatch.integrations.lightning import LokaCallback
+
+    setup = zoo.create("dhen", "tiny", seed=3, batch_size=32)
+
+    class Module(lp.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _ClickModule(setup)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    loader = torch.utils.data.DataLoader(_samples(setup, 6), batch_size=32)
+    callback = LokaCallback(_config())
+    trainer = lp.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[callback], default_root_dir=tmp_path)  # fmt: skip
+    module = Module()
+    trainer.fit(module, loader)
+    assert callback.session.phase == "applied"
+    assert callback.session.applied.sites == ["net.model.blocks.0.fc1"]
+    assert type(module.net.model.blocks[0].fc1) is Fp8Linear
+
+
+def test_hf_trainer_callback_runs_the_session(tmp_path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from loka.dispatch.integrations.hf import LokaTrainerCallback
+
+    setup = zoo.create("dhen", "tiny", seed=4, batch_size=32)
+    model = _ClickModule(setup)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=32,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                             disable_tqdm=True, dataloader_num_workers=0)  # fmt: skip
+    callback = LokaTrainerCallback(_config())
+    Trainer(model=model, args=args, train_dataset=_samples(setup, 6), callbacks=[callback]).train()
+    assert callback.session.phase == "applied"
+    assert callback.session.applied.sites == ["model.blocks.0.fc1"]
+    assert type(setup.model.blocks[0].fc1) is Fp8Linear
