@@ -49,7 +49,7 @@ import polars as pl  # noqa: E402
 
 from loka.dispatch.bench import BenchCache, benchmark  # noqa: E402
 from loka.dispatch.bench.runner import Shape  # noqa: E402
-from loka.dispatch.workloads import shapes_of, zoo_shapes  # noqa: E402
+from loka.dispatch.workloads import norm_shapes_of, shapes_of, zoo_shapes  # noqa: E402
 from loka.schema import write_table  # noqa: E402
 
 
@@ -60,12 +60,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     names = tuple(ARGS.models.split(","))
     if ARGS.smoke:
-        per_model = zoo_shapes(names[:1], preset="tiny", device="cpu", cpu_batch=32)
-        shapes = [Shape(32, 32, 64)]
+        per_model = zoo_shapes(("dhen",), preset="tiny", device="cpu", cpu_batch=32)
+        shapes, norm_shapes = [Shape(32, 32, 64)], [(32, 32)]
         budget = ARGS.budget_s or 40.0
     else:
         per_model = zoo_shapes(names, preset="large")
-        shapes = shapes_of(per_model)
+        shapes, norm_shapes = shapes_of(per_model), norm_shapes_of(per_model)
         budget = ARGS.budget_s or 170.0
     print(f"[dispatch_table] {len(shapes)} distinct shapes from {', '.join(per_model)}", flush=True)
     cache = BenchCache(ARGS.cache)
@@ -75,7 +75,7 @@ def main() -> None:
             print(f"  {done}/{total} {detail} ({time.monotonic() - start:.0f} s)", flush=True)
 
     result = benchmark(shapes, cache=cache, budget_s=budget, progress=progress,
-                       time_on_cpu=not gpu)  # fmt: skip
+                       time_on_cpu=not gpu, norm_shapes=norm_shapes)  # fmt: skip
     table = result.table
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     tag = "h200" if "H200" in result.device.device else result.device.slug
@@ -93,7 +93,8 @@ def main() -> None:
         "env": {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "LOKA_KERNELS_AUTOTUNE")},
         "timing": "per pass: quantization + GEMM, each a median of CUDA-graph replays over "
         "rotating inputs (wall clock under the CPU interpreter in --smoke: not a speed)",
-        "shapes": [s.__dict__ for s in shapes], "site_shapes": per_model,
+        "shapes": [s.__dict__ for s in shapes], "norm_shapes": norm_shapes,
+        "site_shapes": per_model,
         "measured": result.measured, "reused": result.reused, "estimated": result.estimated,
         "refused": [(s.__dict__, c.__dict__, r) for s, c, r in result.refused],
         "failed": [(s.__dict__, c.__dict__, r) for s, c, r in result.failed],
@@ -111,7 +112,8 @@ def summarize(table: pl.DataFrame) -> list[dict]:
     print(
         f"\n{'M':>7} {'K':>6} {'N':>6} {'pass':<6} {'bf16 ms':>8} {'best FP8':<44} {'x bf16':>7} {'GEMM only':>9}"
     )
-    for (M, K, N, pass_), part in table.group_by(
+    gemms = table.filter(pl.col("N") > 0)
+    for (M, K, N, pass_), part in gemms.group_by(
         ["M_bucket", "K", "N", "pass"], maintain_order=True
     ):
         bf16 = part.filter(pl.col("recipe") == "bf16")
@@ -127,6 +129,14 @@ def summarize(table: pl.DataFrame) -> list[dict]:
         print(f"{M:>7} {K:>6} {N:>6} {pass_:<6} {b['median_ms']:>8.4f} "
               f"{f['backend'] + ' ' + f['recipe']:<44} {best['speedup']:>7.2f} "
               f"{best['gemm_only_speedup']:>9.2f}")  # fmt: skip
+    norms = table.filter(pl.col("N") == 0)
+    for (M, K), part in norms.group_by(["M_bucket", "K"], maintain_order=True):
+        ln = part.filter(pl.col("backend") == "torch.layer_norm")
+        fused = part.filter(pl.col("backend") == "loka.norm_quantize").sort("median_ms")
+        if ln.height and fused.height:
+            a, b = ln["median_ms"][0], fused["median_ms"][0]
+            rows.append({"M": M, "K": K, "pass": "norm", "bf16_ms": a, "fused_ms": b})
+            print(f"{M:>7} {K:>6} {'norm':>6} LayerNorm {a:.4f} ms, fused norm+quantize {b:.4f} ms")
     return rows
 
 

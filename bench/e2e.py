@@ -165,7 +165,7 @@ def train_run(name: str, variant: str) -> dict:
                             every=25, min_batches=min(5, max(2, ARGS.probe_steps // 8)))  # fmt: skip
         session = Session(setup.model, SessionConfig(
             warmup_steps=ARGS.probe_steps, probe=probe, cache_dir=ARGS.cache,
-            bench_budget_s=ARGS.bench_budget_s))  # fmt: skip
+            bench_budget_s=ARGS.bench_budget_s), sample=next(setup.train_batches()))  # fmt: skip
     optimizer = torch.optim.AdamW(setup.model.parameters(), lr=1e-3)
     batches = setup.train_batches()
     times, losses = [], []
@@ -201,7 +201,7 @@ def train_run(name: str, variant: str) -> dict:
             "guard_events": [e.__dict__ for e in session.guard.events] if session.guard else [],
             "session_events": session.events,
         }  # fmt: skip
-        row["_tables"] = (session.tables, session.kernel_bench)
+        row["_tables"] = (session.tables, session.kernel_bench, session.norm_fed)
     row["_setup"] = setup
     return row
 
@@ -245,10 +245,11 @@ def inference_runs(name: str, bf16_row: dict, loka_row: dict | None) -> list[dic
         except Exception as exc:
             rows.append({"model": name, "variant": "infer-torchao-rowwise", "error": repr(exc)})
     if loka_row is not None and "_tables" in loka_row:
-        tables, bench = loka_row["_tables"]
-        plan = make_plan(tables["sites"], tables["site_errors"], bench, PlanConfig(inference=True))
+        tables, bench, norm_fed = loka_row["_tables"]
+        plan = make_plan(tables["sites"], tables["site_errors"], bench, PlanConfig(inference=True),
+                         norm_fed=norm_fed)  # fmt: skip
         model = copy.deepcopy(setup.model)
-        applied = apply(model, plan)
+        applied = apply(model, plan, sample=batch)
         s = plan.summary
         rows.append({"model": name, "variant": "infer-loka", "fwd_ms": forward_ms(model, batch),
                      "fp8_layers": len(applied.sites), "predicted": s.gemm_speedup,

@@ -17,7 +17,7 @@ from torch import nn
 import loka.zoo as zoo
 from loka.dispatch.apply_plan import ApplyConfig, PlanFallbackWarning, PlanMismatchError, apply
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
-from loka.dispatch.planner import make_plan
+from loka.dispatch.planner import PlanConfig, make_plan
 from loka.dispatch.tables import read_plan
 from loka.dispatch.testing import synthetic_kernel_bench
 from loka.mods.fp8_linear import Fp8Linear
@@ -186,3 +186,20 @@ def test_guard_demotes_a_site_that_produces_nonfinite_values(dhen) -> None:
     assert [e.site for e in events] == ["blocks.0.fc1"] and "error drift" in events[0].reason
     applied.undo()
     assert all(t is not Fp8Linear for t in _types(dhen.model).values())
+
+
+def test_a_plan_that_fuses_a_norm_needs_the_sample_and_gets_the_fused_module(dhen) -> None:
+    from loka.mods.norm_linear import NormLinear
+
+    sites, errors = probe_like_tables(dhen.model)
+    bench = synthetic_kernel_bench([(32, 32, 64)], fp8_ms=0.97, norm_shapes=[(32, 32)])
+    config = PlanConfig(exclude=("blocks.1.*",))
+    plan = make_plan(sites, errors, bench, config, norm_fed=["blocks.0.fc1", "blocks.1.fc1"])
+    assert plan.table.filter(pl.col("fuse_norm"))["site"].to_list() == ["blocks.0.fc1"]
+    with pytest.warns(PlanFallbackWarning, match="pass sample="):
+        skipped = apply(dhen.model, plan)
+    assert skipped.sites == [] and type(dhen.model.blocks[0].fc1) is nn.Linear
+    applied = apply(dhen.model, plan, sample=next(dhen.train_batches()))
+    assert applied.sites == ["blocks.0.fc1"] and type(dhen.model.blocks[0].fc1) is NormLinear
+    applied.undo()
+    assert type(dhen.model.blocks[0].fc1) is nn.Linear

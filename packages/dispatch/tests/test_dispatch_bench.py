@@ -163,11 +163,14 @@ def test_benchmark_measures_then_reuses_its_cache(tmp_path) -> None:
     cache = BenchCache(tmp_path)
     recipes = {"fwd": ["e4m3:e4m3/row/dynamic"], "dgrad": [], "wgrad": []}
     kw = dict(recipes=recipes, cache=cache, time_on_cpu=True)
-    first = benchmark([Shape(32, 128, 64)], **kw)
-    # bf16 x 3 passes + the row recipe on every runnable FP8 backend (Triton, interpreted).
-    assert first.measured == first.table.height >= 4 and first.reused == 0
+    first = benchmark([Shape(32, 128, 64)], norm_shapes=[(32, 128)], **kw)
+    # bf16 x 3 passes + the row recipe on every runnable FP8 backend (Triton, interpreted),
+    # and the LayerNorm and fused norm+quantize rows of the norm (N = 0).
+    assert first.measured == first.table.height >= 6 and first.reused == 0
+    norms = first.table.filter(pl.col("N") == 0)
+    assert sorted(norms["backend"]) == ["loka.norm_quantize", "torch.layer_norm"]
     assert not first.table["estimated"].any()
-    second = benchmark([Shape(32, 128, 64)], **kw)
+    second = benchmark([Shape(32, 128, 64)], norm_shapes=[(32, 128)], **kw)
     assert second.measured == 0 and second.reused == first.measured
     assert second.table.sort("backend", "pass").equals(first.table.sort("backend", "pass"))
     assert (

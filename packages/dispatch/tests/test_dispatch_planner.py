@@ -3,6 +3,10 @@ the end-to-end prediction, and invariants on random tables."""
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before loka.kernels is imported
+
 import itertools
 import math
 
@@ -240,3 +244,19 @@ def test_plan_invariants_on_random_tables(times, verdicts) -> None:
             best = min(best, sum(eff))
     assert total == pytest.approx(best)
     assert plan.summary.predicted_speedup >= 1.0 - 1e-12
+
+
+def test_a_norm_fed_site_weighs_fusing_its_norm() -> None:
+    from loka.dispatch.testing import synthetic_kernel_bench
+
+    sites = sites_table(("fc", 1024, 4096, 8192, None))
+    errors = errors_table([("fc", ROW, p, 0.04, "safe") for p in PASSES])
+    # FP8 at 0.97 ms (0.776 GEMM + 0.194 quantization) is not 5% faster than bf16 (1 ms)...
+    bench = synthetic_kernel_bench([(8192, 1024, 4096)], fp8_ms=0.97, norm_shapes=[(8192, 1024)])
+    assert all(r["recipe"] == "bf16" for r in plan_rows(make_plan(sites, errors, bench)).values())
+    # ...but with the norm fused the forward pays 0.776 + (0.16 - 0.2) ms.
+    fused = plan_rows(make_plan(sites, errors, bench, norm_fed=["fc"]))["fwd"]
+    assert fused["recipe"] == ROW and fused["fuse_norm"]
+    assert fused["predicted_ms"] == pytest.approx(0.97 * 0.8 - 0.04)
+    assert "norm feeding it is fused" in fused["reason"]
+    assert not plan_rows(make_plan(sites, errors, bench))["fwd"]["fuse_norm"]

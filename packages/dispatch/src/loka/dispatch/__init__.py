@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "loka.dispatch.apply_plan": ("Applied", "ApplyConfig", "PlanFallbackWarning",
-                            "PlanMismatchError", "apply"),
+                                 "PlanMismatchError", "apply", "norm_fed_sites"),
     "loka.dispatch.bench": ("BenchCache", "BenchResult", "CacheMismatchError", "CostModel",
                             "Shape", "benchmark", "site_shapes"),
     "loka.dispatch.device": ("DeviceInfo",),
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         PlanFallbackWarning,
         PlanMismatchError,
         apply,
+        norm_fed_sites,
     )
     from loka.dispatch.bench import (
         BenchCache,
@@ -90,6 +91,7 @@ __all__: list[str] = [
     "benchmark",
     "load_probe_tables",
     "make_plan",
+    "norm_fed_sites",
     "plan_lora_jobs",
     "read_plan",
     "site_shapes",

@@ -170,26 +170,29 @@ def _runnable_backend(backend: str, recipe: str, device: torch.device, K: int, N
     return None, reason
 
 
-def _fusable_sites(model: nn.Module, rows: list[dict], sample: Any) -> set[str]:
-    """FP8 sites whose input is the output of a norm feeding nothing else, and whose forward
-    recipe the fused norm+quantize kernel runs (rowwise, dynamic)."""
+def norm_fed_sites(model: nn.Module, sample: Any) -> set[str]:
+    """Linears whose input is the output of a norm that feeds nothing else (traced on
+    `sample`, one model input): the sites whose norm `loka.mods` can fuse."""
     from loka.mods.trace import trace_norm_consumers
-    from loka.schema import Recipe
 
-    if sample is None:
-        raise ValueError("ApplyConfig.fuse_norm traces the model: pass a sample batch")
     trace = trace_norm_consumers(model, sample)
     consumers: dict[str, set[str]] = {}
     for norm, linear in trace.consumed:
         consumers.setdefault(norm, set()).add(linear)
-    fed = {next(iter(lins)) for lins in consumers.values() if len(lins) == 1}
-    out = set()
-    for r in rows:
-        if r["pass"] == "fwd" and r["site"] in fed:
-            recipe = Recipe.parse(r["recipe"])
-            if recipe.is_bf16 or (recipe.granularity == "row" and recipe.scaling == "dynamic"):
-                out.add(r["site"])
-    return out
+    return {next(iter(lins)) for lins in consumers.values() if len(lins) == 1}
+
+
+def _fusable_sites(model: nn.Module, rows: list[dict], sample: Any) -> set[str]:
+    """FP8 sites fed by their own norm whose forward recipe the fused norm+quantize kernel
+    runs (rowwise, dynamic)."""
+    from loka.dispatch.bench.candidates import fusable
+
+    if sample is None:
+        raise ValueError("ApplyConfig.fuse_norm traces the model: pass a sample batch")
+    fed = norm_fed_sites(model, sample)
+    return {
+        r["site"] for r in rows if r["pass"] == "fwd" and r["site"] in fed and fusable(r["recipe"])
+    }
 
 
 def apply(
@@ -271,6 +274,23 @@ def apply(
         warnings.warn(f"loka: {reason}; the site stays bf16", PlanFallbackWarning, stacklevel=2)
     spec_sites = {r["site"] for r in spec_rows}
     fused = _fusable_sites(model, spec_rows, sample) if config.fuse_norm else set()
+    # Sites the plan costed with their norm fused: without the fusion their FP8 forward
+    # pays a quantization the plan did not count, so they need the sample to trace it.
+    planned_fused = {r["site"] for r in spec_rows if r["pass"] == "fwd" and r.get("fuse_norm")}
+    if planned_fused and sample is None:
+        message = (
+            f"the plan fuses the norm feeding {sorted(planned_fused)}; pass sample= (one model "
+            "input) to apply so the norms can be traced"
+        )
+        if config.strict:
+            raise PlanMismatchError(message)
+        warnings.warn(f"loka: {message}; those sites stay bf16", PlanFallbackWarning, stacklevel=2)
+        for site in planned_fused:
+            relevant[site] = "the plan fuses its norm and no sample was given"
+        spec_rows = [r for r in spec_rows if r["site"] not in planned_fused]
+        spec_sites -= planned_fused
+    else:
+        fused |= planned_fused
     report = None
     if spec_rows:
         try:

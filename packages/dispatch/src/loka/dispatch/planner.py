@@ -29,12 +29,19 @@ import itertools
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import polars as pl
 
 from loka.dispatch.bench.cache import table_devices
-from loka.dispatch.bench.candidates import BF16_BACKEND, m_bucket, speed_key
+from loka.dispatch.bench.candidates import (
+    BF16_BACKEND,
+    LAYER_NORM_BACKEND,
+    NORM_QUANTIZE_BACKEND,
+    fusable,
+    m_bucket,
+    speed_key,
+)
 from loka.schema import PASSES, Recipe, validate
 
 SAFE, UNDECIDED = "safe", "undecided"
@@ -102,14 +109,15 @@ class _Option:
     estimated: bool
     err: float | None  # upper confidence bound (mean when no bound)
     budget: float | None
+    fused: bool = False  # the norm feeding the site is fused with the quantization of x
 
     @property
     def is_bf16(self) -> bool:
         return self.recipe.is_bf16
 
     @property
-    def name(self) -> str:
-        return f"{self.backend} {self.recipe}"
+    def label(self) -> str:
+        return f"{self.backend}+norm" if self.fused else self.backend
 
 
 def _operand_quant(recipe: Recipe, fmt: str) -> tuple:
@@ -124,8 +132,11 @@ def _effective(combo: tuple[_Option, _Option, _Option], share: bool) -> tuple[fl
     if share and not wgrad.is_bf16:
         credit = 0.0
         w = wgrad.recipe
-        if not fwd.is_bf16 and _operand_quant(fwd.recipe, fwd.recipe.a_format) == _operand_quant(
-            w, w.b_format
+        # A fused norm quantizes x rowwise per token only: no x^T to share.
+        if (
+            not fwd.is_bf16
+            and not fwd.fused
+            and _operand_quant(fwd.recipe, fwd.recipe.a_format) == _operand_quant(w, w.b_format)
         ):
             credit += fwd.quant_ms
         if not dgrad.is_bf16 and _operand_quant(
@@ -242,8 +253,33 @@ def _timing(row: dict) -> tuple[float, float, float]:
     return median, median if gemm is None else gemm, 0.0 if quant is None else quant
 
 
+def _fused_options(options: list[_Option], shape: tuple, kernels: dict) -> list[_Option]:
+    """The fused-norm variant of each rowwise dynamic forward option: the norm+quantize
+    kernel replaces the bf16 norm and quantize(x), so the pass costs its GEMM plus the
+    difference between the two norm kernels."""
+    rows = kernels.get((shape[0], shape[1], 0, "fwd"), [])
+    norm = [r for r in rows if r["backend"] == LAYER_NORM_BACKEND]
+    fused = {r["_speed"]: r for r in rows if r["backend"] == NORM_QUANTIZE_BACKEND}
+    if not norm:
+        return []
+    out = []
+    for o in options:
+        f = fused.get(speed_key(o.recipe))
+        if f is None or not fusable(o.recipe):
+            continue
+        extra = f["median_ms"] - norm[0]["median_ms"]
+        estimated = o.estimated or bool(f["estimated"]) or bool(norm[0]["estimated"])
+        out.append(replace(o, median_ms=o.gemm_ms + extra, quant_ms=extra, fused=True,
+                           estimated=estimated))  # fmt: skip
+    return out
+
+
 def _site_options(
-    site: dict, errors: dict[str, list[dict]], kernels: dict[tuple, list[dict]], config: PlanConfig
+    site: dict,
+    errors: dict[str, list[dict]],
+    kernels: dict[tuple, list[dict]],
+    config: PlanConfig,
+    norm_fed: bool = False,
 ) -> _SiteChoice:
     M = site["M_p50"]
     shape = (m_bucket(M), site["K"], site["N"]) if M > 0 else None
@@ -319,6 +355,8 @@ def _site_options(
                         {"backend": r["backend"], "recipe": r["recipe"],
                          "reason": "no error measurement (site_errors) for this recipe"}
                     )  # fmt: skip
+    if norm_fed and shape is not None and choice.options["fwd"]:
+        choice.options["fwd"] += _fused_options(choice.options["fwd"], shape, kernels)
     if len(choice.bf16) < len(PASSES):
         choice.note = (
             "no site shape (M unknown)" if shape is None
@@ -386,7 +424,7 @@ def _rows(choice: _SiteChoice, config: PlanConfig) -> list[dict]:
                     "predicted_rel_err": None, "budget": None,
                     "estimated": bool(b.estimated) if b else False,
                     "reason": f"stays bf16: {choice.note}",
-                    "rejected": choice.rejected.get(pass_, []),
+                    "rejected": choice.rejected.get(pass_, []), "fuse_norm": False,
                 }
             )  # fmt: skip
         return rows
@@ -400,7 +438,7 @@ def _rows(choice: _SiteChoice, config: PlanConfig) -> list[dict]:
             rejected.insert(0, {"backend": b.backend, "recipe": "bf16",
                                 "reason": f"slower: {b.median_ms:.4g} ms vs {t:.4g} ms"})  # fmt: skip
         for o in choice.options[pass_]:
-            if o.backend == chosen.backend and o.recipe == chosen.recipe:
+            if o is chosen:
                 continue
             with_it = _best_with(o, choice, i)
             if math.isinf(with_it):
@@ -420,7 +458,7 @@ def _rows(choice: _SiteChoice, config: PlanConfig) -> list[dict]:
                     f"loses in the site's joint choice of passes: site total with it "
                     f"{with_it:.4g} ms vs {total:.4g} ms chosen"
                 )
-            rejected.append({"backend": o.backend, "recipe": str(o.recipe), "reason": reason})
+            rejected.append({"backend": o.label, "recipe": str(o.recipe), "reason": reason})
         if chosen.is_bf16:
             if not choice.options[pass_]:
                 reason = "bf16: no FP8 candidate is safe (and allowed) here"
@@ -437,6 +475,11 @@ def _rows(choice: _SiteChoice, config: PlanConfig) -> list[dict]:
             )
             if t < chosen.median_ms - 1e-12:
                 reason += f" (quantization shared with other passes: {chosen.median_ms - t:.4g} ms)"
+            if chosen.fused:
+                reason += (
+                    f"; the norm feeding it is fused with the quantization "
+                    f"({chosen.quant_ms:+.3g} ms against the bf16 norm)"
+                )
             if budget_moved:
                 reason += "; a slower, lower-error choice to meet the global error budget"
         rows.append(
@@ -447,7 +490,7 @@ def _rows(choice: _SiteChoice, config: PlanConfig) -> list[dict]:
                 "predicted_rel_err": None if chosen.is_bf16 else chosen.err,
                 "budget": None if chosen.is_bf16 else chosen.budget,
                 "estimated": bool(chosen.estimated or b.estimated), "reason": reason,
-                "rejected": rejected,
+                "rejected": rejected, "fuse_norm": chosen.fused,
             }
         )  # fmt: skip
     return rows
@@ -465,11 +508,15 @@ def make_plan(
     config: PlanConfig | None = None,
     *,
     gemm_share: float | None = None,
+    norm_fed: Iterable[str] = (),
 ) -> Plan:
     """Plan every linear site of `sites` from `site_errors` and `kernel_bench`.
 
     `gemm_share` overrides g (the share of step time in these GEMMs) when `sites` has no
-    measured `time_share` (Probe measures it on CUDA only).
+    measured `time_share` (Probe measures it on CUDA only). `norm_fed` names the sites fed
+    by a norm that feeds nothing else (`loka.dispatch.norm_fed_sites`): for them the plan
+    also weighs fusing the norm with the forward's quantization (column `fuse_norm`),
+    costed from the kernel_bench norm rows (N = 0).
     """
     config = config or PlanConfig()
     sites = validate(sites, "sites")
@@ -489,8 +536,9 @@ def make_plan(
     for row in site_errors.iter_rows(named=True):
         errors.setdefault(row["site"], {}).setdefault(row["pass"], []).append(row)
     linear = sites.filter((pl.col("kind") == "linear") & (pl.col("groups") == 1))
+    fed = set(norm_fed)
     choices = [
-        _site_options(site, errors.get(site["site"], {}), kernels, config)
+        _site_options(site, errors.get(site["site"], {}), kernels, config, site["site"] in fed)
         for site in linear.iter_rows(named=True)
     ]
     notes = _spend_error_budget(choices, config)
@@ -521,6 +569,7 @@ _PLAN_TYPES = {
     "rejected": pl.List(
         pl.Struct({"backend": pl.String, "recipe": pl.String, "reason": pl.String})
     ),
+    "fuse_norm": pl.Boolean,
 }
 
 

@@ -12,7 +12,12 @@ from collections.abc import Iterable
 
 import polars as pl
 
-from loka.dispatch.bench.candidates import m_bucket
+from loka.dispatch.bench.candidates import (
+    LAYER_NORM_BACKEND,
+    NORM_QUANTIZE_BACKEND,
+    fusable,
+    m_bucket,
+)
 from loka.schema import PASSES, validate
 
 SYNTHETIC_DEVICE = {
@@ -28,9 +33,13 @@ def synthetic_kernel_bench(
     backend: str = "triton.fp8",
     bf16_ms: float = 1.0,
     fp8_ms: float = 0.5,
+    norm_shapes: Iterable[tuple[int, int]] = (),
+    norm_ms: float = 0.2,
 ) -> pl.DataFrame:
     """Rows at each (M, K, N): bf16 at `bf16_ms` for every pass, and `recipes[pass]` on
-    `backend` at `fp8_ms` (default recipe: e4m3:e4m3/row/dynamic in every pass)."""
+    `backend` at `fp8_ms` (default recipe: e4m3:e4m3/row/dynamic in every pass). At each
+    `norm_shapes` (M, K): a LayerNorm row at `norm_ms` and a fused norm+quantize row at
+    0.8 `norm_ms` for the forward recipe (when it is rowwise and dynamic)."""
     recipes = recipes or dict.fromkeys(PASSES, "e4m3:e4m3/row/dynamic")
     rows = []
     for M, K, N in shapes:
@@ -44,4 +53,13 @@ def synthetic_kernel_bench(
                 rows.append({**base, "backend": backend, "recipe": recipes[pass_],
                              "median_ms": fp8_ms, "gemm_ms": fp8_ms * 0.8,
                              "quant_ms": fp8_ms * 0.2})  # fmt: skip
+    for M, K in norm_shapes:
+        base = {**SYNTHETIC_DEVICE, "pass": "fwd", "M_bucket": m_bucket(M), "K": K, "N": 0,
+                "groups": 1, "tflops": 0.0, "estimated": True, "method": "synthetic",
+                "source": "loka.dispatch.testing", "quant_ms": 0.0}  # fmt: skip
+        rows.append({**base, "backend": LAYER_NORM_BACKEND, "recipe": "bf16",
+                     "median_ms": norm_ms, "gemm_ms": norm_ms})  # fmt: skip
+        if "fwd" in recipes and fusable(recipes["fwd"]):
+            rows.append({**base, "backend": NORM_QUANTIZE_BACKEND, "recipe": recipes["fwd"],
+                         "median_ms": 0.8 * norm_ms, "gemm_ms": 0.8 * norm_ms})  # fmt: skip
     return validate(pl.DataFrame(rows), "kernel_bench")

@@ -42,11 +42,13 @@ def linear_shapes(setup, batch=None) -> list[tuple[str, int, int, int]]:
 def zoo_shapes(
     names: tuple[str, ...] = LARGE_MODELS, preset: str = "large", device: str | None = None,
     cpu_batch: int = 32,
-) -> dict[str, list[tuple[str, int, int, int]]]:  # fmt: skip
-    """Per zoo model, the (site, M, K, N) of its linears at the preset's batch size. On the
-    CPU the models run a `cpu_batch` batch and M is scaled to the preset's batch (exact for
-    the CTR models, whose rows per sample are fixed; approximate for jagged sequences)."""
+) -> dict[str, list[tuple[str, int, int, int, bool]]]:  # fmt: skip
+    """Per zoo model, (site, M, K, N, fed by its own norm) of its linears at the preset's
+    batch size. On the CPU the models run a `cpu_batch` batch and M is scaled to the
+    preset's batch (exact for the CTR models, whose rows per sample are fixed; approximate
+    for jagged sequences)."""
     import loka.zoo as zoo
+    from loka.dispatch.apply_plan import norm_fed_sites
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = {}
@@ -54,18 +56,29 @@ def zoo_shapes(
         preset_batch = zoo.SPECS[name].presets[preset][2]
         batch = preset_batch if device != "cpu" else min(cpu_batch, preset_batch)
         setup = zoo.create(name, preset, device=device, batch_size=batch)
+        sample = next(setup.train_batches())
         scale = preset_batch / batch
-        out[name] = [(s, max(1, round(m * scale)), k, n) for s, m, k, n in linear_shapes(setup)]
-        del setup
+        fed = norm_fed_sites(setup.model, sample)
+        out[name] = [
+            (s, max(1, round(m * scale)), k, n, s in fed)
+            for s, m, k, n in linear_shapes(setup, sample)
+        ]
+        del setup, sample
         if device != "cpu":
             torch.cuda.empty_cache()
     return out
 
 
-def shapes_of(site_shapes: dict[str, list[tuple[str, int, int, int]]]) -> list[Shape]:
+def shapes_of(site_shapes: dict[str, list[tuple]]) -> list[Shape]:
     """The distinct benchmark shapes, largest GEMMs first."""
-    found = {Shape(m_bucket(m), k, n) for rows in site_shapes.values() for _, m, k, n in rows}
+    found = {Shape(m_bucket(m), k, n) for rows in site_shapes.values() for _, m, k, n, *_ in rows}
     return sorted(found, key=lambda s: -s.M_bucket * s.K * s.N)
+
+
+def norm_shapes_of(site_shapes: dict[str, list[tuple]]) -> list[tuple[int, int]]:
+    """(M bucket, K) of the norms that feed a linear of their own."""
+    found = {(m_bucket(m), k) for rows in site_shapes.values() for _, m, k, _, fed in rows if fed}
+    return sorted(found)
 
 
 def probe_zoo(

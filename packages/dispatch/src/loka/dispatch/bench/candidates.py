@@ -19,6 +19,11 @@ from loka.kernels import registry
 from loka.schema import BF16, PASSES, Recipe
 
 BF16_BACKEND = "torch.bf16"
+# Rows of a norm feeding a linear (N = 0: not a GEMM): the bf16 LayerNorm, and LayerNorm
+# fused with the rowwise quantization of its output, which replaces the norm and the
+# forward's quantize(x) when the norm is fused into the linear.
+LAYER_NORM_BACKEND = "torch.layer_norm"
+NORM_QUANTIZE_BACKEND = "loka.norm_quantize"
 
 # Timed when no site_errors table says which recipes matter: the usual candidates per pass.
 DEFAULT_TIMING_RECIPES: Mapping[str, tuple[str, ...]] = {
@@ -87,6 +92,12 @@ class Candidate:
 class CandidateStatus:
     candidate: Candidate
     refusal: str | None  # None: it can run (and be timed) here
+
+
+def fusable(recipe: str | Recipe) -> bool:
+    """Whether the fused norm+quantize kernel runs this forward recipe (rowwise, dynamic)."""
+    r = recipe if isinstance(recipe, Recipe) else Recipe.parse(recipe)
+    return not r.is_bf16 and r.granularity == "row" and r.scaling == "dynamic"
 
 
 def recipes_by_pass(

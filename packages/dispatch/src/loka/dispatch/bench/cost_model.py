@@ -126,7 +126,8 @@ class CostModel:
             rows = rows.with_row_index("_i").filter(pl.col("_i") != drop)
         M, K, N = (rows[c].to_numpy().astype(float) for c in ("M_bucket", "K", "N"))
         pass_ = key[2]
-        points = np.log2(np.column_stack([M, K, N]))
+        # N = 0 marks a norm row (no GEMM): log2 of 1 keeps it finite.
+        points = np.log2(np.maximum(np.column_stack([M, K, N]), 1.0))
         gemm = np.array([_gemm_features(pass_, *s) for s in zip(M, K, N, strict=True)])
         quant = np.array([_quant_features(pass_, *s) for s in zip(M, K, N, strict=True)])
         gemm_ms = _column(rows, "gemm_ms", rows["median_ms"])
@@ -146,7 +147,7 @@ class CostModel:
 
     @staticmethod
     def _predict(key, fits, pass_: str, M: int, K: int, N: int) -> PassTiming:
-        point = np.log2(np.array([M, K, N], dtype=float))
+        point = np.log2(np.maximum(np.array([M, K, N], dtype=float), 1.0))
         gemm_fit, quant_fit = fits
         gemm = gemm_fit.predict(_gemm_features(pass_, M, K, N), point)
         quant = quant_fit.predict(_quant_features(pass_, M, K, N), point) if quant_fit else 0.0

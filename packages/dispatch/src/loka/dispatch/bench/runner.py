@@ -11,7 +11,16 @@ import polars as pl
 import torch
 
 from loka.dispatch.bench.cache import BenchCache
-from loka.dispatch.bench.candidates import Candidate, CandidateStatus, candidates, m_bucket
+from loka.dispatch.bench.candidates import (
+    LAYER_NORM_BACKEND,
+    NORM_QUANTIZE_BACKEND,
+    Candidate,
+    CandidateStatus,
+    candidates,
+    fusable,
+    m_bucket,
+    recipes_by_pass,
+)
 from loka.dispatch.bench.cost_model import CostModel
 from loka.dispatch.bench.timing import PassTimer, PassTiming
 from loka.dispatch.device import DeviceInfo
@@ -75,6 +84,18 @@ def _row(info: DeviceInfo, c: Candidate, shape: Shape, t: PassTiming, estimated:
     }  # fmt: skip
 
 
+def _time(timer: PassTimer, c: Candidate) -> PassTiming:
+    if c.backend == LAYER_NORM_BACKEND:
+        t = timer.layer_norm_ms()
+    elif c.backend == NORM_QUANTIZE_BACKEND:
+        from loka.schema import Recipe
+
+        t = timer.norm_quantize_ms(Recipe.parse(c.recipe))
+    else:
+        return timer.time(c)
+    return PassTiming(t, t, 0.0, timer.method)
+
+
 def _frame(rows: list[dict]) -> pl.DataFrame:
     return validate(pl.DataFrame(rows), "kernel_bench") if rows else empty("kernel_bench")
 
@@ -100,6 +121,7 @@ def benchmark(
     include_fast_accum: bool = False,
     progress: Progress | None = None,
     time_on_cpu: bool = False,
+    norm_shapes: Iterable[tuple[int, int]] = (),
 ) -> BenchResult:
     """`kernel_bench` rows for every candidate (backend x recipe x pass) at each shape.
 
@@ -110,6 +132,10 @@ def benchmark(
     `cost_model` (required then), for the device it was recorded on. `time_on_cpu` times
     on the CPU instead (Triton interpreter, wall clock): it checks the machinery, its
     numbers say nothing about GPU speed.
+
+    `norm_shapes` are (M, K) of norms that feed a linear: for each, a bf16 LayerNorm row
+    and a fused LayerNorm+quantize row per rowwise dynamic forward recipe (N = 0), which the
+    planner uses to cost fusing the norm into the linear.
     """
     shapes = list(shapes)
     measuring = time_on_cpu or can_measure(device)
@@ -145,6 +171,14 @@ def benchmark(
         )
     deadline = time.monotonic() + budget_s if budget_s is not None else None
     plan: list[tuple[Shape, CandidateStatus]] = []
+    norm_recipes = [r for r in recipes_by_pass(recipes)["fwd"] if fusable(r)]
+    for M, K in dict.fromkeys((m_bucket(m), k) for m, k in norm_shapes):
+        plan.append(
+            (Shape(M, K, 0), CandidateStatus(Candidate(LAYER_NORM_BACKEND, "bf16", "fwd"), None))
+        )
+        for r in norm_recipes:
+            c = Candidate(NORM_QUANTIZE_BACKEND, str(r), "fwd")
+            plan.append((Shape(M, K, 0), CandidateStatus(c, None)))
     for shape in shapes:
         for status in candidates(
             shape.M_bucket, shape.K, shape.N, recipes,
@@ -173,7 +207,7 @@ def benchmark(
                 timers.clear()  # free the previous shape's inputs
                 timer = timers[shape] = PassTimer(shape.M_bucket, shape.K, shape.N, device)
             try:
-                t = timer.time(c)
+                t = _time(timer, c)
             except Exception as exc:  # a backend failing is a result, not a crash
                 result.failed.append((shape, c, f"{type(exc).__name__}: {exc}"))
                 continue

@@ -21,6 +21,9 @@ measurement of the row's quantity, so only those rows have `estimated=False`):
 4. FP8 GEMM of the Triton backends: rule 3's time times the backend's measured ratio to
    `torch._scaled_mm` in the kernels run (same pass and granularity; the run's shape with the
    nearer K), or the measured time itself at the run's own shapes.
+6. Norm rows (N = 0; `torch.layer_norm` and `loka.norm_quantize` with the normed output
+   kept): the kernels run's CUDA-graph times at 8192x1024 (20.7 and 16.1 us), scaled to each
+   anchor (M, K) by elements above the fitted per-kernel overhead t0.
 5. Quantization: a bandwidth model ``t = kernels * t0 + bytes / bandwidth`` fitted on the
    kernels run's CUDA-graph times of `quantize` (tensor 12.4 us, row 7.8 us, block 7.2 us at
    8192x1024); bytes per element by operation (a tensorwise amax pass reads the input once
@@ -39,7 +42,13 @@ import numpy as np
 import polars as pl
 from scipy.optimize import nnls
 
-from loka.dispatch.bench.candidates import DEFAULT_TIMING_RECIPES, candidates
+from loka.dispatch.bench.candidates import (
+    DEFAULT_TIMING_RECIPES,
+    LAYER_NORM_BACKEND,
+    NORM_QUANTIZE_BACKEND,
+    candidates,
+    fusable,
+)
 from loka.kernels import gemm_dims
 from loka.schema import Recipe, validate, write_table
 
@@ -207,7 +216,45 @@ def build_shipped_table(
                     "gemm_ms": gemm, "quant_ms": q, "method": "recorded", "source": source,
                 }
             )  # fmt: skip
+    rows += _norm_rows(kernel_rows, qmodel[0], {(M, K) for M, K, _ in anchors.shapes()})
     return validate(pl.DataFrame(rows), "kernel_bench", source="shipped H200 table")
+
+
+_NORM_PATHS = {
+    LAYER_NORM_BACKEND: "F.layer_norm",
+    NORM_QUANTIZE_BACKEND: "ours layernorm+quantize (+bf16 out)",
+}
+
+
+def _norm_rows(
+    kernel_rows: list[dict[str, str]], t0: float, shapes: set[tuple[int, int]]
+) -> list[dict]:
+    measured = {}
+    for row in kernel_rows:
+        for backend, path in _NORM_PATHS.items():
+            if (
+                row["section"] == "norm"
+                and row["path"] == path
+                and row["t_graph_ms"] not in ("", "nan")
+            ):
+                measured[backend] = (float(row["t_graph_ms"]), int(row["M"]) * int(row["K"]))
+    if len(measured) < 2:
+        return []
+    out = []
+    recipes = ["bf16"] + [r for r in DEFAULT_TIMING_RECIPES["fwd"] if fusable(r)]
+    for M, K in sorted(shapes):
+        for backend, (t_ms, elements) in measured.items():
+            for recipe in recipes[:1] if backend == LAYER_NORM_BACKEND else recipes[1:]:
+                t = t0 + max(t_ms - t0, 0.0) * (M * K) / elements
+                out.append(
+                    {
+                        **DEVICE, "backend": backend, "recipe": recipe, "pass": "fwd",
+                        "M_bucket": M, "K": K, "N": 0, "groups": 1, "median_ms": t, "tflops": 0.0,
+                        "estimated": True, "gemm_ms": t, "quant_ms": 0.0, "method": "recorded",
+                        "source": "kernels-run norm time at 8192x1024 scaled by elements",
+                    }
+                )  # fmt: skip
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

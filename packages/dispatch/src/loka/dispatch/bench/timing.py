@@ -26,9 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from loka.dispatch.bench.candidates import Candidate
-from loka.kernels import fp8_mm, gemm_dims, quantize, quantize_transpose, registry
+from loka.kernels import fp8_mm, gemm_dims, norm_quantize, quantize, quantize_transpose, registry
 from loka.schema import Recipe
 
 # Rotate over enough input copies that one set no longer fits in the H200's 50 MB L2.
@@ -207,6 +208,27 @@ class PassTimer:
         if key not in self._quant_ms:
             self._quant_ms[key] = self._measure(self._quantizer(recipe, pass_))
         return self._quant_ms[key]
+
+    def layer_norm_ms(self) -> float:
+        """A bf16 LayerNorm of x[M, K] (its output kept for the backward, as autograd does)."""
+        ln_w, ln_b = self._norm_params()
+        return self._measure(lambda: F.layer_norm(self._x.next()[0], (self.K,), ln_w, ln_b))
+
+    def norm_quantize_ms(self, recipe: Recipe) -> float:
+        """LayerNorm fused with the rowwise quantization of its output (`norm_quantize`),
+        writing the normed bf16 output too (the backward needs it): what a fused norm+linear
+        runs in place of the LayerNorm and the forward's quantize(x)."""
+        ln_w, ln_b = self._norm_params()
+        return self._measure(
+            lambda: norm_quantize(self._x.next()[0], ln_w, ln_b, fmt=recipe.a_format,
+                                  pow2=recipe.pow2, return_normed=True)
+        )  # fmt: skip
+
+    def _norm_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not hasattr(self, "_ln"):
+            self._ln = (torch.ones(self.K, device=self.device, dtype=torch.bfloat16),
+                        torch.zeros(self.K, device=self.device, dtype=torch.bfloat16))  # fmt: skip
+        return self._ln
 
     def output(self, candidate: Candidate) -> torch.Tensor:
         """The pass's GEMM result on the first input copy, computed as `time` times it (for

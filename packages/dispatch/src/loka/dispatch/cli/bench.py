@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from loka.schema import write_table
 
     try:
-        recipes = None
+        recipes, norm_shapes = None, []
         if args.tables is not None:
             from loka.dispatch.tables import load_probe_tables
 
@@ -70,10 +70,11 @@ def run(args: argparse.Namespace) -> int:
         elif args.shapes:
             shapes = _parse_shapes(args.shapes)
         else:
-            from loka.dispatch.workloads import shapes_of, zoo_shapes
+            from loka.dispatch.workloads import norm_shapes_of, shapes_of, zoo_shapes
 
             console.print("collecting the large zoo models' site shapes ...")
-            shapes = shapes_of(zoo_shapes())
+            per_model = zoo_shapes()
+            shapes, norm_shapes = shapes_of(per_model), norm_shapes_of(per_model)
         cost_model = None
         if args.estimate_from == "shipped":
             cost_model = CostModel.shipped()
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         with progress_bar(f"kernel_bench: {len(shapes)} shape(s)") as update:
             result = benchmark(shapes, device=args.device, cache=cache, cost_model=cost_model,
                                budget_s=args.budget_s, include_fast_accum=args.fast_accum,
-                               recipes=recipes, progress=update)  # fmt: skip
+                               recipes=recipes, progress=update, norm_shapes=norm_shapes)  # fmt: skip
     except user_errors() as exc:
         return fail(str(exc))
     args.out.parent.mkdir(parents=True, exist_ok=True)

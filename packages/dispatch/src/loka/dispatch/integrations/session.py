@@ -29,7 +29,7 @@ import polars as pl
 import torch
 from torch import nn
 
-from loka.dispatch.apply_plan import Applied, ApplyConfig, apply
+from loka.dispatch.apply_plan import Applied, ApplyConfig, apply, norm_fed_sites
 from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
 from loka.dispatch.integrations.distributed import plan_once, rank
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
@@ -111,6 +111,7 @@ class Session:
         self.guard: RuntimeGuard | None = None
         self.tables: dict[str, pl.DataFrame] = {}
         self.kernel_bench: pl.DataFrame | None = None
+        self.norm_fed: set[str] = set()  # sites fed by their own norm (traced with `sample`)
         self.events: list[str] = []
         self.nonfinite_losses = 0
         self._reprobe_start: int | None = None
@@ -147,6 +148,11 @@ class Session:
         self.tables = self.probe.tables()  # a collective under torch.distributed
         self.probe.detach()
         self.probe = None
+        # With a sample the norms feeding linears are traced (on every rank: the forward may
+        # hold collectives), so that the plan can weigh fusing them.
+        self.norm_fed = (
+            norm_fed_sites(self.model, self.sample) if self.sample is not None else set()
+        )
         self.plan = plan_once(self._make_plan)
         self.applied = apply(self.model, self.plan, self.config.apply, sample=self.sample)
         self.phase = "applied"
@@ -220,20 +226,25 @@ class Session:
 
     def _make_plan(self) -> Plan:
         sites, errors = self.tables["sites"], self.tables["site_errors"]
-        self.kernel_bench = self._kernel_bench(sites)
+        fed = self.norm_fed
+        self.kernel_bench = self._kernel_bench(sites, fed)
         return make_plan(sites, errors, self.kernel_bench, self.config.plan,
-                         gemm_share=self.config.gemm_share)  # fmt: skip
+                         gemm_share=self.config.gemm_share, norm_fed=fed)  # fmt: skip
 
-    def _kernel_bench(self, sites: pl.DataFrame) -> pl.DataFrame:
+    def _kernel_bench(self, sites: pl.DataFrame, norm_fed: set[str]) -> pl.DataFrame:
         given = self.config.kernel_bench
         if isinstance(given, pl.DataFrame):
             return given
         if given is not None:
             return read_table(given, "kernel_bench")
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        norm_shapes = [
+            (r["M_p50"], r["K"]) for r in sites.iter_rows(named=True) if r["site"] in norm_fed
+        ]
         result = benchmark(
             site_shapes(sites), device=device, cache=BenchCache(self.config.cache_dir),
             cost_model=CostModel.shipped(), budget_s=self.config.bench_budget_s,
+            norm_shapes=norm_shapes,
         )  # fmt: skip
         for note in result.notes:
             self._event(f"bench: {note}")
