@@ -228,7 +228,15 @@ def forward_ms(model, batch) -> float:
 def inference_runs(name: str, bf16_row: dict, loka_row: dict | None) -> list[dict]:
     setup = bf16_row["_setup"]
     batch = next(setup.train_batches())
-    rows = [{"model": name, "variant": "infer-bf16", "fwd_ms": forward_ms(setup.model, batch)}]
+    # Inference runs on bf16 weights, as served (the anchor's setting), for every variant.
+    served = copy.deepcopy(setup.model).to(torch.bfloat16 if GPU else torch.float32)
+    weights = str(next(served.parameters()).dtype)
+    try:
+        base_ms = forward_ms(served, batch)
+    except RuntimeError as exc:  # a model that does not run on bf16 weights: keep fp32
+        served, weights = copy.deepcopy(setup.model), f"torch.float32 (bf16 failed: {exc})"
+        base_ms = forward_ms(served, batch)
+    rows = [{"model": name, "variant": "infer-bf16", "fwd_ms": base_ms, "weights": weights}]
     if GPU:
         try:
             from torchao.quantization import (
@@ -237,7 +245,7 @@ def inference_runs(name: str, bf16_row: dict, loka_row: dict | None) -> list[dic
                 quantize_,
             )
 
-            quantized = copy.deepcopy(setup.model)
+            quantized = copy.deepcopy(served)
             quantize_(quantized, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
             rows.append({"model": name, "variant": "infer-torchao-rowwise",
                          "fwd_ms": forward_ms(quantized, batch)})  # fmt: skip
@@ -248,7 +256,7 @@ def inference_runs(name: str, bf16_row: dict, loka_row: dict | None) -> list[dic
         tables, bench, norm_fed = loka_row["_tables"]
         plan = make_plan(tables["sites"], tables["site_errors"], bench, PlanConfig(inference=True),
                          norm_fed=norm_fed)  # fmt: skip
-        model = copy.deepcopy(setup.model)
+        model = copy.deepcopy(served)
         applied = apply(model, plan, sample=batch)
         s = plan.summary
         rows.append({"model": name, "variant": "infer-loka", "fwd_ms": forward_ms(model, batch),

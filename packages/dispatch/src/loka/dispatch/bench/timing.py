@@ -57,10 +57,8 @@ def _median_cuda_graph(fn: Callable[[], object], target_ms: float, replays: int)
     end.record()
     torch.cuda.synchronize()
     calls = max(1, min(2000, int(target_ms / max(start.elapsed_time(end) / 5, 1e-4))))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):  # captured on torch's side stream, replayed on this one
         for _ in range(calls):
             fn()
     torch.cuda.synchronize()
