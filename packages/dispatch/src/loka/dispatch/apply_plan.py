@@ -195,6 +195,24 @@ def _fusable_sites(model: nn.Module, rows: list[dict], sample: Any) -> set[str]:
     }
 
 
+def _warn_if_timed_elsewhere(plan: Plan, device: torch.device) -> None:
+    """Kernel choices are only as good as the timings: say so when the plan's times are
+    estimates, or were measured on another GPU than the one the model is on."""
+    planned_on = plan.summary.device
+    if device.type != "cuda" or planned_on in ("unknown", "none", ""):
+        return
+    here = torch.cuda.get_device_name(device)
+    if planned_on != here:
+        warnings.warn(
+            f"loka: the plan's kernel times are for {planned_on}, the model runs on {here}: "
+            "the choices may not be the fastest here (re-plan with `loka bench` on this GPU)",
+            PlanFallbackWarning,
+            stacklevel=3,
+        )
+    elif plan.summary.estimated:
+        log.warning("loka: the plan's kernel times are estimates, not measured on this GPU")
+
+
 def apply(
     model: nn.Module,
     plan: Plan | pl.DataFrame | str | os.PathLike[str],
@@ -237,6 +255,7 @@ def apply(
             f"{len(problems)} of its {len(rows_by_site)} sites do not match, e.g. "
             + "; ".join(list(problems.values())[:3])
         )
+    _warn_if_timed_elsewhere(plan, device)
     fp8_rows = {n: r for n, r in rows_by_site.items() if any(x["recipe"] != "bf16" for x in r)}
     notes: dict[str, str] = {}
     spec_rows = []
