@@ -205,6 +205,13 @@ def main() -> None:
         ("sites; sum of time_share", f"{summary['sites']}; {summary['time_share_sum']:.3f}"),
         ("verdicts safe/unsafe/undecided", "/".join(str(v) for v in summary["verdicts"].values())),
     ]  # fmt: skip
+    errors_seen = probe.errors
+    rows.append(
+        (
+            "probe capture/analysis errors",
+            f"{len(errors_seen)}" + (f" (first: {errors_seen[0]})" if errors_seen else ""),
+        )
+    )
     width = max(len(r[0]) for r in rows)
     for label, value in rows:
         print(f"  {label:<{width}}  {value}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import polars as pl
 import pytest
@@ -34,7 +35,8 @@ def test_training_with_probe_is_bit_identical(name, overrides, autocast) -> None
     torch.manual_seed(0)
     expected = zoo.train(plain, 4, autocast_dtype=autocast)
     torch.manual_seed(0)  # the same dropout stream: Probe draws rows from its own generator
-    with Probe(probed.model, QUICK) as probe:
+    # DHEN's 26 per-feature projections are left out to keep the test short.
+    with Probe(probed.model, replace(QUICK, exclude=("*projections.*",))) as probe:
         got = zoo.train(probed, 4, autocast_dtype=autocast, on_step=lambda step, loss: probe.step())
         assert probe.counters["sampled_steps"] == 2 and probe.errors == []
     assert got == expected
@@ -281,8 +283,6 @@ def test_full_queue_drops_and_counts_sampled_steps() -> None:
 
 
 def test_drift_is_flagged_and_reverified(synthetic, every_step) -> None:
-    from dataclasses import replace
-
     Sites, drive, _ = synthetic
     model = Sites({"lin": (64, 32)})
     shifted = lambda step, g: torch.randn(96, 64, generator=g) * (1.0 if step < 12 else 64.0)  # noqa: E731

@@ -73,7 +73,7 @@ class ProbeConfig:
     timing: bool = True
     # Sites with K * N at most this compute their error GEMMs on the CPU, where hundreds
     # of tiny kernels cost the GPU nothing.
-    host_error_max_size: int = 512 * 512
+    host_error_max_size: int = 256 * 256
     real_fp8: bool = True
     exclude: tuple[str, ...] = ()
     seed: int = 0

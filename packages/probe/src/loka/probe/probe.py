@@ -67,6 +67,8 @@ class Probe:
                 state.K, state.N = spec.module.in_features, spec.module.out_features
             self._states[spec.name] = state
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
         self._lock = threading.Lock()
         self._generators: dict[str, torch.Generator] = {}
         self._errors: list[str] = []

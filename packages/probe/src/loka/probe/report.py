@@ -57,7 +57,10 @@ def render_summary(
         f"{verdicts['unsafe']} unsafe, {verdicts['undecided']} undecided"
     )
     table.caption = caption
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file: room for recipe names
+            console = Console(width=max(console.width, 160))
     buffer = io.StringIO()
     Console(file=buffer, width=console.width, no_color=True).print(table)
     console.print(table)
