@@ -93,6 +93,7 @@ WORKER = textwrap.dedent(
     print(json.dumps({"rank": rank, "planned": planned, "sites": session.applied.sites,
                       "plan": session.plan.table.to_dicts(), "same_weights": bool(same),
                       "types": [type(m).__name__ for m in model.modules()]}))
+    session.close()
     dist.destroy_process_group()
     """
 )

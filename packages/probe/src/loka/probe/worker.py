@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +35,9 @@ class Worker:
         self.jobs_done = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        # A daemon thread killed mid-operation at interpreter exit can abort the process
+        # (seen with torch + gloo); stop it cleanly first if the user never detached.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def submit(self, job: Any) -> bool:
         if not self._thread.is_alive():
@@ -69,3 +74,9 @@ class Worker:
                 self.jobs_done += 1
             finally:
                 self._queue.task_done()
+
+
+def _close_at_exit(ref: weakref.ReferenceType[Worker]) -> None:
+    worker = ref()
+    if worker is not None:
+        worker.close()
