@@ -59,3 +59,20 @@ def test_default_recipes_cover_every_pass_and_parse() -> None:
         "e5m2:e4m3/tensor/dynamic",
         "e4m3:e4m3/tensor/dynamic",
     }
+
+
+def test_student_t_quantile_without_scipy_matches_scipy(monkeypatch) -> None:
+    import sys
+
+    from scipy import stats
+
+    from loka.probe import verdict
+
+    verdict._t_quantile.cache_clear()
+    monkeypatch.setitem(sys.modules, "scipy", None)  # as on a GPU image without scipy
+    try:
+        for dof in (1, 2, 3, 4, 9, 30, 501):
+            for c in (0.9, 0.95, 0.999):
+                assert verdict._t_quantile(c, dof) == pytest.approx(stats.t.ppf(c, dof), rel=1e-9)
+    finally:
+        verdict._t_quantile.cache_clear()

@@ -10,11 +10,10 @@ import traceback
 import warnings
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 import torch
-from rich.console import Console
 from torch import nn
 
 from loka.probe.analyze import Analyzer, StepJob
@@ -27,6 +26,9 @@ from loka.probe.state import SiteState
 from loka.probe.tables import build_tables
 from loka.probe.worker import Worker
 from loka.schema import TableWriteError, write_table
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 TABLE_NAMES = ("sites", "tensor_stats", "site_errors")
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
-from rich.console import Console
-from rich.table import Table
 
 from loka.schema import PASSES
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 _MARK = {"safe": "[green]safe[/]", "unsafe": "[red]unsafe[/]", "undecided": "[yellow]?[/]"}
 
@@ -30,6 +31,10 @@ def _pass_cell(errors: pl.DataFrame) -> str:
 def render_summary(
     tables: Mapping[str, pl.DataFrame], counters: Mapping[str, Any], console: Console | None
 ) -> str:
+    # rich is imported here: training (and the GPU benchmark) runs without it.
+    from rich.console import Console
+    from rich.table import Table
+
     sites, errors = tables["sites"], tables["site_errors"]
     table = Table(
         title="loka.probe: FP8 verdicts per site (safe/unsafe/undecided, best safe recipe (UCB))",

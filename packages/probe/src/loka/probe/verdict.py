@@ -17,13 +17,42 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from scipy import stats
 
 METHOD = "student-t"
 
 
+def t_cdf(t: float, dof: int) -> float:
+    """Student-t CDF for an integer number of degrees of freedom, by the exact finite
+    series of Abramowitz & Stegun 26.7.3-4 (used where scipy is not installed)."""
+    theta = math.atan2(t, math.sqrt(dof))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if dof % 2:  # odd: (theta + sin cos (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ...)) / pi
+        term, total = 1.0, 1.0 if dof > 1 else 0.0
+        for k in range(1, (dof - 1) // 2):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            total += term
+        a = (theta + s * math.cos(theta) * total) * 2 / math.pi
+    else:  # even: sin (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...)
+        term, total = 1.0, 1.0
+        for k in range(1, dof // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            total += term
+        a = s * total
+    return 0.5 + 0.5 * a
+
+
 @lru_cache(maxsize=4096)
 def _t_quantile(confidence: float, dof: int) -> float:
+    try:
+        from scipy import stats
+    except ImportError:  # e.g. a GPU image without scipy: bisect the exact CDF
+        lo, hi = 0.0, 1.0
+        while t_cdf(hi, dof) < confidence:
+            hi *= 2
+        for _ in range(80):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if t_cdf(mid, dof) < confidence else (lo, mid)
+        return 0.5 * (lo + hi)
     return float(stats.t.ppf(confidence, dof))
 
 
