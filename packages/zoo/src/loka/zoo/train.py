@@ -75,7 +75,10 @@ def train(
         raise ValueError(f"steps must be non-negative, got {steps}")
     _check_autocast(autocast_dtype)
     model = setup.model if model is None else model
-    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
+    if optimizer is None:
+        # The fused kernel is several times faster than foreach on CUDA and unavailable on CPU.
+        fused = next(model.parameters()).is_cuda
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
     model.train()
     losses: list[torch.Tensor] = []
     batches = setup.train_batches()
