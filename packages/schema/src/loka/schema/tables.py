@@ -138,7 +138,13 @@ SITE_ERRORS = Table(
         _c("recipe", _S, "recipe string (loka.schema.Recipe)"),
         _c("pass", _S, "fwd, dgrad or wgrad", allowed=PASSES),
         _c("n", _I, "sampled batches the error was measured on"),
-        _c("mean_rel_err", _F, "mean over batches of ||out - ref||_F / ||ref||_F"),
+        _c(
+            "mean_rel_err",
+            _F,
+            "mean over batches of the balanced relative error: the relative Frobenius error "
+            "after dividing each output entry by the norms of the two operand rows that "
+            "produce it (equals ||out - ref||_F / ||ref||_F on well-conditioned data)",
+        ),
         _c("std_rel_err", _F, "sample standard deviation of the per-batch error", nullable=True),
         _c("lcb_rel_err", _F, "lower confidence bound of the mean error", nullable=True),
         _c("ucb_rel_err", _F, "upper confidence bound of the mean error", nullable=True),
