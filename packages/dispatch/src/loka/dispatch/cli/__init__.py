@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "loka.dispatch.cli.plan",
     "loka.dispatch.cli.report",
     "loka.dispatch.cli.lora_plan",
+    "loka.dispatch.cli.reprec",
 )
 
 

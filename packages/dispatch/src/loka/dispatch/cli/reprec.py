@@ -1,0 +1,191 @@
+"""`loka reprec`: the REPREC pipeline (loka.zoo.reprec) with its baselines on an Amazon
+dataset: train SASRec, pretrain a small backbone unless one is given, train the injector and
+LoRA, evaluate, write the results table."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loka.dispatch.cli._common import fail, use_interpreter_without_gpu
+
+if TYPE_CHECKING:  # the heavy imports wait until the command runs: `loka --help` stays fast
+    from loka.zoo.reprec import RepRecConfig, RepRecReport
+
+_METHODS = ("sasrec", "zero_shot", "reprec", "lora", "reprec_cheap")
+
+
+def _csv(kind: type, choices: tuple[str, ...] | None = None):
+    def parse(text: str) -> tuple:
+        values = tuple(kind(v) for v in text.split(",") if v.strip())
+        bad = [v for v in values if choices is not None and v not in choices]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list{f' of {list(choices)}' if choices else ''}, "
+                f"got {text!r}"
+            )
+        return values
+
+    return parse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "reprec",
+        help="REPREC: a frozen LLM conditioned by a SASRec user embedding, vs LoRA and SASRec",
+        description=(
+            "Train SASRec on the training split, pretrain a small Llama on the training "
+            "histories as text (or load --backbone, any local Hugging Face causal LM), train "
+            "the REPREC injector and the baselines (zero-shot, LoRA r=8 on q/v, REPREC on "
+            "short histories), rank each test item against seeded uniform and popularity "
+            "negatives, and write the table (HR@10, NDCG@10, MRR per activity group)."
+        ),
+    )
+    data = parser.add_argument_group("data and run")
+    data.add_argument("--dataset", default="beauty", choices=("beauty", "sports"))
+    data.add_argument("--data-dir", default=None, help="folder of the Amazon files")
+    data.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    data.add_argument("--bf16", action="store_true", help="bfloat16 autocast (CUDA)")
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--methods", type=_csv(str, _METHODS), default=_METHODS,
+                      help=f"comma-separated subset of {','.join(_METHODS)}")  # fmt: skip
+    data.add_argument("--out", type=Path, default=Path("reprec-results"),
+                      help="folder for reprec.json and reprec.csv")  # fmt: skip
+    encoder = parser.add_argument_group("user encoder (SASRec)")
+    encoder.add_argument("--sasrec-preset", default="base", choices=("tiny", "base", "large"))
+    encoder.add_argument("--sasrec-steps", type=int, default=1500)
+    encoder.add_argument("--sasrec-batch", type=int, default=128)
+    encoder.add_argument("--max-seq-len", type=int, default=50, help="SASRec history window")
+    backbone = parser.add_argument_group("backbone")
+    backbone.add_argument("--backbone", type=Path, default=None,
+                          help="a local Hugging Face causal LM folder (skips pretraining)")  # fmt: skip
+    backbone.add_argument("--save-backbone", type=Path, default=None,
+                          help="save the pretrained small backbone here")  # fmt: skip
+    backbone.add_argument("--hidden-size", type=int, default=256)
+    backbone.add_argument("--layers", type=int, default=4)
+    backbone.add_argument("--heads", type=int, default=4)
+    backbone.add_argument("--intermediate-size", type=int, default=688)
+    backbone.add_argument("--pretrain-epochs", type=int, default=4)
+    training = parser.add_argument_group("injector and training")
+    training.add_argument("--num-soft-tokens", type=int, default=6)
+    training.add_argument("--mlp-dim", type=int, default=128, help="the injector's inner width")
+    training.add_argument("--prompt-history", type=int, default=10, help="items in a prompt")
+    training.add_argument("--cheap-history", type=int, default=3,
+                          help="items in training histories of reprec_cheap")  # fmt: skip
+    training.add_argument("--epochs", type=int, default=2)
+    training.add_argument("--batch-size", type=int, default=128)
+    training.add_argument("--lr", type=float, default=1e-3, help="the injector's learning rate")
+    training.add_argument("--lora-lr", type=float, default=1e-3)
+    training.add_argument("--train-users", type=int, default=None, help="subsample training users")
+    evaluation = parser.add_argument_group("evaluation")
+    evaluation.add_argument("--eval-users", type=int, default=2000,
+                            help="seeded sample of users to rank for (0: all)")  # fmt: skip
+    evaluation.add_argument("--eval-negatives", type=int, default=100)
+    evaluation.add_argument("--negatives", type=_csv(str, ("uniform", "popularity")),
+                            default=("uniform", "popularity"))  # fmt: skip
+    parser.set_defaults(func=run)
+
+
+def build_config(args: argparse.Namespace) -> RepRecConfig:
+    import dataclasses
+
+    import torch
+
+    from loka.zoo.reprec import BackboneConfig, PretrainConfig, RepRecConfig, TrainConfig
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    train = TrainConfig(
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        max_users=args.train_users,
+        seed=args.seed,
+    )
+    return RepRecConfig(
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        device=device,
+        seed=args.seed,
+        bf16=args.bf16,
+        methods=tuple(args.methods),
+        sasrec_preset=args.sasrec_preset,
+        sasrec_steps=args.sasrec_steps,
+        sasrec_batch=args.sasrec_batch,
+        sasrec_max_seq_len=args.max_seq_len,
+        backbone_path=str(args.backbone) if args.backbone else None,
+        backbone=BackboneConfig(
+            hidden_size=args.hidden_size,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            intermediate_size=args.intermediate_size,
+        ),
+        pretrain=PretrainConfig(epochs=args.pretrain_epochs, seed=args.seed),
+        save_backbone_to=str(args.save_backbone) if args.save_backbone else None,
+        prompt_history=args.prompt_history,
+        num_soft_tokens=args.num_soft_tokens,
+        injector_mlp_dim=args.mlp_dim,
+        reprec=train,
+        lora=dataclasses.replace(train, lr=args.lora_lr),
+        cheap_history=args.cheap_history,
+        eval_users=args.eval_users or None,
+        eval_negatives=args.eval_negatives,
+        eval_sampling=tuple(args.negatives),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    use_interpreter_without_gpu()
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from loka.dispatch.console import console
+        from loka.zoo.reprec import run_reprec
+    except ImportError as exc:
+        return fail(f"loka reprec needs loka-zoo, transformers and peft: {exc}")
+    try:
+        config = build_config(args)
+    except ValueError as exc:
+        return fail(str(exc))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console) as progress:
+        tasks: dict[str, int] = {}
+
+        def on_progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(phase, total=total)
+            progress.update(tasks[phase], completed=done, total=total)
+
+        try:
+            report = run_reprec(config, on_progress)
+        except (ValueError, FileNotFoundError, ImportError) as exc:
+            progress.stop()
+            return fail(str(exc))
+    json_path, csv_path = report.write(args.out)
+    print_report(console, report)
+    console.print(f"results written to {json_path} and {csv_path}")
+    return 0
+
+
+def print_report(console, report: RepRecReport) -> None:
+    from rich.table import Table
+
+    from loka.zoo.reprec.pipeline import GROUPS
+
+    for negatives in dict.fromkeys(row["negatives"] for row in report.rows):
+        table = Table(title=f"test ranking vs {negatives} negatives", title_justify="left")
+        table.add_column("method")
+        for group in GROUPS:
+            table.add_column(f"{group}: HR@10/NDCG@10/MRR (users)", justify="right")
+        for method, cells in report.cells(negatives).items():
+            table.add_row(method, *(cells.get(g, "-") for g in GROUPS))
+        console.print(table)
+    for line in report.training_lines():
+        console.print(line)
+    for note in report.notes:
+        console.print(f"[dim]{note}[/dim]")
