@@ -122,13 +122,19 @@ def test_cache_round_trip_merge_and_foreign_files(tmp_path) -> None:
 def test_shipped_table_is_what_the_script_builds() -> None:
     model = CostModel.shipped()
     built = build_shipped_table()
-    assert model.table.height == built.height > 500
+    assert model.table.height == built.height > 1500
     assert model.table.drop("source").equals(built.drop("source")) or (
         (model.table["median_ms"] - built["median_ms"]).abs().max() < 1e-12
     )
     assert model.device.device == "NVIDIA H200"
     measured = model.table.filter(~pl.col("estimated"))
-    assert set(measured["backend"]) == {"torch.bf16"} and set(measured["pass"]) == {"fwd"}
+    # The dispatch_table run measured every backend and pass at the zoo's shapes; the
+    # derived rows never shadow a measured one.
+    assert {"torch.scaled_mm", "triton.fp8", "torch.bf16"} <= set(measured["backend"])
+    assert set(measured["pass"]) == {"fwd", "dgrad", "wgrad"} and measured.height > 700
+    key = ["backend", "recipe", "pass", "M_bucket", "K", "N", "groups"]
+    assert model.table.select(key).is_unique().all()
+    assert model.table["driver"].n_unique() == 1
 
 
 def test_cost_model_reproduces_recorded_rows_and_reports_its_error() -> None:
@@ -145,8 +151,9 @@ def test_cost_model_reproduces_recorded_rows_and_reports_its_error() -> None:
     assert model.estimate(Candidate("no.such", "bf16", "fwd"), 64, 64, 64) is None
     holdout = model.holdout()
     err = holdout["rel_err"].abs()
-    # The documented leave-one-out error of the shipped table (README): median under 6%.
-    assert err.median() < 0.06 and err.quantile(0.9) < 0.15
+    # The documented leave-one-out error of the shipped table (README): median 7.3%,
+    # 90th percentile 30%, the worst at the zoo's skinny shapes (K or N < 256).
+    assert err.median() < 0.09 and err.quantile(0.9) < 0.35
 
 
 def test_benchmark_without_a_gpu_estimates_and_says_so() -> None:

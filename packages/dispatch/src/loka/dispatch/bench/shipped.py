@@ -2,16 +2,21 @@
 
     python -m loka.dispatch.bench.shipped            # rewrites data/h200_kernel_bench.parquet
 
-It is the cost model's fallback until a full `loka bench --zoo-large` run on the H200
-replaces it. Sources (copied into `data/sources/`, measured on one H200, torch 2.11,
-triton 3.6, CUDA 13.0):
+It is the cost model's table for the H200 when no H200 is present. Sources (copied into
+`data/sources/`, measured on one H200, torch 2.11, triton 3.6, CUDA 13.0):
+- `kernel_bench_h200_*.parquet` (`bench/dispatch_table.py`): every candidate (backend x
+  recipe x pass) timed by `loka.dispatch.benchmark` at the site shapes of the zoo's large
+  DLRM, DHEN, Wukong and HSTU models. These rows are shipped as measured
+  (`estimated=False`) and replace any derived row with the same key;
 - `h200_gemm_bf16_vs_fp8_2026-11-29.csv` (the project's anchors): bf16 and pre-quantized
   `torch._scaled_mm` (tensorwise, rowwise) GEMM times at 32 shapes, M 2k-128k, K,N 256-8k;
 - `kernels_quick_*.csv` (`bench/kernels.py --quick`): LoKA's quantization kernels (with
   CUDA-graph times), each FP8 GEMM backend and the backward GEMMs at 2 shapes.
 
-How each row is made (the `source` column says which rule; only rule 1 is a direct
-measurement of the row's quantity, so only those rows have `estimated=False`):
+The derived rows below widen the table to the anchors' 32 generic shapes (M 2k-128k) so
+that the cost model extrapolates from more than the zoo's shapes. How each derived row is
+made (the `source` column says which rule; only rule 1 is a direct measurement of the
+row's quantity, so only those rows, with the measured table's, have `estimated=False`):
 1. bf16 fwd: the anchor's bf16 GEMM time at (M, K, N).
 2. bf16 dgrad, wgrad: the anchor's bf16 GEMM of equal flops, (M, N, K) for dgrad (the
    dgrad GEMM's own dims) and (M, K, N) for wgrad.
@@ -50,7 +55,7 @@ from loka.dispatch.bench.candidates import (
     fusable,
 )
 from loka.kernels import gemm_dims
-from loka.schema import Recipe, validate, write_table
+from loka.schema import Recipe, read_table, validate, write_table
 
 DEVICE = {
     "device": "NVIDIA H200",
@@ -61,6 +66,8 @@ DEVICE = {
 }
 ANCHORS = "h200_gemm_bf16_vs_fp8_2026-11-29.csv"
 KERNELS = "kernels_quick_20261129T201612Z.csv"
+MEASURED = "kernel_bench_h200_20261129T224545Z.parquet"
+_KEY = ["backend", "recipe", "pass", "M_bucket", "K", "N", "groups"]
 BACKENDS = ("torch.bf16", "torch.scaled_mm", "triton.fp8", "triton.fp8.tma")
 
 # (kernels launched, bytes moved per element of a bf16 input) of each quantization.
@@ -154,9 +161,33 @@ def _triton_ratios(kernel_rows: list[dict[str, str]]) -> dict[tuple, dict[int, f
 
 
 def build_shipped_table(
-    anchors_csv: Path | None = None, kernels_csv: Path | None = None
+    anchors_csv: Path | None = None,
+    kernels_csv: Path | None = None,
+    measured_table: Path | None = None,
 ) -> pl.DataFrame:
-    """The H200 kernel_bench table, derived as described in this module's documentation."""
+    """The H200 kernel_bench table: the measured table's rows, then the rows derived (as
+    described in this module's documentation) at keys the measured table lacks."""
+    measured_table = measured_table or _sources_dir() / MEASURED
+    measured = read_table(measured_table, "kernel_bench")
+    derived = _derived_table(anchors_csv, kernels_csv)
+    devices = set(measured["device"]) | set(derived["device"])
+    if devices != {DEVICE["device"]}:
+        raise ValueError(
+            f"{measured_table}: rows of {sorted(devices)}, expected {DEVICE['device']}"
+        )
+    # One machine identity for the whole table: the measured run's (the derived rows come
+    # from the same GPU model and software versions, their driver was not recorded).
+    identity = measured.select(
+        ["device", "capability", "driver", "torch_version", "triton_version"]
+    ).row(0, named=True)
+    derived = derived.join(measured.select(_KEY), on=_KEY, how="anti").with_columns(
+        [pl.lit(v).alias(k) for k, v in identity.items()]
+    )
+    table = pl.concat([measured, derived.select(measured.columns)], how="vertical")
+    return validate(table, "kernel_bench", source="shipped H200 table")
+
+
+def _derived_table(anchors_csv: Path | None, kernels_csv: Path | None) -> pl.DataFrame:
     anchors_csv = anchors_csv or _sources_dir() / ANCHORS
     kernels_csv = kernels_csv or _sources_dir() / KERNELS
     anchors = _Anchors(_read_csv(anchors_csv))
@@ -262,15 +293,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--anchors", type=Path, default=None)
     parser.add_argument("--kernels", type=Path, default=None)
     parser.add_argument(
+        "--measured", type=Path, default=None, help="a bench/dispatch_table.py table"
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path(str(resources.files("loka.dispatch") / "data" / "h200_kernel_bench.parquet")),
     )
     args = parser.parse_args(argv)
-    df = build_shipped_table(args.anchors, args.kernels)
+    df = build_shipped_table(args.anchors, args.kernels, args.measured)
+    sources = ", ".join(
+        str(p.name if p else d) for p, d in
+        ((args.measured, MEASURED), (args.anchors, ANCHORS), (args.kernels, KERNELS))
+    )  # fmt: skip
     write_table(
         df, args.out, "kernel_bench",
-        metadata={"producer": "loka.dispatch.bench.shipped", "sources": f"{ANCHORS}, {KERNELS}"},
+        metadata={"producer": "loka.dispatch.bench.shipped", "sources": sources},
     )  # fmt: skip
     print(f"wrote {args.out}: {df.height} rows, {df.filter(~pl.col('estimated')).height} measured")
 
