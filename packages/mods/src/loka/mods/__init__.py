@@ -28,6 +28,7 @@ from loka.mods.recipe import Fp8Recipe, parse_recipe
 from loka.mods.reference import fp8_linear_reference
 from loka.mods.smoothing import fold_norm_bias, smooth
 from loka.mods.spec import GroupMods, ModSpec, SiteMods
+from loka.mods.weight_stamp import invalidate_weight_caches
 
 __all__: list[str] = [
     "Change",
@@ -59,6 +60,7 @@ __all__: list[str] = [
     "convert_to_packed_lora",
     "fold_norm_bias",
     "fp8_linear_reference",
+    "invalidate_weight_caches",
     "load_adapter",
     "load_lordba",
     "lordba_footprint",

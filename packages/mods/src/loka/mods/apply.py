@@ -34,6 +34,7 @@ from loka.mods.trace import (
     run_model,
     trace_norm_consumers,
 )
+from loka.mods.weight_stamp import weight_stamp
 
 
 @dataclass
@@ -59,14 +60,15 @@ class Report:
     changes: list[Change] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)  # (kind, name, reason)
     undone: bool = False
-    _versions: list[int] = field(repr=False, default_factory=list)
+    _stamps: list[tuple[int, int, int]] = field(repr=False, default_factory=list)
 
     def _touched(self) -> list[torch.Tensor]:
         return [p for change in self.changes for p in change._params]
 
     def _seal(self) -> None:
-        """Remember the version of every rewritten parameter as `apply` leaves it."""
-        self._versions = [p._version for p in self._touched()]
+        """Remember the stamp of every rewritten parameter as `apply` leaves it (a fused
+        optimizer step leaves the version counter alone, hence the stamp)."""
+        self._stamps = [weight_stamp(p) for p in self._touched()]
 
     def undo(self) -> None:
         """Put the original modules back (they hold the same, possibly since trained,
@@ -74,7 +76,7 @@ class Report:
         nothing changed them since `apply`, else mathematically."""
         if self.undone:
             raise RuntimeError("this report was already undone")
-        exact = [p._version for p in self._touched()] == self._versions
+        exact = [weight_stamp(p) for p in self._touched()] == self._stamps
         for change in reversed(self.changes):
             change._undo(exact)
         self.undone = True

@@ -26,6 +26,7 @@ from loka.mods.config import Fp8LinearConfig
 from loka.mods.linear_function import Fp8LinearFunction
 from loka.mods.linear_plan import LinearPlan
 from loka.mods.ops import call, decode
+from loka.mods.weight_stamp import weight_stamp
 
 HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
 
@@ -115,8 +116,8 @@ class Fp8Linear(nn.Linear):
         and a key that matches no weight, so the next forward fills them."""
         device = self.weight.device
         self._no_history = torch.zeros(0, device=device)
-        self._weight_key = torch.full((2,), -1, dtype=torch.int64)
-        self._weight_stamp = (-1, -1)
+        self._weight_key = torch.full((3,), -1, dtype=torch.int64)
+        self._weight_stamp = (-1, -1, -1)
         N, K = self.out_features, self.in_features
         _, Kp, Np = self.plan.multiples.pad(1, K, N)
         cache: list[torch.Tensor] = []
@@ -148,7 +149,7 @@ class Fp8Linear(nn.Linear):
             return
         if not torch.compiler.is_compiling():
             # Eager fast path: a Python comparison instead of reading the key tensor.
-            stamp = (self.weight._version, self.weight.data_ptr())
+            stamp = weight_stamp(self.weight)
             if stamp == self._weight_stamp:
                 return
             self._weight_stamp = stamp

@@ -31,6 +31,7 @@ from loka.kernels import (
 )
 from loka.kernels.formats import scale_grid
 from loka.kernels.scaling import finite_abs
+from loka.mods.weight_stamp import weight_stamp
 
 NAMESPACE = "loka_mods"
 _EMPTY_SHAPE = (0,)
@@ -265,16 +266,18 @@ def refresh_weight_impl(
 ) -> None:
     """Re-quantize `weight` into `cache` in place if it changed since the last call.
 
-    `key` (int64 CPU ``[2]``) holds the weight's version counter and data pointer at the last
-    refresh: an optimizer step, ``load_state_dict`` or any in-place edit bumps the version,
-    a move to another device changes the pointer. `cache` holds data, scale, inv_scale, amax
+    `key` (int64 CPU ``[3]``) holds the weight's stamp at the last refresh (`weight_stamp`:
+    version counter, data pointer, optimizer-step generation): ``load_state_dict`` or an
+    in-place edit bumps the version, every optimizer step (fused ones too, which leave the
+    version alone) the generation of trainable weights, and a move to another device
+    changes the pointer. `cache` holds data, scale, inv_scale, amax
     of W ``[rows, cols]`` (fwd layout, for config `fwd_config`) then of W^T ``[cols, rows]``
     (dgrad layout, `dgrad_config`); a layout whose config is "" is not made. `history` is the
     weight's amax history: a layout marked delayed takes its scale from the history's maximum
     once it holds a value (before: the current amax), and the measured amax is pushed to it.
     """
-    stamp = (weight._version, weight.data_ptr())
-    if (int(key[0]), int(key[1])) == stamp:
+    stamp = weight_stamp(weight)
+    if tuple(int(v) for v in key) == stamp:
         return
     w = weight.detach()
     delayed_amax = None
@@ -300,7 +303,7 @@ def refresh_weight_impl(
     if delayed_amax is not None:
         measured = finite_abs(w).amax().reshape(1).to(history.dtype)
         history.copy_(torch.cat([measured, history[:-1]]))
-    key[0], key[1] = stamp
+    key[0], key[1], key[2] = stamp
 
 
 def _refresh_weight_fake(

@@ -30,6 +30,7 @@ from loka.mods.lordba.function import (
     pack_factor_signs,
     select_ops,
 )
+from loka.mods.weight_stamp import weight_stamp
 
 
 def base_features(base: nn.Module) -> tuple[int, int]:
@@ -168,13 +169,7 @@ class LoRDBALinear(nn.Module):
 
     def packed_signs(self) -> PackedSigns:
         """Current signs, packed; reused while the latents are unchanged."""
-        key = (
-            self.latent_a.data_ptr(),
-            self.latent_a._version,
-            self.latent_b.data_ptr(),
-            self.latent_b._version,
-            self.latent_a.device,
-        )
+        key = (weight_stamp(self.latent_a), weight_stamp(self.latent_b), self.latent_a.device)
         if self._packed_cache is None or self._packed_cache[0] != key:
             self._packed_cache = (key, pack_factor_signs(self.latent_a, self.latent_b))
         return self._packed_cache[1]
