@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     p.add_argument("--data-dir", default=None, help="folder holding Beauty.txt")
     p.add_argument("--backbone", default=None, help="a local Hugging Face causal LM folder")
+    p.add_argument("--save-backbone", default=None, help="save the pretrained backbone here")
     p.add_argument("--eval-users", type=int, default=None, help="users ranked (0: all)")
     p.add_argument("--epochs", type=int, default=None, help="REPREC and LoRA epochs")
     p.add_argument("--pretrain-epochs", type=int, default=None)
@@ -52,6 +53,9 @@ def parse_args() -> argparse.Namespace:
 
 ARGS = parse_args()
 MODE = "smoke" if ARGS.smoke else "cpu" if ARGS.cpu else "gpu"
+# This folder holds kernels.py, which would shadow the `kernels` package that transformers
+# probes for: import packages from the environment only.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
 import torch  # noqa: E402
 
@@ -104,9 +108,9 @@ def config(data_dir: str | None) -> RepRecConfig:
             eval_negatives=50,
         )
     elif MODE == "cpu":
-        # Reduced: a narrow 2-layer backbone, 1 pretraining epoch, 3000 training users,
-        # 500 evaluated users; a shared 2-core machine.
-        train = TrainConfig(epochs=1, batch_size=64, lr=3e-3, max_users=3000, seed=ARGS.seed)
+        # Reduced for a shared 2-core machine: a narrow 2-layer backbone, 6 pretraining
+        # epochs, 2 training epochs, 500 evaluated users.
+        train = TrainConfig(epochs=2, batch_size=64, lr=3e-3, seed=ARGS.seed)
         base = RepRecConfig(
             data_dir=data_dir,
             sasrec_steps=600,
@@ -114,7 +118,7 @@ def config(data_dir: str | None) -> RepRecConfig:
             backbone=BackboneConfig(
                 hidden_size=64, num_layers=2, num_heads=2, intermediate_size=172
             ),
-            pretrain=PretrainConfig(epochs=1, batch_size=32, block=128),
+            pretrain=PretrainConfig(epochs=6, batch_size=32, block=128),
             injector_mlp_dim=64,
             reprec=train,
             lora=dataclasses.replace(train, lr=1e-3),
@@ -138,7 +142,11 @@ def config(data_dir: str | None) -> RepRecConfig:
             eval_users=5000,
             eval_max_prompts=8192,
         )
-    overrides = {"seed": ARGS.seed, "backbone_path": ARGS.backbone}
+    overrides = {
+        "seed": ARGS.seed,
+        "backbone_path": ARGS.backbone,
+        "save_backbone_to": ARGS.save_backbone,
+    }
     if ARGS.eval_users is not None:
         overrides["eval_users"] = ARGS.eval_users or None
     if ARGS.sasrec_steps is not None:
@@ -161,7 +169,25 @@ def git_commit() -> str | None:
     return commit if done.returncode == 0 and len(commit) == 40 else None
 
 
-def metadata() -> dict:
+def label(run_config: RepRecConfig) -> str:
+    b, users = run_config.backbone, run_config.eval_users or "all"
+    scale = (
+        f"backbone {b.hidden_size} wide x {b.num_layers} layers, "
+        f"{run_config.pretrain.epochs} pretraining epochs, "
+        f"{run_config.reprec.epochs} training epochs over "
+        f"{run_config.reprec.max_users or 'all'} users, {users} evaluated users"
+    )
+    if run_config.backbone_path:
+        scale = f"backbone {run_config.backbone_path}, " + scale.split(", ", 2)[2]
+    return {
+        "smoke": "CPU smoke run on a generated tiny dataset: proves the pipeline runs, the "
+        "numbers mean nothing",
+        "cpu": f"CPU, REDUCED scale ({scale}): a real but small-scale result",
+        "gpu": f"GPU, Beauty ({scale})",
+    }[MODE]
+
+
+def metadata(run_config: RepRecConfig) -> dict:
     import transformers
 
     try:
@@ -180,13 +206,7 @@ def metadata() -> dict:
     return {
         "command": " ".join([sys.executable, *sys.argv]),
         "mode": MODE,
-        "label": {
-            "smoke": "CPU smoke run on a generated tiny dataset: proves the pipeline runs, "
-            "numbers mean nothing",
-            "cpu": "CPU, REDUCED scale (small backbone, 1 pretraining epoch, training-user and "
-            "evaluation-user samples): a real but small-scale result",
-            "gpu": "GPU, full Beauty (evaluation on a seeded user sample)",
-        }[MODE],
+        "label": label(run_config),
         "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name()
         if cuda
@@ -219,10 +239,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     stem = f"reprec_{MODE}_{stamp}"
-    report.notes.insert(0, metadata()["label"])
+    report.notes.insert(0, label(run_config))
     json_path, csv_path = report.write(out, stem)
     payload = json.loads(json_path.read_text())
-    payload["meta"] = metadata()
+    payload["meta"] = metadata(run_config)
     tmp = json_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     os.replace(tmp, json_path)
