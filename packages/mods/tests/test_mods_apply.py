@@ -310,3 +310,23 @@ def test_fp8_linear_stays_a_probe_site():
     assert {site.name for site in found} == {
         n for n, m in s.model.named_modules() if isinstance(m, Fp8Linear)
     }
+
+
+def test_a_served_bf16_model_fed_float32_features_is_checked_under_autocast():
+    # DLRM-style: float32 dense features into a model whose weights were cast to bf16; it
+    # runs only under autocast, and so must apply's checks (an H200 end-to-end run failed
+    # with "mat1 and mat2 must have the same dtype" before).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8)).to(torch.bfloat16)
+    features = torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="dtype"):
+        model(features)
+    reference = run_model(model, features)
+    assert reference.dtype == torch.bfloat16
+    report = apply(model, ModSpec(sites={"2": SiteMods(fold_norm_bias=True)}), features)
+    assert [c.kind for c in report.changes] == ["fold_norm_bias"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(model(features), reference, rtol=2e-2, atol=2e-2)
+    # An fp32 model is run as called: no autocast is imposed on it.
+    fp32 = nn.Linear(16, 8)
+    assert run_model(fp32, features).dtype == torch.float32

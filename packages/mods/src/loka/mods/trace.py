@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,25 @@ class ConsumerTrace:
 
 
 def _call(model: nn.Module, example: Any) -> Any:
-    return model(*example) if isinstance(example, tuple) else model(example)
+    with _serving_autocast(model, example):
+        return model(*example) if isinstance(example, tuple) else model(example)
+
+
+def _serving_autocast(model: nn.Module, example: Any):
+    """Autocast to the model's dtype when the model can only run that way: all floating
+    parameters in bf16 or fp16, float32 tensors in the sample and no autocast active (a
+    served bf16 model fed float32 features, which its owner runs under autocast). Otherwise
+    (an fp32 model, a caller's own autocast) the model runs as it is called."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    leaves = [t for t in tree_leaves(example) if isinstance(t, torch.Tensor)]
+    if len(dtypes) != 1 or not dtypes <= {torch.bfloat16, torch.float16} or not leaves:
+        return nullcontext()
+    if not any(t.dtype == torch.float32 for t in leaves):
+        return nullcontext()
+    device_type = leaves[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        return nullcontext()
+    return torch.autocast(device_type, dtype=next(iter(dtypes)))
 
 
 def run_model(model: nn.Module, example: Any, seed: int = 0) -> Any:
