@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile every variant")
     p.add_argument("--cache", default=None,
                    help="kernel_bench cache folder (default ~/.cache/loka, shared with dispatch_table.py)")  # fmt: skip
+    p.add_argument("--seed-cache", default=None, metavar="TABLE",
+                   help="a kernel_bench table measured on this machine's identity, stored into "
+                   "the cache first (bench/dispatch_table.py's output), so plans start measured")  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = p.parse_args()
     smoke = args.smoke
@@ -83,6 +86,8 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before loka.kernels is imported
+
+import polars as pl  # noqa: E402
 
 import loka.zoo as zoo  # noqa: E402
 from loka.dispatch import PlanConfig, Session, SessionConfig, apply, make_plan  # noqa: E402
@@ -291,10 +296,29 @@ def metadata() -> dict:
     }  # fmt: skip
 
 
+def seed_cache(table_path: str) -> str:
+    """Store a recorded kernel_bench table into the cache when it was measured on a machine
+    of this one's identity (GPU, capability, driver, torch, triton); says what it did."""
+    from loka.dispatch.bench.cache import BenchCache
+    from loka.dispatch.device import DeviceInfo
+    from loka.schema import read_table
+
+    device = DeviceInfo.current()
+    table = read_table(table_path, "kernel_bench").filter(~pl.col("estimated"))
+    try:
+        path = BenchCache(ARGS.cache).store(device, table)
+    except Exception as exc:  # another machine identity: the run measures from scratch
+        return f"not seeded from {table_path}: {exc}"
+    return f"seeded {path} with {table.height} measured rows from {table_path}"
+
+
 def main() -> None:
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = metadata()
+    if ARGS.seed_cache:
+        meta["seed_cache"] = seed_cache(ARGS.seed_cache)
+        print(f"[e2e] {meta['seed_cache']}", flush=True)
     runs: list[dict] = []
     variants = [v for v in ARGS.variants.split(",") if v]
     for name in ARGS.models.split(","):

@@ -50,6 +50,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=500, help="measured steps per copy")
     p.add_argument("--block", type=int, default=50, help="steps per alternating block")
     p.add_argument("--warmup", type=int, default=30, help="steps per copy before attaching")
+    p.add_argument(
+        "--config", default="",
+        help="ProbeConfig overrides, e.g. 'every=50,rows=128' (default: ProbeConfig())",
+    )  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = p.parse_args()
     if args.smoke:
@@ -97,6 +101,19 @@ class Copy:
         return (time.perf_counter() - start) * 1e3
 
 
+def parse_overrides(text: str) -> dict:
+    """'every=50,rows=128,host_error_max_size=0' -> ProbeConfig keyword arguments;
+    'drop_pow2=1' keeps the default recipes without their power-of-two-scale variants."""
+    out: dict = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    if out.pop("drop_pow2", 0):
+        defaults = ProbeConfig().recipes
+        out["recipes"] = {p: tuple(r for r in rs if "/pow2" not in r) for p, rs in defaults.items()}
+    return out
+
+
 def main() -> None:
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -106,7 +123,7 @@ def main() -> None:
         copy.setup.model.train()
         for _ in range(args.warmup):
             copy.step()
-    config = ProbeConfig()
+    config = ProbeConfig(**parse_overrides(args.config))
     probe = Probe(copies["probe"].setup.model, config)
     sampled, before_sampled, drain_ms = [], [], 0.0
     probe_step = 0
