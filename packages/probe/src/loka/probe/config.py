@@ -42,17 +42,23 @@ DEFAULT_BUDGETS: Mapping[str, float] = MappingProxyType({"fwd": 0.06, "dgrad": 0
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    """Everything Probe can be told. Defaults keep the step-time overhead within ~3% on an
-    H200-sized recommendation model (bench/probe_overhead.py)."""
+    """Everything Probe can be told. The defaults are for monitoring a whole training run:
+    they keep the step-time overhead near 3% on the zoo's DHEN large on an H200
+    (bench/probe_overhead.py; the README has the numbers) and decide a site's verdicts
+    after about `min_batches * sites / max_sites_per_step` sampled steps. A short, dense
+    probing phase (what loka.dispatch's Session runs before planning) sets `every=1`,
+    `warmup_steps=0` and no site cap."""
 
     # Schedule: steps 0, warmup_every, 2*warmup_every, ... below warmup_steps, then every
     # `every` steps. A site whose verdicts are all decided is captured on one sampled step
     # in `decided_every` (re-verification), so sampling concentrates on undecided sites.
-    every: int = 25
-    warmup_steps: int = 100
-    warmup_every: int = 10
+    # The cost of a sampled step is mostly the background thread's Python work per site,
+    # which competes with the training loop for the GIL: `max_sites_per_step` bounds it.
+    every: int = 50
+    warmup_steps: int = 200
+    warmup_every: int = 20
     decided_every: int = 4
-    max_sites_per_step: int | None = None
+    max_sites_per_step: int | None = 8
     # Rows sampled per GEMM call (activations and gradients; same rows for x and dY) and
     # per weight (for its statistics).
     rows: int = 256
