@@ -166,7 +166,7 @@ def train_run(name: str, variant: str) -> dict:
     if ARGS.compile and variant != "loka":
         model = torch.compile(setup.model)
     if variant == "loka":
-        probe = ProbeConfig(warmup_steps=ARGS.probe_steps, warmup_every=max(1, ARGS.probe_steps // 8),
+        probe = ProbeConfig(warmup_steps=ARGS.probe_steps, max_sites_per_step=None, warmup_every=max(1, ARGS.probe_steps // 8),
                             every=25, min_batches=min(5, max(2, ARGS.probe_steps // 8)))  # fmt: skip
         session = Session(setup.model, SessionConfig(
             warmup_steps=ARGS.probe_steps, probe=probe, cache_dir=ARGS.cache,

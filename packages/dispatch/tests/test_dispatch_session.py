@@ -25,7 +25,9 @@ from loka.probe import ProbeConfig
 
 # blocks.i.fc1 of dhen tiny at batch 32: FP8 wins there in the synthetic table.
 BENCH = synthetic_kernel_bench([(32, 32, 64)])
-PROBE = ProbeConfig(every=1, warmup_steps=0, min_batches=2, rows=32, queue_size=16)
+PROBE = ProbeConfig(
+    every=1, warmup_steps=0, max_sites_per_step=None, min_batches=2, rows=32, queue_size=16
+)
 
 
 def _config(**kw) -> SessionConfig:
@@ -74,7 +76,7 @@ WORKER = textwrap.dedent(
     session_module.make_plan = lambda *a, **k: planned.append(rank) or real(*a, **k)
     setup = zoo.create("dhen", "tiny", seed=5, batch_size=32)
     model = DDP(setup.model)
-    probe = ProbeConfig(every=1, warmup_steps=0, min_batches=2, rows=32, queue_size=16)
+    probe = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, min_batches=2, rows=32, queue_size=16)
     config = SessionConfig(warmup_steps=2, probe=probe,
                            kernel_bench=synthetic_kernel_bench([(16, 32, 64)]),
                            plan=PlanConfig(exclude=("*blocks.1.*",)))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from loka.dispatch.console import console, print_plan, progress_bar
-from loka.dispatch.integrations.session import Session, SessionConfig
+from loka.dispatch.integrations.session import Session, SessionConfig, warmup_probe_config
 from loka.dispatch.planner import Plan
 
 
@@ -55,12 +55,12 @@ def run_demo(
     out: str | os.PathLike[str] = "loka-demo",
     seed: int = 0,
     kernel_bench=None,
+    bench_budget_s: float | None = 60.0,
     quiet: bool = False,
 ) -> DemoResult:
     """Run the demo; see the module documentation. Defaults: on a GPU the `large` preset,
     200 warm-up and 100 further steps; on the CPU `tiny`, 20 and 20."""
     import loka.zoo as zoo
-    from loka.probe import ProbeConfig
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = torch.device(device).type == "cuda"
@@ -78,13 +78,12 @@ def run_demo(
     with torch.no_grad():
         before = setup.metrics(setup.model, eval_batches)
     setup.model.train()
-    # Probe samples every warm-up step on short runs; on long ones (GPU) Probe's schedule
-    # leaves most steps unsampled, and those time the bf16 baseline.
-    probe = ProbeConfig()
-    if warmup_steps < 100:
-        probe = ProbeConfig(every=1, warmup_steps=0, queue_size=max(2, warmup_steps))
+    # Probe samples every warm-up step on short runs; on long ones (GPU) one step in
+    # warmup_steps // 10, and the unsampled steps time the bf16 baseline.
+    probe = warmup_probe_config(warmup_steps)
     config = SessionConfig(
         warmup_steps=warmup_steps, probe=probe, out_dir=out, kernel_bench=kernel_bench,
+        bench_budget_s=bench_budget_s,
     )  # fmt: skip
     sample = next(setup.train_batches())
     session = Session(setup.model, config, sample=sample)

@@ -100,7 +100,9 @@ def probe_zoo(
     from loka.probe import Probe, ProbeConfig
 
     setup = zoo.create(name, preset, device=device, seed=seed, batch_size=batch_size)
-    config = probe_config or ProbeConfig(every=1, warmup_steps=0, queue_size=max(2, steps))
+    config = probe_config or ProbeConfig(
+        every=1, warmup_steps=0, max_sites_per_step=None, queue_size=max(2, steps)
+    )
     with Probe(setup.model, config) as probe:
 
         def step(i: int, loss: float) -> None:

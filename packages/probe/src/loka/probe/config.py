@@ -58,7 +58,7 @@ class ProbeConfig:
     warmup_steps: int = 200
     warmup_every: int = 20
     decided_every: int = 4
-    max_sites_per_step: int | None = 8
+    max_sites_per_step: int | None = 16
     # Rows sampled per GEMM call (activations and gradients; same rows for x and dY) and
     # per weight (for its statistics).
     rows: int = 256

@@ -41,11 +41,17 @@ def t_cdf(t: float, dof: int) -> float:
     return 0.5 + 0.5 * a
 
 
+# Imported with the package, not at the first verdict: importing scipy.stats takes a
+# fraction of a second with the GIL held, which would stall the training loop mid-run.
+try:
+    from scipy import stats as _stats
+except ImportError:  # e.g. a GPU image without scipy: bisect the exact CDF
+    _stats = None
+
+
 @lru_cache(maxsize=4096)
 def _t_quantile(confidence: float, dof: int) -> float:
-    try:
-        from scipy import stats
-    except ImportError:  # e.g. a GPU image without scipy: bisect the exact CDF
+    if _stats is None:
         lo, hi = 0.0, 1.0
         while t_cdf(hi, dof) < confidence:
             hi *= 2
@@ -53,7 +59,7 @@ def _t_quantile(confidence: float, dof: int) -> float:
             mid = 0.5 * (lo + hi)
             lo, hi = (mid, hi) if t_cdf(mid, dof) < confidence else (lo, mid)
         return 0.5 * (lo + hi)
-    return float(stats.t.ppf(confidence, dof))
+    return float(_stats.t.ppf(confidence, dof))
 
 
 @dataclass(frozen=True)

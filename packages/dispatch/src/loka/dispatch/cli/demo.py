@@ -24,6 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kernel-bench", type=Path, default=None,
                         help="plan from this kernel_bench table instead of measuring/estimating")  # fmt: skip
+    parser.add_argument("--bench-budget-s", type=float, default=60.0,
+                        help="seconds of kernel timing on a GPU (measured rows are cached)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("loka-demo"))
     parser.set_defaults(func=run)
 
@@ -41,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_demo(args.model, args.preset, warmup_steps=args.warmup_steps, steps=args.steps,
                  device=args.device, out=args.out, seed=args.seed,
-                 kernel_bench=str(args.kernel_bench) if args.kernel_bench else None)  # fmt: skip
+                 kernel_bench=str(args.kernel_bench) if args.kernel_bench else None,
+                 bench_budget_s=args.bench_budget_s)  # fmt: skip
     except ValueError as exc:
         return fail(str(exc))
     return 0

@@ -41,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--steps must be at least 1, got {args.steps}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        config = ProbeConfig(every=args.every, warmup_steps=0, queue_size=max(2, args.steps))
+        config = ProbeConfig(
+            every=args.every, warmup_steps=0, max_sites_per_step=None, queue_size=max(2, args.steps)
+        )
         with progress_bar(f"probing {args.model} ({args.preset})", args.steps) as update:
             tables = probe_zoo(
                 args.model, args.preset, steps=args.steps, device=device, seed=args.seed,

@@ -5,6 +5,14 @@ otherwise."""
 
 from loka.dispatch.integrations.distributed import plan_once
 from loka.dispatch.integrations.guard import GuardConfig, GuardEvent, RuntimeGuard
-from loka.dispatch.integrations.session import Session, SessionConfig
+from loka.dispatch.integrations.session import Session, SessionConfig, warmup_probe_config
 
-__all__ = ["GuardConfig", "GuardEvent", "RuntimeGuard", "Session", "SessionConfig", "plan_once"]
+__all__ = [
+    "GuardConfig",
+    "GuardEvent",
+    "RuntimeGuard",
+    "Session",
+    "SessionConfig",
+    "plan_once",
+    "warmup_probe_config",
+]

@@ -39,13 +39,26 @@ from loka.schema import read_table, write_table
 log = logging.getLogger("loka.dispatch")
 
 
+def warmup_probe_config(steps: int):
+    """Probe's schedule for a probing phase of `steps` steps before planning: every step of
+    a short phase (under 100 steps), else every ``steps // 10``; every site each time; and
+    an analysis queue that holds them all, so none is dropped."""
+    every = 1 if steps < 100 else steps // 10
+    sampled = -(-steps // every)
+    return _probe_module().ProbeConfig(
+        every=every, warmup_steps=0, max_sites_per_step=None, queue_size=max(2, sampled)
+    )
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """What a `Session` does and when.
 
     warmup_steps: bf16 steps with Probe before planning.
-    probe: a `loka.probe.ProbeConfig` (None: Probe's defaults, sampling every step of a
-        short warm-up: ``ProbeConfig(every=1, warmup_steps=0)`` when warmup_steps < 100).
+    probe: a `loka.probe.ProbeConfig` (None: `warmup_probe_config(warmup_steps)`, a dense
+        schedule: every step of a warm-up under 100 steps, else about 10 sampled steps, all
+        sites each time; Probe's own defaults are for cheap monitoring of a whole run and
+        would leave most verdicts undecided after a short warm-up).
     kernel_bench: a kernel_bench table (DataFrame or parquet path) to plan from; None:
         measure on this GPU (cached in `cache_dir`), or estimate from the shipped H200
         table where no FP8 GPU is present.
@@ -212,14 +225,9 @@ class Session:
             self.on_event(text)
 
     def _probe_config(self):
-        probe = _probe_module()
         if self.config.probe is not None:
             return self.config.probe
-        if self.config.warmup_steps < 100:
-            # Sample every step, and let the analysis queue hold them all (none dropped).
-            steps = self.config.warmup_steps
-            return probe.ProbeConfig(every=1, warmup_steps=0, queue_size=max(2, steps))
-        return probe.ProbeConfig()
+        return warmup_probe_config(self.config.warmup_steps)
 
     def _attach_probe(self):
         return _probe_module().Probe(self.model, self._probe_config())
