@@ -260,3 +260,25 @@ def test_a_norm_fed_site_weighs_fusing_its_norm() -> None:
     assert fused["predicted_ms"] == pytest.approx(0.97 * 0.8 - 0.04)
     assert "norm feeding it is fused" in fused["reason"]
     assert not plan_rows(make_plan(sites, errors, bench))["fwd"]["fuse_norm"]
+
+
+def test_estimated_times_do_not_put_a_pass_in_fp8_on_a_measured_table() -> None:
+    # Site a's shape was measured; site b's was left to the cost model when the bench budget
+    # ran out (a GPU demo with 60 s of timing once planned such sites and ran 0.83x bf16).
+    sites = sites_table(("a", 1024, 4096, 8192, None), ("b", 512, 512, 8192, None))
+    errors = errors_table([(s, ROW, "fwd", 0.02, "safe") for s in ("a", "b")])
+    fast = [*BF16_ROWS, ("torch.scaled_mm", ROW, "fwd", 0.5, 0.1)]
+    measured = bench_table(fast)
+    estimated = bench_table(fast, K=512, N=512).with_columns(pl.lit(True).alias("estimated"))
+    mixed = pl.concat([measured, estimated])
+    fwd = {r["site"]: r for r in make_plan(sites, errors, mixed).table.iter_rows(named=True)
+           if r["pass"] == "fwd"}  # fmt: skip
+    assert fwd["a"]["recipe"] == ROW and fwd["b"]["recipe"] == "bf16"
+    assert "ESTIMATED, not measured" in fwd["b"]["rejected"][0]["reason"]
+    # All estimated (planning for an absent GPU), or allowed explicitly: estimates count.
+    only_estimates = make_plan(sites, errors, mixed.with_columns(pl.lit(True).alias("estimated")))
+    assert {
+        r["recipe"] for r in only_estimates.table.iter_rows(named=True) if r["pass"] == "fwd"
+    } == {ROW}
+    allowed = make_plan(sites, errors, mixed, PlanConfig(allow_estimated=True))
+    assert {r["recipe"] for r in allowed.table.iter_rows(named=True) if r["pass"] == "fwd"} == {ROW}

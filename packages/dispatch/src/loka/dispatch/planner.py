@@ -23,6 +23,7 @@ The plan reports the predicted end-to-end speedup against its ceiling (DESIGN.md
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import itertools
@@ -72,6 +73,11 @@ class PlanConfig:
     share_quantization: bool = True
     # Plan for inference: only the forward pass counts (dgrad and wgrad stay bf16).
     inference: bool = False
+    # FP8 candidates whose time is an estimate (the cost model's), not a measurement. None:
+    # allowed only when the whole table is estimated (planning for a GPU that is absent);
+    # on a table measured on the GPU, a shape left unmeasured (bench budget spent) stays
+    # bf16, because estimates at skinny shapes can be far off (see the README).
+    allow_estimated: bool | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.min_speedup) and self.min_speedup >= 1.0):
@@ -340,6 +346,13 @@ def _site_options(
                         f"undecided after {err['n']} batch(es): error bound {bound:.4g} vs "
                         f"budget {budget:.4g}"
                     )
+                elif not config.allow_estimated and (
+                    r["estimated"] or choice.bf16[pass_].estimated
+                ):
+                    reason = (
+                        "time ESTIMATED, not measured on this GPU (the bench budget ran out "
+                        "first); measure it to consider FP8 here"
+                    )
                 elif r["backend"].endswith(".fast") and not config.allow_fast_accum:
                     reason = "fast accumulation not allowed (PlanConfig.allow_fast_accum)"
                 if reason is None:
@@ -532,6 +545,9 @@ def make_plan(
     if gemm_share is not None and not 0 <= gemm_share <= 1:
         raise ValueError(f"gemm_share must be in [0, 1], got {gemm_share}")
     kernels = _kernel_index(kernel_bench)
+    if config.allow_estimated is None:
+        measured_here = bool((~kernel_bench["estimated"]).any())
+        config = dataclasses.replace(config, allow_estimated=not measured_here)
     errors: dict[str, dict[str, list[dict]]] = {}
     for row in site_errors.iter_rows(named=True):
         errors.setdefault(row["site"], {}).setdefault(row["pass"], []).append(row)
