@@ -271,12 +271,16 @@ def test_estimated_times_do_not_put_a_pass_in_fp8_on_a_measured_table() -> None:
     measured = bench_table(fast)
     estimated = bench_table(fast, K=512, N=512).with_columns(pl.lit(True).alias("estimated"))
     mixed = pl.concat([measured, estimated])
-    fwd = {r["site"]: r for r in make_plan(sites, errors, mixed).table.iter_rows(named=True)
-           if r["pass"] == "fwd"}  # fmt: skip
+    plan = make_plan(sites, errors, mixed)
+    fwd = {r["site"]: r for r in plan.table.iter_rows(named=True) if r["pass"] == "fwd"}
+    # Its FP8 choice was measured: the plan is not labelled ESTIMATED, a note says what is.
+    assert not plan.summary.estimated
+    assert any("baseline time(s) are estimates" in n for n in plan.summary.notes)
     assert fwd["a"]["recipe"] == ROW and fwd["b"]["recipe"] == "bf16"
     assert "ESTIMATED, not measured" in fwd["b"]["rejected"][0]["reason"]
     # All estimated (planning for an absent GPU), or allowed explicitly: estimates count.
     only_estimates = make_plan(sites, errors, mixed.with_columns(pl.lit(True).alias("estimated")))
+    assert only_estimates.summary.estimated
     assert {
         r["recipe"] for r in only_estimates.table.iter_rows(named=True) if r["pass"] == "fwd"
     } == {ROW}

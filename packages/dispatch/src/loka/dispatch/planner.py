@@ -621,6 +621,12 @@ def _summary(choices, table, devices, gemm_share, notes, passes) -> PlanSummary:
     if g is not None:
         ceiling = 1.0 / ((1.0 - g) + g / s_prequant)
     fp8 = table.filter(pl.col("recipe") != "bf16")
+    # ESTIMATED when an FP8 choice rests on an estimate, or nothing was measured at all; a
+    # measured plan whose bf16-only sites have estimated baselines says so in a note.
+    estimated = bool(fp8["estimated"].any()) or not bool((~table["estimated"]).any())
+    if not estimated and table["estimated"].any():
+        notes = [*notes, f"{int(table['estimated'].sum())} of {table.height} bf16 baseline "
+                 "time(s) are estimates (shapes not measured within the bench budget)"]  # fmt: skip
     return PlanSummary(
         sites=len(choices),
         sites_fp8=fp8["site"].n_unique(),
@@ -630,7 +636,7 @@ def _summary(choices, table, devices, gemm_share, notes, passes) -> PlanSummary:
         gemm_share=g,
         predicted_speedup=predicted,
         ceiling=ceiling,
-        estimated=bool(table["estimated"].any()),
+        estimated=estimated,
         device=devices[0].device if devices else "none",
         notes=[*list(notes), f"{len(choices) - len(timed)} site(s) without timings stay bf16"]
         if len(timed) < len(choices) else list(notes),
