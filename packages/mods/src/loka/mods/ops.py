@@ -116,7 +116,12 @@ def quantize_transpose_impl(
     x: torch.Tensor, config: str, amax: torch.Tensor | None, rows: int, cols: int
 ) -> _Eight:
     q, qt = quantize_transpose_with(x, decode(config), amax)
-    return (*_fields(_padded(q, rows, cols)), *_fields(_padded(qt, cols, rows)))
+    t_fields = _fields(_padded(qt, cols, rows))
+    if q.granularity == "tensor":
+        # x and x^T share one amax, scale and inverse scale; a custom op may not return
+        # aliased outputs, so the transpose gets copies (three one-element tensors).
+        t_fields = (t_fields[0], *(t.clone() for t in t_fields[1:]))
+    return (*_fields(_padded(q, rows, cols)), *t_fields)
 
 
 def _quantize_transpose_fake(x, config, amax, rows, cols):
@@ -209,9 +214,9 @@ def norm_quantize_impl(
         x, weight, bias, eps, kind=kind, fmt=cfg.fmt, pow2=cfg.pow2, scale_ub=cfg.scale_ub,
         return_normed=return_normed,
     )  # fmt: skip
-    empty = x.new_empty(_EMPTY_SHAPE)
-    normed = out.normed if out.normed is not None else empty
-    mean = out.mean if out.mean is not None else empty.float()
+    # New empties each: a custom op may not return one tensor twice.
+    normed = out.normed if out.normed is not None else x.new_empty(_EMPTY_SHAPE)
+    mean = out.mean if out.mean is not None else x.new_empty(_EMPTY_SHAPE, dtype=torch.float32)
     return (*_fields(_padded(out.q, x.shape[0], cols)), normed, mean, out.rstd)
 
 
@@ -237,16 +242,17 @@ def norm_backward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight or empty, dbias or empty)."""
     dx, dw, db = norm_backward(dy, x, weight, mean, rstd, kind=kind, has_bias=has_bias)
-    empty = x.new_empty(_EMPTY_SHAPE)
-    return dx, dw if dw is not None else empty, db if db is not None else empty
+    # New empties each: a custom op may not return one tensor twice.
+    dw = dw if dw is not None else x.new_empty(_EMPTY_SHAPE)
+    return dx, dw, db if db is not None else x.new_empty(_EMPTY_SHAPE)
 
 
 def _norm_backward_fake(dy, x, weight, mean, rstd, kind, has_bias):
     dw = x.new_empty(weight.shape, dtype=weight.dtype) if weight is not None else None
     db_dtype = weight.dtype if weight is not None else x.dtype
     db = x.new_empty((x.shape[1],), dtype=db_dtype) if has_bias else None
-    empty = x.new_empty(_EMPTY_SHAPE)
-    return x.new_empty(x.shape), dw if dw is not None else empty, db if db is not None else empty
+    dw = dw if dw is not None else x.new_empty(_EMPTY_SHAPE)
+    return x.new_empty(x.shape), dw, db if db is not None else x.new_empty(_EMPTY_SHAPE)
 
 
 # --- refresh_weight -------------------------------------------------------------------------
@@ -315,11 +321,25 @@ def _refresh_weight_fake(
 # --- registration ---------------------------------------------------------------------------
 
 
+def _no_gradient(ctx, inputs: tuple, output) -> None:
+    outputs = output if isinstance(output, tuple) else (output,)
+    ctx.mark_non_differentiable(*outputs)
+
+
+def _no_backward(ctx, *grads):
+    raise RuntimeError(f"{NAMESPACE} ops have no gradient")  # outputs are non-differentiable
+
+
 def _register(
     name: str, impl: Callable, fake: Callable, mutates_args: tuple[str, ...] = ()
 ) -> Callable:
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=mutates_args)
     op.register_fake(fake)
+    if not mutates_args:
+        # Quantizing and FP8 GEMMs have no gradient of their own: the autograd.Functions that
+        # call them (`linear_function`, `norm_linear`, `grouped`) define the backward. Saying
+        # so keeps outputs from requiring grad when an op is called on inputs that do.
+        op.register_autograd(_no_backward, setup_context=_no_gradient)
     return getattr(getattr(torch.ops, NAMESPACE), name)
 
 
