@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,11 @@ class Applied:
     report: Any = field(repr=False)  # loka.mods Report
     demoted: dict[str, str] = field(default_factory=dict)
     undone: bool = False
+    # Per FP8 site, every module path apply swapped for it (the site, and the norm of a
+    # fused site): (path, planned module, original module). What `use` switches between.
+    variants: dict[str, list[tuple[str, nn.Module, nn.Module]]] = field(
+        default_factory=dict, repr=False
+    )
 
     def undo(self) -> None:
         """Restore the model's original modules (the Parameters are the same objects)."""
@@ -79,11 +84,43 @@ class Applied:
             self.report.undo()
         self.undone = True
 
+    def use(self, active: Iterable[str]) -> None:
+        """Switch the live FP8 sites in place: those in `active` run their planned module,
+        every other one the model's original bf16 module(s) (the nn.Linear, and the norm of a
+        fused site), holding the same Parameters. Demoted sites are left alone."""
+        if self.undone:
+            raise RuntimeError("this apply was undone")
+        active = set(active)
+        if unknown := active - set(self.sites):
+            raise ValueError(f"not FP8 sites of this plan: {sorted(unknown)}")
+        for site in self.sites:
+            if site in self.demoted:
+                continue
+            if site not in self.variants:
+                raise RuntimeError(f"{site}: its original modules were not recorded")
+            for path, planned, original in self.variants[site]:
+                _set_module(self.model, path, planned if site in active else original)
+
+    @property
+    def active(self) -> list[str]:
+        """The live sites whose planned FP8 module is in the model now."""
+        return [
+            s for s in self.sites
+            if s not in self.demoted and s in self.variants
+            and self.model.get_submodule(s) is self.variants[s][0][1]
+        ]  # fmt: skip
+
     def demote(self, site: str, reason: str) -> bool:
         """Run `site` in bf16 from now on (the runtime guard's action); False if it already
-        was. The module keeps its Parameters; `undo` still restores the original."""
+        was. The model's original module(s) go back (same Parameters); `undo` still works."""
         if site in self.demoted or site not in self.sites:
             return False
+        if site in self.variants and not self.undone:
+            for path, _, original in self.variants[site]:
+                _set_module(self.model, path, original)
+            self.demoted[site] = reason
+            log.warning("loka: site %s demoted to bf16: %s", site, reason)
+            return True
         from loka.mods.config import Fp8LinearConfig
         from loka.mods.fp8_linear import Fp8Linear
 
@@ -107,6 +144,33 @@ class Applied:
         if self.demoted:
             text += f", {len(self.demoted)} demoted since"
         return text
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_name, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if getattr(parent, child) is not module:
+        setattr(parent, child, module)
+
+
+def _variants(
+    before: dict[str, nn.Module], model: nn.Module, sites: set[str]
+) -> dict[str, list[tuple[str, nn.Module, nn.Module]]]:
+    """The swaps `loka.mods.apply` made, per site: a site's own path, and the path of the
+    norm its fused module holds (`NormLinear.norm`)."""
+    after = dict(model.named_modules())
+    changed = {p: m for p, m in after.items() if p in before and before[p] is not m}
+    out: dict[str, list[tuple[str, nn.Module, nn.Module]]] = {}
+    for site in sites:
+        if site not in changed:
+            continue
+        module = changed[site]
+        out[site] = [(site, module, before[site])]
+        norm = getattr(module, "norm", None)
+        out[site] += [
+            (p, m, before[p]) for p, m in changed.items() if norm is not None and m is norm
+        ]
+    return out
 
 
 def _as_plan(plan: Plan | pl.DataFrame | str | os.PathLike[str]) -> Plan:
@@ -311,6 +375,7 @@ def apply(
     else:
         fused |= planned_fused
     report = None
+    before = dict(model.named_modules())
     if spec_rows:
         try:
             report = mods_apply(model, ModSpec.from_plan(spec_rows, fuse_norm=fused), sample)
@@ -334,5 +399,6 @@ def apply(
                 report = mods_apply(model, ModSpec.from_plan(spec_rows, fuse_norm=fused), sample)
     fallbacks = {**{n: relevant[n] for n in relevant}, **notes}
     applied = Applied(model, plan, sorted(spec_sites), fallbacks, report)
+    applied.variants = _variants(before, model, spec_sites)
     log.info("loka: plan applied: %s", applied.summary())
     return applied

@@ -187,6 +187,17 @@ class PlanSummary:
     estimated: bool
     device: str
     notes: list[str] = field(default_factory=list)
+    # Measured on the real training step after apply (loka.dispatch.verify; None: not
+    # verified): the kept FP8 sites' step speedup over bf16 with its interval, and every
+    # site verification demoted, with the reason.
+    measured_speedup: float | None = None
+    measured_interval: list[float] | None = None  # [low, high] at measured_confidence
+    measured_confidence: float | None = None
+    measured_steps: int | None = None
+    measured_method: str | None = None
+    verified_sites: list[str] | None = None
+    verify_demoted: dict[str, str] = field(default_factory=dict)
+    verify_rounds: list[dict] = field(default_factory=list)
 
     @property
     def share_of_ceiling(self) -> float | None:
@@ -212,7 +223,30 @@ class PlanSummary:
                 f"end-to-end: predicted {self.predicted_speedup:.3f}x, ceiling "
                 f"1/((1-g)+g/s) = {self.ceiling:.3f}x with g = {self.gemm_share:.3f}{est}"
             )
-        return out + self.notes
+        return out + self.notes + self._measured_lines()
+
+    def _measured_lines(self) -> list[str]:
+        if self.measured_speedup is None:
+            return []
+        kept = len(self.verified_sites or [])
+        total = kept + len(self.verify_demoted)
+        if self.measured_interval is None:
+            measured = "no FP8 site kept: the step runs bf16 (1.000x)"
+        else:
+            low, high = self.measured_interval
+            measured = (
+                f"{self.measured_speedup:.3f}x bf16 [{low:.3f}, {high:.3f}] "
+                f"({self.measured_confidence:.0%} interval) with {kept} of {total} FP8 site(s)"
+            )
+        predicted = (
+            f"; predicted {self.predicted_speedup:.3f}x"
+            if self.predicted_speedup is not None else ""
+        )  # fmt: skip
+        out = [
+            f"end-to-end: measured on the real step {measured}{predicted} "
+            f"({self.measured_steps} steps, {self.measured_method})"
+        ]
+        return out + [f"demoted by verification: {s}: {r}" for s, r in self.verify_demoted.items()]
 
 
 @dataclass

@@ -8,7 +8,9 @@
 The first `warmup_steps` steps run in bf16 with Probe attached; then the session plans
 (`loka.dispatch.make_plan` on the probed tables and kernel timings: measured on this GPU
 through the cache, or estimated from the shipped table without one), applies the plan to
-the model in place and arms the runtime guard. With `reprobe_every`, Probe is re-attached
+the model in place and arms the runtime guard. With `verify` (default on a GPU), the next
+steps time the real step with the plan against bf16 (`loka.dispatch.verify`), switching
+sites in place, and demote sites until the planned step is not slower than bf16. With `reprobe_every`, Probe is re-attached
 every so many steps for `reprobe_steps` steps, and a site whose error drifted past its
 budget is demoted to bf16. Under torch.distributed the tables are merged across ranks
 (Probe's collectives), the plan is made on rank 0 and broadcast, and every rank applies it.
@@ -31,9 +33,11 @@ from torch import nn
 
 from loka.dispatch.apply_plan import Applied, ApplyConfig, apply, norm_fed_sites
 from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
-from loka.dispatch.integrations.distributed import plan_once, rank
+from loka.dispatch.integrations.distributed import is_distributed, plan_once, rank
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
 from loka.dispatch.planner import Plan, PlanConfig, make_plan
+from loka.dispatch.step_timers import StepTimer
+from loka.dispatch.verify import Verifier, VerifyConfig, settle, verifier_for
 from loka.schema import read_table, write_table
 
 log = logging.getLogger("loka.dispatch")
@@ -63,7 +67,11 @@ class SessionConfig:
         measure on this GPU (cached in `cache_dir`), or estimate from the shipped H200
         table where no FP8 GPU is present.
     gemm_share: g for the end-to-end prediction when Probe could not time sites (CPU).
-    reprobe_every / reprobe_steps: re-attach Probe every N steps after applying, for M steps.
+    reprobe_every / reprobe_steps: re-attach Probe every N steps after applying, for M steps
+        (counted from the end of verification).
+    verify: time the real step, planned against bf16, after applying and demote sites until
+        the planned step is not slower than bf16 with confidence (`VerifyConfig`); None: off.
+        A model on the CPU is verified only with ``VerifyConfig(on_cpu=True)``.
     out_dir: write the probe tables, kernel_bench, plan and report there (rank 0).
     """
 
@@ -78,6 +86,7 @@ class SessionConfig:
     gemm_share: float | None = None
     reprobe_every: int | None = None
     reprobe_steps: int = 50
+    verify: VerifyConfig | None = field(default_factory=VerifyConfig)
     out_dir: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
@@ -87,6 +96,18 @@ class SessionConfig:
             raise ValueError("reprobe_every must be larger than reprobe_steps")
         if self.reprobe_steps < 1:
             raise ValueError(f"reprobe_steps must be >= 1, got {self.reprobe_steps}")
+
+
+def _max_over_ranks(value: float) -> float:
+    """The slowest rank's block time: a synchronous data-parallel step is as slow as it, and
+    every rank then makes the same decision."""
+    import torch.distributed as dist
+
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
 
 
 def _probe_module():
@@ -101,7 +122,9 @@ def _probe_module():
 
 
 class Session:
-    """Warm-up with Probe, plan, apply, guard; call `step()` after every optimizer step."""
+    """Warm-up with Probe, plan, apply, verify, guard; call `step()` after every optimizer
+    step. Phases: "warmup", "verifying" (only with `SessionConfig.verify`), "applied".
+    `timer` times verification steps (default: CUDA events on a GPU, else the wall clock)."""
 
     def __init__(
         self,
@@ -110,6 +133,7 @@ class Session:
         *,
         sample: Any = None,
         on_event: Callable[[str], None] | None = None,
+        timer: StepTimer | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Session needs an nn.Module, got {type(model).__name__}")
@@ -117,11 +141,14 @@ class Session:
         self.config = config or SessionConfig()
         self.sample = sample
         self.on_event = on_event
+        self.timer = timer
         self.steps = 0
         self.phase = "warmup"
         self.plan: Plan | None = None
         self.applied: Applied | None = None
         self.guard: RuntimeGuard | None = None
+        self.verifier: Verifier | None = None
+        self._verified_at: int | None = None  # step count when verification ended
         self.tables: dict[str, pl.DataFrame] = {}
         self.kernel_bench: pl.DataFrame | None = None
         self.norm_fed: set[str] = set()  # sites fed by their own norm (traced with `sample`)
@@ -143,6 +170,11 @@ class Session:
             if self.steps >= self.config.warmup_steps:
                 self.plan_and_apply()
             return
+        if self.phase == "verifying":
+            # Before the guard, which arms its hooks on the modules the next step runs.
+            self.verifier.step()
+            if self.verifier.done:
+                self._settle()
         if self.guard is not None:
             checking = self.guard._armed_step is not None
             for event in self.guard.step(step):
@@ -177,10 +209,19 @@ class Session:
             self.guard.arm(self.steps)
         if self.config.out_dir is not None and rank() == 0:
             self.save(self.config.out_dir)
+        self._start_verifying()
         return self.plan
 
     def close(self) -> None:
-        """Detach Probe and the guard's hooks; the model keeps its applied plan."""
+        """Detach Probe and the guard's hooks; the model keeps its applied plan (all of it,
+        when verification had not ended)."""
+        if self.phase == "verifying":
+            self.applied.use(s for s in self.applied.sites if s not in self.applied.demoted)
+            self.phase = "applied"
+            self._event(
+                f"closed after {self.verifier.steps} verification step(s), before it ended: "
+                "every applied site left in FP8, unverified"
+            )
         if self.probe is not None:
             self.probe.detach()
             self.probe = None
@@ -217,6 +258,37 @@ class Session:
         return paths
 
     # -- internals --------------------------------------------------------------------
+
+    def _start_verifying(self) -> None:
+        config = self.config.verify
+        live = [s for s in self.applied.sites if s not in self.applied.demoted]
+        if config is None or not live:
+            self._verified_at = self.steps
+            return
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        if device.type == "cpu" and not config.on_cpu:
+            self._event(
+                "verification skipped: the model is on the CPU, where FP8 runs emulated and "
+                "step time says nothing of the GPU the plan is for (VerifyConfig(on_cpu=True) "
+                "verifies anyway)"
+            )
+            self._verified_at = self.steps
+            return
+        self.phase = "verifying"
+        self.verifier = verifier_for(
+            self.applied, config, self.timer, reduce=_max_over_ranks if is_distributed() else None,
+            on_event=self._event,
+        )  # fmt: skip
+        if self.verifier.done:
+            self._settle()
+
+    def _settle(self) -> None:
+        settle(self.applied, self.verifier.result)
+        self.phase = "applied"
+        self._verified_at = self.steps
+        self._event(f"verified after {self.steps} step(s): {self.applied.summary()}")
+        if self.config.out_dir is not None and rank() == 0:
+            self.save(self.config.out_dir)  # the plan's summary now holds the measurement
 
     def _event(self, text: str) -> None:
         self.events.append(text)
@@ -260,9 +332,9 @@ class Session:
 
     def _reprobe(self, step: int) -> None:
         every = self.config.reprobe_every
-        if every is None or self.applied is None:
+        if every is None or self.applied is None or self.phase != "applied":
             return
-        since = self.steps - self.config.warmup_steps
+        since = self.steps - self._verified_at
         if self.probe is None and since > 0 and since % every == 0:
             config = self._probe_config()
             self.probe = _probe_module().Probe(self.model, config)

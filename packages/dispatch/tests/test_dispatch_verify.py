@@ -1,0 +1,367 @@
+"""Verification on the real step: the statistics, the decision loop (a fake timer whose step
+time depends on the sites in FP8), switching applied sites in place, `verify` on a model and
+the Session's verifying phase."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # FP8 passes run in Triton's interpreter
+
+import copy
+import dataclasses
+import math
+import random
+
+import polars as pl
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+
+from loka.dispatch import PlanConfig, Session, SessionConfig, apply, make_plan
+from loka.dispatch.tables import read_plan
+from loka.dispatch.testing import synthetic_kernel_bench
+from loka.dispatch.verify import Verifier, VerifyConfig, verify
+from loka.dispatch.verify_stats import compare, t_quantile
+from loka.mods.fp8_linear import Fp8Linear
+from loka.schema import PASSES, validate
+
+ROW = "e4m3:e4m3/row/dynamic"
+FAST = VerifyConfig(steps_per_block=4, drop=1, blocks=3)  # 24 steps a round
+SHORT = VerifyConfig(steps_per_block=2, drop=1, blocks=3)  # 12 real (interpreted) steps a round
+
+
+# -- statistics ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dof", [1, 2, 3, 4, 7, 30])
+@pytest.mark.parametrize("confidence", [0.8, 0.9, 0.95, 0.99])
+def test_t_quantile_matches_scipy(dof: int, confidence: float) -> None:
+    expected = stats.t.ppf(0.5 + confidence / 2, dof)
+    assert t_quantile(confidence, dof) == pytest.approx(expected, rel=1e-9)
+
+
+def test_compare_is_the_ratio_of_medians_with_a_paired_t_interval() -> None:
+    planned, bf16 = [1.0, 1.02, 0.99, 1.01], [1.10, 1.11, 1.08, 1.12]
+    result = compare(planned, bf16, confidence=0.9)
+    assert result.speedup == pytest.approx(1.105 / 1.005)
+    logs = [math.log(b / p) for p, b in zip(planned, bf16, strict=True)]
+    mean, sem = sum(logs) / 4, stats.sem(logs)
+    low, high = stats.t.interval(0.9, 3, loc=mean, scale=sem)
+    assert (result.low, result.high) == pytest.approx((math.exp(low), math.exp(high)))
+    assert result.pairs == 4
+    # No noise: the interval closes on the ratio.
+    exact = compare([2.0] * 3, [1.0] * 3)
+    assert exact.speedup == exact.low == exact.high == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="3 planned blocks against 2"):
+        compare([1.0] * 3, [1.0] * 2)
+    with pytest.raises(ValueError, match="positive"):
+        compare([1.0, 0.0], [1.0, 1.0])
+
+
+def test_verify_config_rejects_settings_without_a_valid_measurement() -> None:
+    with pytest.raises(ValueError, match="blocks must be >= 3"):
+        VerifyConfig(blocks=2)
+    with pytest.raises(ValueError, match="drop must be >= 1"):
+        VerifyConfig(drop=0)
+    with pytest.raises(ValueError, match="must exceed drop"):
+        VerifyConfig(steps_per_block=2, drop=2)
+    assert VerifyConfig().steps_per_round == 60
+
+
+# -- the decision loop ---------------------------------------------------------------------
+
+
+class FakeStep:
+    """The active set (the verifier's switch) and a timer whose step time is `base` times the
+    factor of every active site, times lognormal noise; the first step after each switch
+    costs `switch_cost` more (a recompile), which the dropped steps must absorb."""
+
+    def __init__(self, factors: dict[str, float], noise: float = 0.0, switch_cost: float = 0.0,
+                 seed: int = 0, base: float = 0.1) -> None:  # fmt: skip
+        self.factors, self.noise, self.switch_cost, self.base = factors, noise, switch_cost, base
+        self.rng = random.Random(seed)
+        self.active: frozenset[str] = frozenset()
+        self.switches: list[frozenset[str]] = []
+        self.times: list[float] = []
+
+    def switch(self, active: frozenset[str]) -> None:
+        self.active = active
+        self.switches.append(active)
+
+    def time(self) -> float:
+        t = self.base * math.prod(self.factors[s] for s in self.active)
+        return t * math.exp(self.rng.gauss(0.0, self.noise)) if self.noise else t
+
+    # StepTimer
+    def start(self) -> None:
+        self.times = []
+
+    def mark(self) -> None:
+        extra = self.switch_cost if not self.times else 0.0
+        self.times.append(self.time() + extra)
+
+    def collect(self) -> list[float]:
+        times, self.times = self.times, []
+        return times
+
+
+def run(fake: FakeStep, config: VerifyConfig = FAST, **kwargs) -> Verifier:
+    verifier = Verifier(list(fake.factors), fake.switch, config, fake, **kwargs)
+    while not verifier.done:
+        verifier.step()
+    assert verifier.steps <= config.max_rounds * config.steps_per_round
+    assert fake.active == frozenset(verifier.result.kept)  # the switch holds the outcome
+    return verifier
+
+
+def test_a_faster_site_is_kept_and_a_slower_one_demoted_even_when_predicted_better() -> None:
+    fake = FakeStep({"a": 0.9, "b": 1.2}, noise=0.01, switch_cost=1.0)
+    verifier = run(fake, gains={"b": 2.0, "a": 1.0})  # b predicted to gain more
+    result = verifier.result
+    assert result.sites == ["b", "a"]  # bisection order: predicted gain
+    assert result.kept == ["a"] and list(result.demoted) == ["b"]
+    assert "slower than bf16" in result.demoted["b"]
+    assert result.speedup == pytest.approx(1 / 0.9, rel=0.03) and result.low >= 0.99
+    assert result.rounds[0].active == ("b", "a") and not result.rounds[0].accepted
+    assert result.steps == len(result.rounds) * FAST.steps_per_round
+    # Blocks alternate planned and bf16 within every round.
+    assert fake.switches[:6] == [frozenset({"a", "b"}), frozenset()] * 3
+
+
+def test_all_slower_sites_are_demoted_and_the_step_is_bf16() -> None:
+    fake = FakeStep({f"s{i}": 1.03 for i in range(4)}, noise=0.005)
+    result = run(fake).result
+    assert result.kept == [] and set(result.demoted) == set(fake.factors)
+    assert result.speedup == 1.0 and result.low is None
+    assert all(not r.accepted for r in result.rounds)
+    assert "no FP8 site kept" in result.lines()[-5]
+
+
+def test_all_faster_sites_are_all_kept_after_one_round() -> None:
+    fake = FakeStep({f"s{i}": 0.97 for i in range(4)}, noise=0.005, switch_cost=0.5)
+    result = run(fake).result
+    assert result.kept == list(fake.factors) and result.demoted == {}
+    assert len(result.rounds) == 1 and result.steps == FAST.steps_per_round
+    assert result.speedup == pytest.approx(0.97**-4, rel=0.02)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_noisy_but_equal_never_ends_slower_than_bf16_with_confidence(seed: int) -> None:
+    fake = FakeStep({f"s{i}": 1.0 for i in range(5)}, noise=0.03, seed=seed)
+    config = VerifyConfig(steps_per_block=4, drop=1, blocks=3, max_rounds=4)
+    result = run(fake, config).result
+    if result.kept:
+        best = [r for r in result.rounds if r.active == tuple(result.kept)][-1]
+        assert best.accepted and best.speedup >= 1.0 and best.low >= 1.0 - config.tolerance
+        assert result.speedup == best.speedup
+    else:
+        assert set(result.demoted) == set(fake.factors) and result.speedup == 1.0
+    assert len(result.rounds) <= config.max_rounds
+
+
+def test_a_gain_below_the_prediction_starts_a_search_that_keeps_the_fastest_set() -> None:
+    factors = {"a": 0.99, "b": 0.99, "c": 0.99, "d": 1.0}
+    kwargs = {"gains": dict.fromkeys(factors, 1.0), "predicted": 1.25}
+    checked = run(FakeStep(factors), **kwargs).result
+    assert "below the prediction" in checked.rounds[0].verdict
+    assert len(checked.rounds) > 1
+    # The fastest measured set that is not slower than bf16: a, b, c (d adds nothing).
+    assert set(checked.kept) >= {"a", "b", "c"}
+    assert checked.predicted == pytest.approx(1.25)
+    unchecked = run(FakeStep(factors), VerifyConfig(steps_per_block=4, drop=1, blocks=3,
+                                                    check_prediction=False), **kwargs).result  # fmt: skip
+    assert len(unchecked.rounds) == 1 and unchecked.kept == list(factors)
+
+
+def test_predictions_of_subsets_split_the_saving_by_kernel_gain() -> None:
+    verifier = Verifier(["a", "b"], lambda active: None, FAST, FakeStep({}),
+                        gains={"a": 3.0, "b": 1.0, "fallback": 1.0}, predicted=1.25)  # fmt: skip
+    # All of `gains` in FP8 saves 20% of the step; a saves 3/5 of that.
+    assert verifier.predicted_for(["a", "b", "fallback"]) == pytest.approx(1.25)
+    assert verifier.predicted_for(["a"]) == pytest.approx(1 / (1 - 0.2 * 3 / 5))
+    assert verifier.predicted_for([]) == pytest.approx(1.0)
+
+
+def test_rounds_are_bounded_and_unmeasured_sites_say_so() -> None:
+    fake = FakeStep({f"s{i}": 1.02 for i in range(8)})
+    config = VerifyConfig(steps_per_block=4, drop=1, blocks=3, max_rounds=3)
+    result = run(fake, config).result
+    assert len(result.rounds) == 3 and result.steps == 3 * config.steps_per_round
+    assert result.kept == [] and len(result.demoted) == 8
+    assert any("max_rounds (3)" in reason for reason in result.demoted.values())
+
+
+def test_nothing_to_verify_takes_no_step() -> None:
+    verifier = Verifier([], lambda active: None, FAST, FakeStep({}))
+    assert verifier.done and verifier.result.steps == 0 and verifier.result.kept == []
+
+
+def test_times_are_reduced_across_ranks_before_deciding() -> None:
+    fake = FakeStep({"a": 0.9})
+    slowest = run(fake, reduce=lambda t: t * 1.5 if fake.active else t).result  # rank skew
+    assert slowest.kept == [] and "a" in slowest.demoted
+
+
+# -- in place, on a model ------------------------------------------------------------------
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+def tiny_plan(model: nn.Module, fuse: bool = False):
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    sites = pl.DataFrame(
+        [{"site": n, "kind": "linear", "K": m.in_features, "N": m.out_features, "M_min": 32,
+          "M_p50": 32, "M_max": 32, "calls": 1, "groups": 1, "has_bias": True,
+          "dtype": "float32", "fwd_ms": None, "bwd_ms": None, "time_share": 0.2}
+         for n, m in linears],
+        schema_overrides={"fwd_ms": pl.Float64, "bwd_ms": pl.Float64},
+    )  # fmt: skip
+    errors = pl.DataFrame(
+        [{"site": n, "recipe": ROW, "pass": p, "n": 8, "mean_rel_err": 0.035, "std_rel_err": 0.001,
+          "lcb_rel_err": 0.034, "ucb_rel_err": 0.036, "sqnr_db": 29.0, "max_abs_err": 0.1,
+          "bf16_rel_err": 0.003, "budget": 0.06 if p == "fwd" else 0.09, "confidence": 0.95,
+          "method": "student-t", "verdict": "safe", "emulated": True, "step_last": 7}
+         for n, _ in linears for p in PASSES]
+    )  # fmt: skip
+    bench = synthetic_kernel_bench(
+        [(32, 32, 64), (32, 64, 32)], fp8_ms=0.97 if fuse else 0.5,
+        norm_shapes=[(32, 32)] if fuse else (),
+    )  # fmt: skip
+    return make_plan(validate(sites, "sites"), validate(errors, "site_errors"), bench,
+                     norm_fed=["fc1"] if fuse else ())  # fmt: skip
+
+
+def test_switching_keeps_parameters_and_gives_back_the_original_modules() -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    params = list(model.parameters())
+    originals = dict(model.named_modules())
+    x = torch.randn(32, 32)
+    with torch.no_grad():
+        reference = model(x)
+    applied = apply(model, tiny_plan(model))
+    assert applied.sites == ["fc1", "fc2"] and type(model.fc1) is Fp8Linear
+    planned = {s: model.get_submodule(s) for s in applied.sites}
+    applied.use(set())
+    assert model.fc1 is originals["fc1"] and model.fc2 is originals["fc2"]
+    assert applied.active == [] and all(
+        a is b for a, b in zip(model.parameters(), params, strict=True)
+    )
+    with torch.no_grad():
+        assert torch.equal(model(x), reference)
+    applied.use({"fc2"})
+    assert model.fc1 is originals["fc1"] and model.fc2 is planned["fc2"]
+    assert applied.active == ["fc2"]
+    applied.use(applied.sites)
+    assert all(model.get_submodule(s) is planned[s] for s in applied.sites)
+    with pytest.raises(ValueError, match="not FP8 sites"):
+        applied.use({"norm"})
+    # Demotion puts the original back for good; `use` leaves demoted sites alone.
+    assert applied.demote("fc1", "test")
+    assert model.fc1 is originals["fc1"]
+    applied.use(applied.sites[1:])
+    assert model.fc1 is originals["fc1"] and applied.active == ["fc2"]
+    applied.undo()
+    assert all(model.get_submodule(n) is m for n, m in originals.items())
+
+
+def test_a_fused_site_switches_its_norm_too() -> None:
+    from loka.mods.norm_linear import FusedNorm, NormLinear
+
+    torch.manual_seed(0)
+    model = Tiny()
+    originals = dict(model.named_modules())
+    x = torch.randn(32, 32)
+    with torch.no_grad():
+        reference = model(x)
+    plan = tiny_plan(model, fuse=True)
+    assert plan.table.filter(pl.col("fuse_norm"))["site"].to_list() == ["fc1"]
+    applied = apply(model, plan, sample=x)
+    assert type(model.fc1) is NormLinear and type(model.norm) is FusedNorm
+    applied.use(set())
+    assert model.norm is originals["norm"] and model.fc1 is originals["fc1"]
+    with torch.no_grad():
+        assert torch.equal(model(x), reference)
+    applied.use({"fc1"})
+    assert type(model.fc1) is NormLinear and model.fc1.norm is model.norm
+
+
+def test_verify_drives_training_steps_demotes_and_records_in_the_plan(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    originals = dict(model.named_modules())
+    applied = apply(model, tiny_plan(model))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 32)
+
+    def step_fn() -> None:
+        loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    fake = FakeStep({"fc1": 0.9, "fc2": 1.2})
+    fake.time = lambda: 0.1 * math.prod(fake.factors[s] for s in applied.active)
+    events: list[str] = []
+    result = verify(step_fn, applied, SHORT, fake, on_event=events.append)
+    assert result.kept == ["fc1"] and list(result.demoted) == ["fc2"]
+    assert model.fc2 is originals["fc2"] and type(model.fc1) is Fp8Linear
+    assert applied.demoted["fc2"].startswith("verify: ")
+    summary = applied.plan.summary
+    assert summary.measured_speedup == pytest.approx(1 / 0.9)
+    assert summary.verified_sites == ["fc1"] and list(summary.verify_demoted) == ["fc2"]
+    assert any(line.startswith("end-to-end: measured on the real step") for line in summary.lines())
+    assert any("demoted by verification: fc2" in line for line in summary.lines())
+    assert any(e.startswith("verifying 2 FP8 site(s)") for e in events)
+    # A saved plan carries the measurement.
+    applied.plan.write(tmp_path / "plan.parquet")
+    assert read_plan(tmp_path / "plan.parquet").summary.verify_demoted == summary.verify_demoted
+    copy.deepcopy(summary)  # plain data
+
+
+# -- Session ---------------------------------------------------------------------------------
+
+
+def test_session_verifies_after_applying_and_settles_on_the_verified_sites(tmp_path) -> None:
+    import loka.zoo as zoo
+    from loka.probe import ProbeConfig
+
+    setup = zoo.create("dhen", "tiny", seed=2, batch_size=32)
+    originals = dict(setup.model.named_modules())
+    probe = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, min_batches=2,
+                        rows=32, queue_size=16)  # fmt: skip
+    config = SessionConfig(
+        warmup_steps=2, probe=probe, kernel_bench=synthetic_kernel_bench([(32, 32, 64)]),
+        plan=PlanConfig(exclude=("*blocks.1.*",)), out_dir=tmp_path,
+        verify=dataclasses.replace(SHORT, on_cpu=True),
+    )  # fmt: skip
+    fake = FakeStep({"blocks.0.fc1": 1.3})  # FP8 makes this step slower
+    events: list[str] = []
+    session = Session(setup.model, config, on_event=events.append, timer=fake)
+    fake.time = lambda: 0.1 * (1.3 if session.applied.active else 1.0)
+    phases = []
+    zoo.train(setup, 2 + 12 + 1, on_step=lambda step, loss: (session.step(loss),
+                                                             phases.append(session.phase)))  # fmt: skip
+    assert phases[:2] == ["warmup", "verifying"] and phases[2:13] == ["verifying"] * 11
+    assert phases[13:] == ["applied", "applied"]
+    assert session.applied.sites == ["blocks.0.fc1"] and "blocks.0.fc1" in session.applied.demoted
+    assert setup.model.blocks[0].fc1 is originals["blocks.0.fc1"]
+    assert session.plan.summary.measured_speedup == 1.0  # nothing kept: the step is bf16
+    assert any("round 0: 1 FP8 site(s)" in e for e in events)
+    assert any(e.startswith("verified after 14 step(s)") for e in events)
+    report = (tmp_path / "report.html").read_text()
+    assert "measured on the real step" in report and "demoted by verification" in report
+    session.close()
+    # The default verifies GPU models only.
+    assert SessionConfig().verify == VerifyConfig() and not VerifyConfig().on_cpu
