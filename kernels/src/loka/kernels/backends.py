@@ -10,9 +10,13 @@ from __future__ import annotations
 import functools
 import itertools
 
-from loka.kernels.fp8_gemm import mm_reference, triton_fp8_mm
+import torch
+
+from loka.kernels.epilogue import apply_epilogue
+from loka.kernels.fp8_gemm import check_fp8_request, mm_reference, triton_fp8_mm
 from loka.kernels.fp8_gemm_tma import tma_refusal, triton_fp8_mm_tma
 from loka.kernels.grouped_gemm import grouped_mm_reference, loop_grouped_mm, triton_grouped_mm
+from loka.kernels.native import NATIVE_ALIGN, NATIVE_BACKEND, native_mm, native_refusal
 from loka.kernels.registry import BF16, Backend, GemmSpec, registry
 from loka.kernels.torch_gemm import bf16_mm, scaled_mm, scaled_mm_refusal
 
@@ -23,6 +27,23 @@ def _scaled_mm_check(spec: GemmSpec) -> str | None:
     if spec.a.granularity != spec.b.granularity:
         return "torch._scaled_mm needs the same granularity on both operands"
     return scaled_mm_refusal(spec.a.fmt, spec.b.fmt, spec.a.granularity, spec.out_dtype)
+
+
+def _native_check(spec: GemmSpec) -> str | None:
+    if spec.a.granularity != spec.b.granularity:
+        return f"{NATIVE_BACKEND}: needs the same granularity on both operands"
+    return native_refusal(spec.a.fmt, spec.b.fmt, spec.a.granularity)
+
+
+def _native_run(a, b, *, bias=None, activation=None, out_dtype=torch.bfloat16):
+    """The native GEMM on `Fp8Tensor` operands (the bench and `fp8_mm` call it this way;
+    `Fp8Linear` calls `loka.kernels.native` directly, quantization included)."""
+    bias = check_fp8_request(a, b, bias, activation, out_dtype)
+    row = a.granularity == "row"
+    a_inv = a.inv_scale.reshape(-1, 1) if row else a.inv_scale.reshape(())
+    b_inv = b.inv_scale.reshape(-1, 1) if row else b.inv_scale.reshape(())
+    y = native_mm(a.data, a_inv, b.data, b_inv, bias, out_dtype)
+    return apply_epilogue(y, None, activation)
 
 
 def _fp8_backend(name: str, run, description: str, **fields) -> Backend:
@@ -81,6 +102,20 @@ def _register_builtins() -> None:
         check=lambda spec: tma_refusal(spec.k, spec.n, spec.out_dtype),
     )
     registry.register(tma, replace=True)
+    native = _fp8_backend(
+        NATIVE_BACKEND,
+        _native_run,
+        "quantization in torch ops + torch._scaled_mm, traced into the model's graph: under "
+        "torch.compile inductor fuses the quantization with its neighbours (compiled plans)",
+        granularities=frozenset({"tensor", "row"}),
+        align=(("k", NATIVE_ALIGN), ("n", NATIVE_ALIGN)),
+        runs_on_cpu=True,
+        traceable=True,
+        scalings=frozenset({"dynamic"}),
+        priority=1,
+        check=_native_check,
+    )
+    registry.register(native, replace=True)
     grouped_formats = FP8_PAIRS | {(BF16, BF16)}
     grouped = Backend(
         name="triton.grouped",

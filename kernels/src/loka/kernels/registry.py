@@ -142,6 +142,10 @@ class Backend:
     triton: bool = False  # a Triton kernel: also runs under TRITON_INTERPRET=1 on CPU
     runs_on_cpu: bool = False  # plain torch ops that also run (slowly) on CPU
     fused_epilogue: bool = False  # bias and activation applied inside the kernel
+    # Quantization and GEMM in plain torch ops, run inside the model's own graph: under
+    # torch.compile inductor fuses the quantization with its neighbours (`loka.kernels.native`).
+    traceable: bool = False
+    scalings: frozenset[str] = frozenset({"dynamic", "delayed"})
     priority: int = 0  # default choice among backends that support a request: highest first
     check: Callable[[GemmSpec], str | None] | None = None  # further constraints
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -175,6 +179,9 @@ class Backend:
         else the reason it cannot."""
         if self.op != "mm":
             return f"{self.name}: op {self.op!r} is not a linear's GEMM"
+        scaling = getattr(recipe, "scaling", "dynamic")
+        if recipe.a_format != BF16 and scaling not in self.scalings:
+            return f"{self.name}: {scaling} scaling not supported (only {sorted(self.scalings)})"
         return self.refuse(GemmSpec.for_linear(recipe, pass_, M, K, N))
 
     def unavailable_reason(self, device: torch.device | str | None = None) -> str | None:

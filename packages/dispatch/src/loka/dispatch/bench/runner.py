@@ -24,7 +24,7 @@ from loka.dispatch.bench.candidates import (
 from loka.dispatch.bench.cost_model import CostModel
 from loka.dispatch.bench.timing import PassTimer, PassTiming
 from loka.dispatch.device import DeviceInfo
-from loka.kernels import available, gemm_dims
+from loka.kernels import available, gemm_dims, registry
 from loka.schema import empty, validate
 
 Progress = Callable[[int, int, str], None]
@@ -100,6 +100,16 @@ def _frame(rows: list[dict]) -> pl.DataFrame:
     return validate(pl.DataFrame(rows), "kernel_bench") if rows else empty("kernel_bench")
 
 
+def mode_backends(mode: str) -> list[str]:
+    """The GEMM backends a plan for `mode` may use: traceable ones (and bf16) for a compiled
+    model, the others for an eager one (the planner's rule, `PlanConfig.mode`)."""
+    compiled = mode != "eager"
+    return [
+        b.name for b in registry.backends("mm")
+        if ("bf16", "bf16") in b.formats or b.traceable == compiled
+    ]  # fmt: skip
+
+
 def can_measure(device: torch.device | str | None = None) -> bool:
     """True when FP8 GEMM backends can be timed on `device` (a GPU with FP8 tensor cores)."""
     device = torch.device(device) if device is not None else None
@@ -122,6 +132,7 @@ def benchmark(
     progress: Progress | None = None,
     time_on_cpu: bool = False,
     norm_shapes: Iterable[tuple[int, int]] = (),
+    backends: Iterable[str] | None = None,
 ) -> BenchResult:
     """`kernel_bench` rows for every candidate (backend x recipe x pass) at each shape.
 
@@ -136,6 +147,9 @@ def benchmark(
     `norm_shapes` are (M, K) of norms that feed a linear: for each, a bf16 LayerNorm row
     and a fused LayerNorm+quantize row per rowwise dynamic forward recipe (N = 0), which the
     planner uses to cost fusing the norm into the linear.
+
+    `backends` limits the GEMM backends timed (e.g. `mode_backends("compiled")`: what a
+    compiled plan may use), so that the budget goes to candidates the plan can pick.
     """
     shapes = list(shapes)
     measuring = time_on_cpu or can_measure(device)
@@ -183,7 +197,7 @@ def benchmark(
         for status in candidates(
             shape.M_bucket, shape.K, shape.N, recipes,
             device=device if measuring else None, include_fast_accum=include_fast_accum,
-            runnable_only=time_on_cpu,
+            runnable_only=time_on_cpu, backends=backends,
         ):  # fmt: skip
             plan.append((shape, status))
     rows, new_rows = [], []

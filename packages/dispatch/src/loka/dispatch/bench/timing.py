@@ -10,6 +10,11 @@ once per optimizer step and therefore not timed:
 | wgrad | quantize_transpose(dY) and    | (dY^T)[N,M] @ (x^T)[K,M]^T|
 |       | quantize_transpose(x)         |                           |
 
+A traceable backend (`torch.native`) keeps no weight copies: its fwd and dgrad also
+quantize the weight (from its float32 master copy) every step, and its quantizations are
+timed as `torch.compile` makes them (one fused kernel per operand), since that is the only
+mode the planner uses it in.
+
 Each pass is costed standalone; the planner credits the quantizations two FP8 passes share
 (the forward's x with the wgrad's x^T, the dgrad's dY with the wgrad's dY^T). Every part is
 timed separately (a quantization does not depend on the GEMM backend that consumes it), as
@@ -86,6 +91,27 @@ def _median_wall(fn: Callable[[], object], repeats: int = 3) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+_NATIVE_QUANTIZE = None
+
+
+def _compiled_native_quantize() -> Callable[..., tuple]:
+    """`quantize_native` under torch.compile, one specialization per shape and recipe."""
+    global _NATIVE_QUANTIZE
+    if _NATIVE_QUANTIZE is None:
+        from loka.kernels.native import quantize_native
+
+        compiled = torch.compile(quantize_native, dynamic=False)
+
+        def run(*args, **kwargs):
+            # Every (shape, format, granularity) is its own graph: more than dynamo's default
+            # of 8 per function, so lift the limit for these calls only.
+            with torch._dynamo.config.patch(recompile_limit=512):
+                return compiled(*args, **kwargs)
+
+        _NATIVE_QUANTIZE = run
+    return _NATIVE_QUANTIZE
 
 
 class _Rotation:
@@ -201,11 +227,29 @@ class PassTimer:
 
     # -- public ---------------------------------------------------------------------
 
-    def quant_ms(self, recipe: Recipe, pass_: str) -> float:
-        key = (pass_, recipe.a_format, recipe.b_format, recipe.granularity, recipe.scaling)
+    def quant_ms(self, recipe: Recipe, pass_: str, traceable: bool = False) -> float:
+        key = (pass_, recipe.a_format, recipe.b_format, recipe.granularity, recipe.scaling,
+               traceable)  # fmt: skip
         if key not in self._quant_ms:
-            self._quant_ms[key] = self._measure(self._quantizer(recipe, pass_))
+            make = self._native_quantizer if traceable else self._quantizer
+            self._quant_ms[key] = self._measure(make(recipe, pass_))
         return self._quant_ms[key]
+
+    def _native_quantizer(self, recipe: Recipe, pass_: str) -> Callable[[], tuple]:
+        """The pass's quantizations as the traceable backend runs them, compiled."""
+        quant = _compiled_native_quantize()
+        a, b, g = recipe.a_format, recipe.b_format, recipe.granularity
+        if not hasattr(self, "_master_w"):
+            self._master_w = self.w.float()
+        w = self._master_w
+        if pass_ == "fwd":
+            return lambda: (quant(self._x.next()[0], a, g), quant(w, b, g))
+        if pass_ == "dgrad":
+            return lambda: (quant(self._dy.next()[0], a, g), quant(w, b, g, transpose=True))
+        return lambda: (
+            quant(self._dy.next()[0], a, g, transpose=True),
+            quant(self._x.next()[0], b, g, transpose=True),
+        )
 
     def layer_norm_ms(self) -> float:
         """A bf16 LayerNorm of x[M, K] (its output kept for the backward, as autograd does)."""
@@ -268,5 +312,5 @@ class PassTimer:
         rotation = _Rotation([], 0)
         rotation.items = [list(p) for p in pairs]
         gemm_ms = self._measure(lambda: fp8_mm(*rotation.next(), backend=backend))
-        quant_ms = self.quant_ms(recipe, pass_)
+        quant_ms = self.quant_ms(recipe, pass_, backend.traceable)
         return PassTiming(gemm_ms + quant_ms, gemm_ms, quant_ms, self.method)

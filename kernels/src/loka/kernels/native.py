@@ -1,0 +1,102 @@
+"""The torch-native FP8 backend: quantization written in plain torch ops feeding
+``torch._scaled_mm``.
+
+Nothing here is a Triton kernel or a custom op. Under ``torch.compile`` inductor sees every
+operation, so the amax reduction, the scale, the saturating cast and the transposes that
+the backward needs fuse into the elementwise work around them (the activation that feeds a
+linear, the cast of a gradient) instead of costing launches and memory passes of their
+own; and with no Python per call in the graph, ``mode="reduce-overhead"`` (CUDA graphs)
+captures the whole step. The numerics are the reference ones (`loka.kernels.scaling`), bit
+for bit: the same scale rule, the same saturating round-to-nearest-even cast.
+
+Supported: tensor and row granularity, dynamic scaling (current amax), power-of-two scales
+and scale upper bounds. Delayed scaling keeps state between steps and block scaling has no
+``_scaled_mm`` kernel here: both stay with the Triton backends.
+On the CPU, where ``_scaled_mm`` takes tensor scales only, the GEMM is emulated in float32
+(dequantize, multiply): the same products, for tests and the CPU demo.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loka.kernels.scaling import finite_abs, saturate_cast, scale_from_amax
+from loka.kernels.torch_gemm import scaled_mm_refusal
+
+NATIVE_BACKEND = "torch.native"
+NATIVE_GRANULARITIES = ("tensor", "row")
+# torch._scaled_mm needs the contracted dim and the output's columns in multiples of 16.
+NATIVE_ALIGN = 16
+
+
+def native_refusal(
+    a_fmt: str, b_fmt: str, granularity: str, scaling: str = "dynamic"
+) -> str | None:
+    """Why the native backend cannot run a pass with these operands (None when it can)."""
+    if scaling != "dynamic":
+        return f"{NATIVE_BACKEND}: {scaling} scaling keeps state across steps; dynamic only"
+    if granularity not in NATIVE_GRANULARITIES:
+        return f"{NATIVE_BACKEND}: granularity {granularity!r} not supported (tensor, row)"
+    reason = scaled_mm_refusal(a_fmt, b_fmt, granularity, torch.bfloat16)
+    return None if reason is None else f"{NATIVE_BACKEND}: {reason}"
+
+
+def quantize_native(
+    t: torch.Tensor,
+    fmt: str,
+    granularity: str,
+    *,
+    pow2: bool = False,
+    scale_ub: float | None = None,
+    transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, inv_scale)`` of a 2-D `t` ``[R, C]`` quantized as a GEMM's first operand.
+
+    Row granularity takes one scale per row of the operand as the GEMM reads it: per row of
+    `t`, or with `transpose` per row of ``t^T`` (a column of `t`), and then `data` is the
+    contiguous ``t^T`` ``[C, R]``. `inv_scale` is ``[rows, 1]`` for rows, ``[]`` for a tensor.
+    """
+    a = finite_abs(t)
+    if granularity == "tensor":
+        amax = a.amax()
+        scale = scale_from_amax(amax, fmt, pow2, scale_ub)
+    elif granularity == "row":
+        amax = a.amax(dim=0 if transpose else 1, keepdim=True)
+        scale = scale_from_amax(amax, fmt, pow2, scale_ub)
+    else:
+        raise ValueError(f"{NATIVE_BACKEND}: granularity {granularity!r} not supported")
+    data = saturate_cast(t, scale, fmt)
+    inv = scale.reciprocal()
+    if transpose:
+        data = data.t().contiguous()
+        if granularity == "row":
+            inv = inv.t()
+    return data, inv.contiguous()
+
+
+def native_mm(
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``(a / sa) @ (b / sb)^T (+ bias)`` for FP8 ``a [M, K]`` and ``b [N, K]`` (both
+    row-major, as `quantize_native` makes them), inverse scales ``[M, 1]``/``[N, 1]`` (row)
+    or ``[]`` (tensor)."""
+    row = a_inv.dim() == 2
+    scale_b = b_inv.t() if row else b_inv
+    if a.device.type == "cuda":
+        fuse_bias = bias is not None and bias.dtype == out_dtype == torch.bfloat16
+        y = torch._scaled_mm(
+            a, b.t(), scale_a=a_inv, scale_b=scale_b, bias=bias if fuse_bias else None,
+            out_dtype=out_dtype,
+        )  # fmt: skip
+        if bias is not None and not fuse_bias:
+            y = (y.float() + bias.float()).to(out_dtype)
+        return y
+    y = (a.float() @ b.float().t()) * a_inv * scale_b
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)

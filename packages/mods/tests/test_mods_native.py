@@ -1,0 +1,141 @@
+"""The torch-native backend (``torch.native``): quantization bit-identical to the reference,
+every pass equal to `fp8_linear_reference` up to the bf16 rounding of the GEMM output, and
+a native model compiles with no graph break and no recompile over training steps."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before loka.kernels
+
+import pytest
+import torch
+from torch import nn
+
+from loka.kernels import QuantConfig, quantize_reference, registry
+from loka.kernels.native import quantize_native
+from loka.mods.config import Fp8LinearConfig
+from loka.mods.fp8_linear import Fp8Linear
+from loka.mods.native_function import NativePlan
+from loka.mods.reference import fp8_linear_reference
+
+NATIVE = "torch.native"
+
+
+def native_config(fwd, dgrad, wgrad) -> Fp8LinearConfig:
+    return Fp8LinearConfig.from_recipes(fwd, dgrad, wgrad, backend=NATIVE)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("options", [(False, None), (True, None), (False, 2.0)])
+def test_quantize_native_is_the_reference_bit_for_bit(granularity, fmt, transpose, options):
+    pow2, ub = options
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 80, generator=g) * torch.logspace(-3, 3, 80)
+    x[5, 7], x[9, 1], x[11] = float("inf"), float("nan"), 0.0  # amax ignores both; a zero row
+    data, inv = quantize_native(x, fmt, granularity, pow2=pow2, scale_ub=ub, transpose=transpose)
+    source = x.t().contiguous() if transpose else x
+    ref = quantize_reference(source, QuantConfig(fmt, granularity, None, pow2, ub))
+    assert data.shape == source.shape and data.is_contiguous()
+    assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(inv.reshape(-1), ref.inv_scale.reshape(-1))
+
+
+RECIPES = [
+    ("e4m3:e4m3/row/dynamic", "e4m3:e4m3/row/dynamic", "e4m3:e4m3/row/dynamic"),
+    ("e4m3:e4m3/tensor/dynamic", "e5m2:e4m3/tensor/dynamic", "e5m2:e4m3/tensor/dynamic"),
+    ("e4m3:e4m3/tensor/dynamic/pow2", "bf16", "e5m2:e4m3/row/dynamic"),
+    ("bf16", "e4m3:e4m3/row/dynamic", "bf16"),
+]
+
+
+@pytest.mark.parametrize("recipes", RECIPES)
+def test_native_linear_matches_the_reference(recipes):
+    config = native_config(*recipes)
+    g = torch.Generator().manual_seed(0)
+    module = Fp8Linear(64, 32, bias=False, config=config)
+    x = torch.randn(48, 64, generator=g, requires_grad=True)
+    dy = torch.randn(48, 32, generator=g)
+    y = module(x)
+    y.backward(dy)
+    ref = fp8_linear_reference(x.detach(), module.weight.detach(), config, dy)
+    # The GEMM writes bf16: within its rounding of the float32 reference.
+    tol = {"rtol": 2**-7, "atol": 1e-5}
+    torch.testing.assert_close(y, ref.y.to(y.dtype), **tol)
+    torch.testing.assert_close(x.grad, ref.dx, **tol)
+    torch.testing.assert_close(module.weight.grad, ref.dw, **tol)
+
+
+def test_native_linear_with_bias_under_autocast_gives_bf16():
+    module = Fp8Linear(32, 16, config=native_config("e4m3:e4m3/row/dynamic", "bf16", "bf16"))
+    x = torch.randn(16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = module(x)
+    assert y.dtype == torch.bfloat16
+    want = nn.functional.linear(x, module.weight, module.bias)
+    assert (y.float() - want).abs().max() < 0.1 * want.abs().max()
+
+
+def test_unaligned_batch_runs_wgrad_in_high_precision():
+    config = native_config("bf16", "bf16", "e4m3:e4m3/row/dynamic")
+    module = Fp8Linear(32, 16, bias=False, config=config)
+    x = torch.randn(13, 32)  # M = 13: no _scaled_mm for the wgrad's contracted dim
+    module(x).sum().backward()
+    torch.testing.assert_close(module.weight.grad, torch.ones(16, 13) @ x)
+
+
+def test_native_config_is_checked_before_anything_changes():
+    with pytest.raises(ValueError, match="every FP8 pass"):
+        NativePlan.of(
+            Fp8LinearConfig(
+                fwd=("e4m3:e4m3/row/dynamic"),
+                dgrad=Fp8LinearConfig.from_recipes(backend="torch.scaled_mm").dgrad,
+                wgrad=native_config("bf16", "bf16", "e4m3:e4m3/row/dynamic").wgrad,
+            )
+        )
+    with pytest.raises(ValueError, match="delayed scaling"):
+        NativePlan.of(native_config("e4m3:e4m3/tensor/delayed4", "bf16", "bf16"))
+    with pytest.raises(ValueError, match="granularity"):
+        NativePlan.of(native_config("e4m3:e4m3/block/dynamic", "bf16", "bf16"))
+
+
+def test_backend_is_registered_traceable_and_refuses_what_it_cannot_run():
+    backend = registry.get(NATIVE)
+    assert backend.traceable and backend.runs_on_cpu
+    from loka.schema import Recipe
+
+    assert backend.supports(Recipe.parse("e4m3:e4m3/row/dynamic"), 128, 64, 32) is None
+    assert "delayed" in backend.supports(Recipe.parse("e4m3:e4m3/tensor/delayed16"), 128, 64, 32)
+    assert "multiple of 16" in backend.supports(Recipe.parse("e4m3:e4m3/row/dynamic"), 128, 60, 32)
+
+
+def test_compiled_native_training_has_no_graph_break_and_no_recompile():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    row = native_config(*RECIPES[0])
+    tensor = native_config(*RECIPES[1])
+    model = nn.Sequential(
+        nn.LayerNorm(64), Fp8Linear(64, 96, config=row), nn.GELU(),
+        Fp8Linear(96, 32, config=tensor),
+    )  # fmt: skip
+    eager = __import__("copy").deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager)]
+    g = torch.Generator().manual_seed(1)
+
+    def train_step(x):
+        for module, optimizer in zip((compiled, eager), optimizers, strict=True):
+            module(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    train_step(torch.randn(32, 64, generator=g))
+    frames = dict(torch._dynamo.utils.counters["frames"])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(4):
+            train_step(torch.randn(32, 64, generator=g))
+    assert dict(torch._dynamo.utils.counters["frames"]) == frames
+    for a, b in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    explained = torch._dynamo.explain(model)(torch.randn(32, 64))
+    assert explained.graph_break_count == 0
