@@ -22,6 +22,7 @@ from loka.dispatch.bench.candidates import (
     recipes_by_pass,
 )
 from loka.dispatch.bench.cost_model import CostModel
+from loka.dispatch.bench.host import host_overhead_ms
 from loka.dispatch.bench.timing import PassTimer, PassTiming
 from loka.dispatch.device import DeviceInfo
 from loka.kernels import available, gemm_dims, registry
@@ -94,6 +95,17 @@ def _time(timer: PassTimer, c: Candidate) -> PassTiming:
     else:
         return timer.time(c)
     return PassTiming(t, t, 0.0, timer.method)
+
+
+def _host_ms(c: Candidate, shape: Shape, device: torch.device) -> float | None:
+    """The pass's extra host time per step in eager mode (`host_overhead_ms`); None where
+    it cannot be measured (the planner then charges none and says nothing more)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return host_overhead_ms(c.backend, c.recipe, c.pass_, shape.K, shape.N, device)
+    except Exception:  # a shape or recipe the module refuses: the GEMM row still stands
+        return None
 
 
 def _frame(rows: list[dict]) -> pl.DataFrame:
@@ -226,6 +238,8 @@ def benchmark(
                 result.failed.append((shape, c, f"{type(exc).__name__}: {exc}"))
                 continue
             row = _row(info, c, shape, t, False, "measured")
+            if c.backend not in (LAYER_NORM_BACKEND, NORM_QUANTIZE_BACKEND):
+                row["host_ms"] = _host_ms(c, shape, device)
             rows.append(row)
             new_rows.append(row)
             result.measured += 1

@@ -1,0 +1,74 @@
+"""Plans per execution mode: compiled plans take only traceable backends (torch.native),
+eager plans the others, and an eager plan charges each pass its measured host time."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before loka.kernels is imported
+
+import sys
+
+import polars as pl
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # the planner tests' table builders
+from test_dispatch_planner import (  # noqa: E402
+    BF16_ROWS,
+    ROW,
+    bench_table,
+    errors_table,
+    plan_rows,
+    sites_table,
+)
+
+from loka.dispatch.bench.host import host_overhead_ms  # noqa: E402
+from loka.dispatch.bench.runner import mode_backends  # noqa: E402
+from loka.dispatch.planner import PlanConfig, make_plan  # noqa: E402
+from loka.schema import PASSES  # noqa: E402
+
+SITES = sites_table(("fc", 1024, 4096, 8192, 0.5))
+ERRORS = errors_table([("fc", ROW, p, 0.01, "safe") for p in PASSES])
+# Both backends run the rowwise recipe at 0.6 ms per pass against bf16's 1.0 ms.
+TIMED = bench_table(
+    BF16_ROWS
+    + [("torch.scaled_mm", ROW, p, 0.5, 0.1) for p in PASSES]
+    + [("torch.native", ROW, p, 0.5, 0.1) for p in PASSES]
+)
+
+
+def test_each_mode_takes_its_own_backends():
+    for mode, want in (("eager", "torch.scaled_mm"), ("compiled", "torch.native"),
+                       ("cudagraphs", "torch.native")):  # fmt: skip
+        rows = plan_rows(make_plan(SITES, ERRORS, TIMED, PlanConfig(mode=mode)))
+        assert {r["backend"] for r in rows.values()} == {want}, mode
+    rejected = plan_rows(make_plan(SITES, ERRORS, TIMED, PlanConfig(mode="compiled")))
+    assert "only traceable backends" in str(rejected["fwd"]["rejected"])
+
+
+def test_mode_backends_split_the_registry():
+    compiled, eager = set(mode_backends("compiled")), set(mode_backends("eager"))
+    assert compiled & eager == {"torch.bf16"}
+    assert "torch.native" in compiled and "triton.fp8" in eager
+
+
+def test_eager_plan_charges_host_time():
+    host = TIMED.with_columns(
+        pl.when(pl.col("backend") == "torch.scaled_mm").then(0.5).otherwise(0.0).alias("host_ms")
+    )
+    rows = plan_rows(make_plan(SITES, ERRORS, host, PlanConfig(mode="eager")))
+    # 0.6 ms on the device + 0.5 ms on the host loses to bf16's 1.0 ms: every pass stays bf16.
+    assert {r["recipe"] for r in rows.values()} == {"bf16"}
+    # A compiled plan pays no host time per pass (and the native rows carry none).
+    rows = plan_rows(make_plan(SITES, ERRORS, host, PlanConfig(mode="compiled")))
+    assert {r["recipe"] for r in rows.values()} == {ROW}
+
+
+def test_host_overhead_is_zero_where_nothing_runs_on_the_host():
+    assert host_overhead_ms("torch.bf16", "bf16", "fwd", 64, 64, "cpu") == 0.0
+    assert host_overhead_ms("torch.native", ROW, "wgrad", 64, 64, "cpu") == 0.0
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        PlanConfig(mode="jit")
