@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # the planner tests' table builders
-from test_dispatch_planner import (  # noqa: E402
+from test_dispatch_planner import (
     BF16_ROWS,
     ROW,
     bench_table,
@@ -22,10 +22,10 @@ from test_dispatch_planner import (  # noqa: E402
     sites_table,
 )
 
-from loka.dispatch.bench.host import host_overhead_ms  # noqa: E402
-from loka.dispatch.bench.runner import mode_backends  # noqa: E402
-from loka.dispatch.planner import PlanConfig, make_plan  # noqa: E402
-from loka.schema import PASSES  # noqa: E402
+from loka.dispatch.bench.host import host_overhead_ms
+from loka.dispatch.bench.runner import mode_backends
+from loka.dispatch.planner import PlanConfig, make_plan
+from loka.schema import PASSES
 
 SITES = sites_table(("fc", 1024, 4096, 8192, 0.5))
 ERRORS = errors_table([("fc", ROW, p, 0.01, "safe") for p in PASSES])
