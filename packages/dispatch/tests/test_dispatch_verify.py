@@ -362,6 +362,7 @@ def test_session_verifies_after_applying_and_settles_on_the_verified_sites(tmp_p
     assert any(e.startswith("verified after 14 step(s)") for e in events)
     report = (tmp_path / "report.html").read_text()
     assert "measured on the real step" in report and "demoted by verification" in report
+    assert 'id="verification"' in report and "<td>slower than bf16<td" in report
     session.close()
     # The default verifies GPU models only.
     assert SessionConfig().verify == VerifyConfig() and not VerifyConfig().on_cpu

@@ -5,8 +5,9 @@
     plan = make_plan(tables["sites"], tables["site_errors"], bench)
     applied = apply(model, plan)                           # applied.undo() reverses it
 
-In a training loop: `Session(model, SessionConfig(...))` and `session.step()` after each
-optimizer step; `LokaCallback` (Lightning) and `LokaTrainerCallback` (Hugging Face) live in
+After `apply`, `loka.dispatch.verify.verify(step_fn, applied)` times the real step against
+bf16 and demotes sites until the plan is not slower. In a training loop: `Session(model, SessionConfig(...))`
+and `session.step()` after each optimizer step (it verifies too); `LokaCallback` (Lightning) and `LokaTrainerCallback` (Hugging Face) live in
 `loka.dispatch.integrations.lightning` / `.hf`.
 
 Names are imported on first use, so that `loka --help` and the CLI's light commands do not
@@ -27,6 +28,8 @@ _EXPORTS = {
     "loka.dispatch.planner": ("Plan", "PlanConfig", "PlanSummary", "make_plan"),
     "loka.dispatch.report": ("write_report",),
     "loka.dispatch.tables": ("load_probe_tables", "read_plan"),
+    # The function is `loka.dispatch.verify.verify`: `loka.dispatch.verify` is its module.
+    "loka.dispatch.verify": ("Verification", "VerifyConfig"),
 }  # fmt: skip
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
     from loka.dispatch.planner import Plan, PlanConfig, PlanSummary, make_plan
     from loka.dispatch.report import write_report
     from loka.dispatch.tables import load_probe_tables, read_plan
+    from loka.dispatch.verify import Verification, VerifyConfig
 
 
 def __getattr__(name: str) -> Any:
@@ -87,6 +91,8 @@ __all__: list[str] = [
     "Session",
     "SessionConfig",
     "Shape",
+    "Verification",
+    "VerifyConfig",
     "apply",
     "benchmark",
     "load_probe_tables",

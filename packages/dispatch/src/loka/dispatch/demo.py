@@ -3,7 +3,9 @@
 1. bf16 warm-up with Probe attached (every GEMM site's numerics under each FP8 recipe);
 2. plan: kernel times measured on this GPU (cached), or, on a machine without one,
    ESTIMATED for the H200 from the shipped table;
-3. apply the plan in place and continue training (the same optimizer);
+3. apply the plan in place and continue training (the same optimizer); on a GPU the
+   session first verifies the plan on the real step (planned against bf16, sites demoted
+   until it is not slower; `loka.dispatch.verify`), and those steps come on top of `steps`;
 4. print the plan and the speedup (measured step times on a GPU; the planner's estimate on
    the CPU), evaluate before and after, and write the HTML report.
 
@@ -91,8 +93,11 @@ def run_demo(
     autocast = torch.bfloat16 if gpu else None
     losses, times = [], []
     batches = setup.train_batches()
-    with progress_bar("training", warmup_steps + steps) as update:
-        for i in range(warmup_steps + steps):
+    total, i = warmup_steps + steps, 0
+    with progress_bar("training", total) as update:
+        while i < total:
+            if session.phase == "verifying":
+                total += 1  # verification steps do not count as planned steps
             batch = next(batches)
             sampled = session.phase == "warmup" and probe.is_sampled(i)
             start = time.perf_counter()
@@ -105,8 +110,11 @@ def run_demo(
             times.append((session.phase, sampled, (time.perf_counter() - start) * 1e3))
             session.step(loss)
             losses.append(float(loss))
-            phase = "bf16 + Probe" if session.phase == "warmup" else "planned"
-            update(i + 1, detail=f"{phase} loss {losses[-1]:.4f}")
+            phase = {"warmup": "bf16 + Probe", "verifying": "verifying"}.get(
+                session.phase, "planned"
+            )
+            i += 1
+            update(i, total, detail=f"{phase} loss {losses[-1]:.4f}")
     session.close()
     setup.model.eval()
     with torch.no_grad():
@@ -149,7 +157,7 @@ def _print(result: DemoResult, session: Session) -> None:
             f"  eval {key}: {result.metrics_before[key]:.4f} before, "
             f"{result.metrics_after[key]:.4f} after {len(result.losses)} steps"
         )
-    for event in session.events:
-        if "demoted" in event or "non-finite" in event:
+    for event in session.events:  # the guard's (verification's are in the summary above)
+        if event.startswith("step ") and ("demoted" in event or "non-finite" in event):
             console.print(f"  guard: {event}")
     console.print(f"report: {result.out / 'report.html'}; tables and plan in {result.out}/")

@@ -319,7 +319,7 @@ class Verifier:
             for site in measured.active:
                 self._failed[site] = measured.describe()
             if len(self.sites) == 1:
-                self._alone[self.sites[0]] = measured.describe()
+                self._alone[self.sites[0]] = f"measured alone: {measured.describe()}"
                 return self._finish()
             self._queue = _halves(self.sites)
         elif passed:
@@ -328,7 +328,9 @@ class Verifier:
             for site in self._group:
                 self._failed[site] = measured.describe()
             if len(self._group) == 1:
-                self._alone[self._group[0]] = measured.describe()
+                base = len(measured.active) - 1
+                on = f"on top of {base} verified site(s)" if base else "alone"
+                self._alone[self._group[0]] = f"measured {on}: {measured.describe()}"
             else:
                 self._queue[:0] = _halves(self._group)
         if self._queue and len(self.rounds) < self.config.max_rounds:
@@ -346,7 +348,7 @@ class Verifier:
             if site in kept:
                 continue
             if site in self._alone:
-                demoted[site] = f"measured on top of the verified sites: {self._alone[site]}"
+                demoted[site] = self._alone[site]
             elif any(site in r.active for r in accepted):
                 demoted[site] = (
                     f"round {best.index} without it was faster ({best.speedup:.3f}x bf16)"

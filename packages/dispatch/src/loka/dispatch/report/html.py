@@ -61,6 +61,32 @@ def _plan_table(plan: pl.DataFrame) -> str:
     return "\n".join(out)
 
 
+def _verify_table(summary: PlanSummary | None) -> str:
+    """The rounds of verification on the real step (`loka.dispatch.verify`), if it ran."""
+    if summary is None or not summary.verify_rounds:
+        return ""
+    head = ("round", "FP8 sites", "measured", "interval", "predicted", "verdict", "steps")
+    rows = []
+    for r in summary.verify_rounds:
+        predicted = "" if r["predicted"] is None else f"{r['predicted']:.3f}x"
+        cells = (
+            f'<td class="num">{r["round"]}', f'<td class="num">{r["sites"]}',
+            f'<td class="num">{r["speedup"]:.3f}x', f'<td class="num">[{r["low"]:.3f}, {r["high"]:.3f}]',
+            f'<td class="num">{predicted}', f"<td>{html.escape(r['verdict'])}",
+            f'<td class="num">{r["steps"]}',
+        )  # fmt: skip
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return "\n".join([
+        '<h2 id="verification">Verified on the real training step</h2>',
+        '<p class="meta">Each round times one set of FP8 sites against bf16 in alternating '
+        "blocks of training steps (speedup over bf16, with its interval); sites are demoted "
+        "until the planned step is not slower than bf16 with confidence.</p>",
+        "<table>",
+        "<thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead>",
+        "<tbody>", *rows, "</tbody>", "</table>",
+    ])  # fmt: skip
+
+
 def render_report(
     *,
     sites: pl.DataFrame,
@@ -102,7 +128,7 @@ def render_report(
         meta=html.escape(f"generated {generated}; device {device}; {sites.height} sites"),
         estimate_banner=banner,
         summary="\n".join(f"<li>{html.escape(line)}</li>" for line in lines),
-        figures="\n".join(figures),
+        figures="\n".join([_verify_table(summary), *figures]),
         plan_table=_plan_table(plan),
     )
 
