@@ -4,8 +4,9 @@ Blocks alternate planned, bf16, planned, bf16...; each block is summarized by th
 its kept step times (a median, because a step that hit a data-loader stall or a GC pause is
 an outlier, not a speed). The speedup is median(bf16 blocks) / median(planned blocks); its
 interval is a Student-t interval on the log ratios of the pairs (planned block i, bf16 block
-i), exponentiated. Pairing adjacent blocks cancels slow drift (clocks, temperature, the
-data) that a comparison of pooled steps would count as a difference.
+i), exponentiated. Pairing adjacent blocks leaves slow drift (clocks, temperature, the
+data) out of the comparison but for one block's worth, where pooled steps would count all
+of it as a difference between the variants.
 
 The t quantile is computed here (exact for integer degrees of freedom) so that this module
 needs neither scipy.stats (slow to import mid-training) nor loka.probe.
