@@ -15,7 +15,9 @@ import loka.zoo as zoo
 from loka.mods import ModSpec, SiteMods, apply
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.fp8_linear import Fp8Linear
+from loka.mods.grouped import GroupedLinear, GroupLayout
 from loka.mods.norm_linear import fuse_pair
+from loka.zoo.layers import PerFeatureProjections
 
 ROW = "e4m3:e4m3/row/dynamic"
 DELAYED_PADDED = Fp8LinearConfig.from_recipes(
@@ -84,3 +86,62 @@ def test_zoo_model_with_mods_compiles_without_graph_breaks():
     for g, p in zip(got_grads, s.model.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
     assert torch._dynamo.explain(s.model)(batch).graph_break_count == 0
+
+
+class SteadyModel(nn.Module):
+    """Every FP8 module kind: a norm fused into a rowwise linear, a tensorwise dynamic
+    linear, a delayed-scaling padded linear (all three passes delayed) and an FP8 group."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.fc1 = fuse_pair(nn.LayerNorm(32), nn.Linear(32, 32), Fp8LinearConfig())
+        dynamic = Fp8LinearConfig.from_recipes(
+            "e4m3:e4m3/tensor/dynamic", "e5m2:e4m3/tensor/dynamic", "e5m2:e4m3/tensor/dynamic"
+        )
+        self.fc2 = Fp8Linear(32, 32, config=dynamic)
+        delayed = Fp8LinearConfig.from_recipes(
+            "e4m3:e4m3/tensor/delayed4", "e5m2:e4m3/tensor/delayed4",
+            "e5m2:e4m3/tensor/delayed2", pad=True,
+        )  # fmt: skip
+        self.fc3 = Fp8Linear(32, 24, config=delayed)
+        grouped = Fp8LinearConfig("e4m3:e4m3/row/dynamic", "e5m2:e4m3/row/dynamic", "bf16")
+        self.heads = GroupedLinear(
+            PerFeatureProjections(3, 8, 8), GroupLayout(), backend="fp8", config=grouped
+        )
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.fc1(self.norm(x)))
+        h = self.fc3(nn.functional.gelu(self.fc2(h)))
+        return self.heads(h.view(-1, 3, 8))
+
+
+def test_no_recompile_after_the_first_training_step():
+    """Step 1 compiles (forward and backward); later steps, with SGD and AdamW updates in
+    between, the delayed histories filling and the weight caches refreshing, run the same
+    graphs: any recompile raises."""
+    torch._dynamo.reset()
+    model = SteadyModel()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    params = list(model.parameters())
+    half = len(params) // 2
+    optimizers = [torch.optim.SGD(params[:half], lr=0.1), torch.optim.AdamW(params[half:])]
+    g = torch.Generator().manual_seed(1)
+    counters = torch._dynamo.utils.counters
+    before = None
+    try:
+        for step in range(4):
+            x = torch.randn(20, 32, generator=g)
+            loss = compiled(x).square().mean()
+            loss.backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            assert torch.isfinite(loss)
+            if step == 0:
+                before = dict(counters["stats"])
+                torch._dynamo.config.error_on_recompile = True
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    assert dict(counters["stats"])["unique_graphs"] == before["unique_graphs"]
+    assert float(model.fc3.amax_history_grad_output[1]) > 0  # the delayed path did run

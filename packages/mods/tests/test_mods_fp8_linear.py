@@ -173,6 +173,32 @@ def test_delayed_scaling_uses_the_amax_history():
     assert not torch.allclose(ref.y, dynamic.y)  # the history really changed the scale
 
 
+def test_each_amax_history_is_used_once_it_holds_a_value():
+    """The history-or-current choice is made per role on the device (no Python flag):
+    an inference call records x's amax, so the next training call scales x from it, while
+    dY, whose history is still empty, gets its current (dynamic) scale."""
+    config = Fp8LinearConfig.from_recipes(
+        "e4m3:e4m3/tensor/delayed3", "e5m2:e4m3/tensor/delayed3", "bf16"
+    )
+    x, dy, linear = data(seed=6)
+    module = Fp8Linear.from_linear(linear, config)
+    with torch.no_grad():
+        module(x * 3)  # not a power of two: a 4x amax would give the same FP8 bytes
+    assert not module.amax_history_grad_output.any()
+    y, dx, _, _ = run(module, x, dy)
+    w, bias = linear.weight.detach(), linear.bias.detach()
+    ref = fp8_linear_reference(
+        x, w, config, dy, input_amax=(x * 3).abs().max().reshape(1),
+        weight_amax=w.abs().max().reshape(1),
+    )  # fmt: skip
+    dynamic = fp8_linear_reference(x, w, config)
+    # Only the bf16 output rounding (~0.3%) separates y from the emulation of its scales;
+    # dynamic scales for x would be ~3% off.
+    assert rel(y, ref.y + bias) < 0.01 < 0.02 < rel(y, dynamic.y + bias)
+    torch.testing.assert_close(dx, ref.dx, rtol=1e-2, atol=1e-2 * float(ref.dx.abs().max()))
+    assert float(module.amax_history_grad_output[0]) == float(dy.abs().max())
+
+
 def test_padding_runs_an_aligned_backend_on_odd_shapes():
     # triton.fp8.tma needs its GEMM's k % 16 and n % 8: K and the tokens M (fwd's and
     # wgrad's k), N (dgrad's k).

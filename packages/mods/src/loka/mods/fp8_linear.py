@@ -104,7 +104,6 @@ class Fp8Linear(nn.Linear):
                 del self._buffers[name]
             if window:
                 self.register_buffer(name, torch.zeros(window, device=device))
-        self._delayed_ready = False
         self._allocate_weight_cache()
 
     def _history(self, name: str) -> torch.Tensor:
@@ -176,13 +175,6 @@ class Fp8Linear(nn.Linear):
         for name in HISTORY_BUFFERS:
             if prefix + name in missing_keys:
                 missing_keys.remove(prefix + name)
-        loaded = [
-            self._buffers[n]
-            for n in HISTORY_BUFFERS
-            if prefix + n in state_dict and self._buffers.get(n) is not None
-        ]
-        if loaded:  # a history that holds values sets scales from the next call on
-            self._delayed_ready = all(bool(h.amax() > 0) for h in loaded)
 
     # --- forward ----------------------------------------------------------------------------
 
@@ -198,20 +190,11 @@ class Fp8Linear(nn.Linear):
         self.refresh_weight_cache()
         y = Fp8LinearFunction.apply(
             x2d, self.weight, self.bias, self.plan, compute_dtype(x),
-            torch.is_grad_enabled() and self.weight.requires_grad, self._delayed_ready,
+            torch.is_grad_enabled() and self.weight.requires_grad,
             self._history("amax_history_input"), self._history("amax_history_grad_output"),
             *self.gemm_weights(),
         )  # fmt: skip
-        self._mark_delayed_ready()
         return y.view(*x.shape[:-1], self.out_features)
-
-    def _mark_delayed_ready(self) -> None:
-        """After the first training call (dynamic scales, amaxes recorded by its forward and,
-        next, its backward) delayed recipes use the history. An inference call first would
-        leave the gradient history empty, so it does not count."""
-        delayed = self.plan.input_window or self.plan.grad_window
-        if not self._delayed_ready and delayed and torch.is_grad_enabled():
-            self._delayed_ready = True
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, config=({self.fp8_config})"

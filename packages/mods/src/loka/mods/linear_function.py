@@ -20,12 +20,24 @@ from loka.mods.ops import call
 GEMM_OUT_DTYPE = torch.bfloat16  # every FP8 backend writes bf16; results are cast after
 
 
-def history_amax(history: torch.Tensor, window: int, ready: bool) -> torch.Tensor | None:
-    """The amax that sets a delayed scale: the largest of the last `window` recorded amaxes;
-    None (dynamic: the current amax) for a dynamic recipe or before anything is recorded."""
-    if not window or not ready:
+def history_amax(history: torch.Tensor, window: int, t: torch.Tensor) -> torch.Tensor | None:
+    """The amax that sets a delayed scale: the largest of the last `window` recorded amaxes,
+    or `t`'s own amax (as dynamic scaling) while none is recorded yet; None for a dynamic
+    recipe. Chosen on the device: no host sync, and no per-step Python flag for
+    torch.compile to guard on (a flag flipping after step 1 made every model recompile)."""
+    if not window:
         return None
-    return history[:window].amax().reshape(1).float()
+    recorded = history[:window].amax().reshape(1).float()
+    return torch.where(recorded > 0, recorded, finite_amax(t))
+
+
+def finite_amax(t: torch.Tensor) -> torch.Tensor:
+    """The largest finite |t| as float32 ``[1]`` (0 for an empty t): what the quantization
+    kernels measure. Taken in t's dtype (exact for a maximum) to keep eager mode from making
+    float32 copies of the activation."""
+    if t.numel() == 0:
+        return t.new_zeros(1, dtype=torch.float32)
+    return t.detach().abs().nan_to_num_(nan=0.0, posinf=0.0).amax().reshape(1).float()
 
 
 def push_amax(history: torch.Tensor, window: int, measured: torch.Tensor) -> None:
@@ -56,7 +68,6 @@ def quantize_operand(
     config: str,
     history: torch.Tensor,
     window: int,
-    ready: bool,
     rows: int,
     cols: int,
     *,
@@ -67,7 +78,7 @@ def quantize_operand(
     delayed scaling (`window` > 0) the scale comes from the history and, with `push`, the
     measured amax is recorded in it (once per role and call: `push` is False for the second
     quantization of an operand that another pass already recorded)."""
-    amax = history_amax(history, window, ready)
+    amax = history_amax(history, window, t)
     if transpose:
         d, _, i, a, td, _, ti, _ = call("quantize_transpose", t, config, amax, rows, cols)
         made = Quantized(d, i, a, td, ti)
@@ -106,7 +117,6 @@ def linear_backward(
     shape: tuple[int, int, int],
     compute_dtype: torch.dtype,
     grad_history: torch.Tensor,
-    ready: bool,
     need_dx: bool,
     need_dw: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -118,7 +128,7 @@ def linear_backward(
     quantized = None
     if need_dx and plan.dgrad_dy:
         quantized = quantize_operand(
-            dy, plan.dgrad_dy, grad_history, plan.dgrad_dy_window, ready, Mp, Np,
+            dy, plan.dgrad_dy, grad_history, plan.dgrad_dy_window, Mp, Np,
             transpose=plan.shares_dy and need_dw,
         )  # fmt: skip
         dx = gemm(
@@ -132,7 +142,7 @@ def linear_backward(
         if quantized is None or quantized.t_data is None:
             recorded = need_dx and bool(plan.dgrad_dy) and bool(plan.dgrad_dy_window)
             quantized = quantize_operand(
-                dy, plan.wgrad_dyt, grad_history, plan.wgrad_dy_window, ready, Mp, Np,
+                dy, plan.wgrad_dyt, grad_history, plan.wgrad_dy_window, Mp, Np,
                 transpose=True, push=not recorded,
             )  # fmt: skip
         dw = gemm(
@@ -148,7 +158,7 @@ def linear_backward(
 class Fp8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with per-pass FP8. Arguments after the plan: the compute dtype of the
     high-precision passes, whether the weight gradient will be needed (else nothing is kept
-    for wgrad), whether delayed histories hold values yet, the input and grad histories,
+    for wgrad), the input and grad histories,
     then the cached weight's FP8 data and inverse scales, fwd layout then dgrad layout."""
 
     @staticmethod
@@ -160,7 +170,6 @@ class Fp8LinearFunction(torch.autograd.Function):
         plan: LinearPlan,
         compute_dtype: torch.dtype,
         keep_wgrad: bool,
-        ready: bool,
         input_history: torch.Tensor,
         grad_history: torch.Tensor,
         *cache: torch.Tensor,
@@ -171,7 +180,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         quantized = None
         if plan.fwd_x:
             quantized = quantize_operand(
-                x, plan.fwd_x, input_history, plan.fwd_x_window, ready, Mp, Kp,
+                x, plan.fwd_x, input_history, plan.fwd_x_window, Mp, Kp,
                 transpose=plan.shares_x and keep_wgrad,
             )  # fmt: skip
             b = None if bias is None else pad_vector(bias, Np)
@@ -184,7 +193,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             # x^T for wgrad, quantized its own way (the fwd quantization recorded the amax).
             recorded = bool(plan.fwd_x) and bool(plan.fwd_x_window)
             quantized = quantize_operand(
-                x, plan.wgrad_xt, input_history, plan.wgrad_x_window, ready, Mp, Kp,
+                x, plan.wgrad_xt, input_history, plan.wgrad_x_window, Mp, Kp,
                 transpose=True, push=not recorded,
             )  # fmt: skip
         saved = SavedForBackward(
@@ -195,7 +204,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             cache[2],
             cache[3],
         )
-        ctx.plan, ctx.compute_dtype, ctx.ready = plan, compute_dtype, ready
+        ctx.plan, ctx.compute_dtype = plan, compute_dtype
         ctx.shape = (M, K, N)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         # The history is mutated by every backward: held outside save_for_backward, whose
@@ -210,9 +219,9 @@ class Fp8LinearFunction(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dx, dw = linear_backward(
             ctx.plan, dy, SavedForBackward(*ctx.saved_tensors), ctx.shape, ctx.compute_dtype,
-            ctx.grad_history, ctx.ready, need_dx, need_dw,
+            ctx.grad_history, need_dx, need_dw,
         )  # fmt: skip
         dx = None if dx is None else dx.to(x_dtype)
         dw = None if dw is None else dw.to(w_dtype)
         db = dy.sum(0).to(b_dtype) if need_db else None
-        return dx, dw, db, None, None, None, None, None, None, *([None] * 4)
+        return dx, dw, db, None, None, None, None, None, *([None] * 4)

@@ -158,11 +158,10 @@ class NormLinear(Fp8Linear):
         y = NormLinearFunction.apply(
             x2d, norm.weight, norm.bias, self.weight, self.bias, self.plan,
             (norm.kind, norm.eps_for(x.dtype)), compute_dtype(x),
-            torch.is_grad_enabled() and self.weight.requires_grad, self._delayed_ready,
+            torch.is_grad_enabled() and self.weight.requires_grad,
             self._history("amax_history_input"), self._history("amax_history_grad_output"),
             *self.gemm_weights(),
         )  # fmt: skip
-        self._mark_delayed_ready()
         return y.view(*x.shape[:-1], self.out_features)
 
     def loka_gemm_operands(self, args: tuple, output: torch.Tensor) -> list[dict]:
@@ -190,7 +189,7 @@ class NormLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, norm_weight, norm_bias, weight, bias, plan: LinearPlan, norm: tuple[str, float],
-        compute_dtype: torch.dtype, keep_wgrad: bool, ready: bool, input_history: torch.Tensor,
+        compute_dtype: torch.dtype, keep_wgrad: bool, input_history: torch.Tensor,
         grad_history: torch.Tensor, *cache: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         kind, eps = norm
@@ -206,7 +205,7 @@ class NormLinearFunction(torch.autograd.Function):
         y = unpad(y, M, N).to(compute_dtype)
         if keep_wgrad and plan.wgrad_xt:
             quantized = quantize_operand(
-                normed, plan.wgrad_xt, input_history, plan.wgrad_x_window, ready, Mp, Kp,
+                normed, plan.wgrad_xt, input_history, plan.wgrad_x_window, Mp, Kp,
                 transpose=True,
             )  # fmt: skip
         wgrad_fp8 = keep_wgrad and bool(plan.wgrad_xt)
@@ -218,7 +217,7 @@ class NormLinearFunction(torch.autograd.Function):
             cache[2],
             cache[3],
         )
-        ctx.plan, ctx.kind, ctx.compute_dtype, ctx.ready = plan, kind, compute_dtype, ready
+        ctx.plan, ctx.kind, ctx.compute_dtype = plan, kind, compute_dtype
         ctx.shape = (M, K, N)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ctx.has_norm_bias = norm_bias is not None
@@ -234,7 +233,7 @@ class NormLinearFunction(torch.autograd.Function):
         need_norm_input = need[0] or need[1] or need[2]
         dnormed, dw = linear_backward(
             ctx.plan, dy, SavedForBackward(*saved), ctx.shape, ctx.compute_dtype,
-            ctx.grad_history, ctx.ready, need_norm_input, need[3],
+            ctx.grad_history, need_norm_input, need[3],
         )  # fmt: skip
         dx = dnw = dnb = None
         if need_norm_input:
@@ -246,7 +245,7 @@ class NormLinearFunction(torch.autograd.Function):
             dnb = dnb if need[2] else None
         dw = None if dw is None else dw.to(w_dtype)
         db = dy.sum(0).to(b_dtype) if need[4] else None
-        return dx, dnw, dnb, dw, db, None, None, None, None, None, None, None, *([None] * 4)
+        return dx, dnw, dnb, dw, db, None, None, None, None, None, None, *([None] * 4)
 
 
 def fuse_pair(
