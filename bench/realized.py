@@ -289,7 +289,8 @@ def verify_loka(v, step_fn, applied) -> dict:
 
     counter = iter(range(10**9))
     t0 = time.monotonic()
-    result = verify(lambda: step_fn(v, next(counter)), applied, VerifyConfig())
+    config = VerifyConfig(steps_per_block=8, blocks=3, drop=2, max_rounds=3)
+    result = verify(lambda: step_fn(v, next(counter)), applied, config)
     return {
         "verify_s": time.monotonic() - t0,
         "verified_speedup": result.speedup, "verified_interval": [result.low, result.high],

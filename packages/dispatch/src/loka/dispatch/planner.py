@@ -43,9 +43,12 @@ from loka.dispatch.bench.candidates import (
     m_bucket,
     speed_key,
 )
+from loka.kernels import registry
 from loka.schema import PASSES, Recipe, validate
 
 SAFE, UNDECIDED = "safe", "undecided"
+# How the model will run: eager, torch.compile, or torch.compile(mode="reduce-overhead").
+MODES = ("eager", "compiled", "cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,15 @@ class PlanConfig:
     # on a table measured on the GPU, a shape left unmeasured (bench budget spent) stays
     # bf16, because estimates at skinny shapes can be far off (see the README).
     allow_estimated: bool | None = None
+    # How the planned model runs ("eager", "compiled", "cudagraphs"). Compiled plans take
+    # only traceable backends (`Backend.traceable`: quantization in torch ops, fused by
+    # inductor, no Python per call, capturable as a CUDA graph); eager plans take the others,
+    # since a traceable backend's quantization runs unfused (and is timed fused) in eager.
+    mode: str = "eager"
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not (math.isfinite(self.min_speedup) and self.min_speedup >= 1.0):
             raise ValueError(f"min_speedup must be >= 1, got {self.min_speedup}")
         if self.error_budget_total is not None and not self.error_budget_total >= 0:
@@ -286,10 +296,16 @@ def _kernel_index(kernel_bench: pl.DataFrame) -> dict[tuple, list[dict]]:
     return index
 
 
-def _timing(row: dict) -> tuple[float, float, float]:
+def _timing(row: dict, mode: str = "compiled") -> tuple[float, float, float]:
+    """(median, GEMM, quantization) ms of a kernel_bench row; in an eager plan the pass's
+    measured extra host time (`host_ms`, see `bench.host`) is charged to its median, since an
+    eager step pays it unless the device is the slower side."""
     gemm = row.get("gemm_ms")
     quant = row.get("quant_ms")
     median = row["median_ms"]
+    host = row.get("host_ms")
+    if mode == "eager" and host is not None and math.isfinite(host):
+        median += host
     return median, median if gemm is None else gemm, 0.0 if quant is None else quant
 
 
@@ -312,6 +328,28 @@ def _fused_options(options: list[_Option], shape: tuple, kernels: dict) -> list[
         out.append(replace(o, median_ms=o.gemm_ms + extra, quant_ms=extra, fused=True,
                            estimated=estimated))  # fmt: skip
     return out
+
+
+def _traceable(backend: str) -> bool | None:
+    try:
+        return registry.get(backend).traceable
+    except KeyError:  # a table from a machine with other backends registered
+        return None
+
+
+def _mode_refusal(backend: str, mode: str) -> str | None:
+    """Why `backend` does not run a pass of a model run in `mode` (None when it does)."""
+    traceable = _traceable(backend)
+    if traceable is None:
+        return f"backend {backend!r} is not registered here"
+    if mode != "eager" and not traceable:
+        return (
+            f"{mode} plan: only traceable backends run inside the compiled graph "
+            "(custom-op kernels cost host time per call and break CUDA graphs)"
+        )
+    if mode == "eager" and traceable:
+        return "eager plan: this backend's quantization is timed fused by torch.compile"
+    return None
 
 
 def _site_options(
@@ -363,7 +401,7 @@ def _site_options(
             if config.budgets and pass_ in config.budgets:
                 verdict = SAFE if bound <= budget else "unsafe"
             for r in timed:
-                median, gemm, quant = _timing(r)
+                median, gemm, quant = _timing(r, config.mode)
                 option = _Option(
                     r["backend"], recipe, pass_, median, gemm, quant, bool(r["estimated"]),
                     bound, budget,
@@ -389,6 +427,8 @@ def _site_options(
                     )
                 elif r["backend"].endswith(".fast") and not config.allow_fast_accum:
                     reason = "fast accumulation not allowed (PlanConfig.allow_fast_accum)"
+                else:
+                    reason = _mode_refusal(r["backend"], config.mode)
                 if reason is None:
                     choice.options[pass_].append(option)
                 else:
@@ -402,7 +442,7 @@ def _site_options(
                         {"backend": r["backend"], "recipe": r["recipe"],
                          "reason": "no error measurement (site_errors) for this recipe"}
                     )  # fmt: skip
-    if norm_fed and shape is not None and choice.options["fwd"]:
+    if norm_fed and shape is not None and choice.options["fwd"] and config.mode == "eager":
         choice.options["fwd"] += _fused_options(choice.options["fwd"], shape, kernels)
     if len(choice.bf16) < len(PASSES):
         choice.note = (
@@ -412,8 +452,10 @@ def _site_options(
         return choice
     bf16 = tuple(choice.bf16[p] for p in PASSES)
     pools = [[choice.bf16[p], *choice.options[p]] for p in PASSES]
+    # A traceable backend quantizes each operand in its own fused kernel: nothing is shared.
+    share = config.share_quantization and config.mode == "eager"
     for combo in itertools.product(*pools):
-        eff = _effective(combo, config.share_quantization)
+        eff = _effective(combo, share)
         if any(
             not o.is_bf16 and t * config.min_speedup >= b.median_ms
             for o, t, b in zip(combo, eff, bf16, strict=True)

@@ -25,6 +25,7 @@ from loka.mods.alignment import check_shape
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.linear_function import Fp8LinearFunction
 from loka.mods.linear_plan import LinearPlan
+from loka.mods.native_function import NativeFp8LinearFunction, NativePlan
 from loka.mods.ops import call, decode
 from loka.mods.weight_stamp import weight_stamp
 
@@ -91,8 +92,11 @@ class Fp8Linear(nn.Linear):
         if not isinstance(config, Fp8LinearConfig):
             raise TypeError(f"config must be an Fp8LinearConfig, got {type(config).__name__}")
         check_shape(config, self.in_features, self.out_features, type(self).__name__)
+        native = NativePlan.of(config)  # raises, before any change, on a bad native config
         self.fp8_config = config
         self.plan = LinearPlan.of(config)
+        # The torch-native backend: quantization traced into the caller's graph, no cache.
+        self.native_plan = native
         device = self.weight.device
         windows = {
             "amax_history_input": self.plan.input_window,
@@ -121,7 +125,7 @@ class Fp8Linear(nn.Linear):
         _, Kp, Np = self.plan.multiples.pad(1, K, N)
         cache: list[torch.Tensor] = []
         for text, rows, cols in ((self.plan.fwd_w, Np, Kp), (self.plan.dgrad_wt, Kp, Np)):
-            if not text:
+            if not text or self.native_plan is not None:
                 cache += [torch.empty(0, device=device) for _ in range(4)]
                 continue
             config = decode(text)
@@ -144,7 +148,7 @@ class Fp8Linear(nn.Linear):
     def refresh_weight_cache(self) -> None:
         """Re-make the weight's FP8 copies now if the weight changed (forward does this too)."""
         layouts = self.plan.weight_layouts
-        if not (layouts[0] or layouts[1]):
+        if not (layouts[0] or layouts[1]) or self.native_plan is not None:
             return
         if not torch.compiler.is_compiling():
             # Eager fast path: a Python comparison instead of reading the key tensor.
@@ -187,6 +191,12 @@ class Fp8Linear(nn.Linear):
                 f"{self.in_features} (input shape {tuple(x.shape)})"
             )
         x2d = x.reshape(-1, self.in_features)
+        if self.native_plan is not None:
+            y = NativeFp8LinearFunction.apply(
+                x2d, self.weight, self.bias, self.native_plan, compute_dtype(x),
+                torch.is_grad_enabled() and self.weight.requires_grad,
+            )  # fmt: skip
+            return y.view(*x.shape[:-1], self.out_features)
         self.refresh_weight_cache()
         y = Fp8LinearFunction.apply(
             x2d, self.weight, self.bias, self.plan, compute_dtype(x),

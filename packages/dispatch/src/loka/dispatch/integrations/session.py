@@ -33,6 +33,7 @@ from torch import nn
 
 from loka.dispatch.apply_plan import Applied, ApplyConfig, apply, norm_fed_sites
 from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
+from loka.dispatch.bench.runner import mode_backends
 from loka.dispatch.integrations.distributed import is_distributed, plan_once, rank
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
 from loka.dispatch.planner import Plan, PlanConfig, make_plan
@@ -318,13 +319,15 @@ class Session:
         if given is not None:
             return read_table(given, "kernel_bench")
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        mode = self.config.plan.mode
         norm_shapes = [
-            (r["M_p50"], r["K"]) for r in sites.iter_rows(named=True) if r["site"] in norm_fed
-        ]
+            (r["M_p50"], r["K"]) for r in sites.iter_rows(named=True)
+            if r["site"] in norm_fed and mode == "eager"
+        ]  # fmt: skip
         result = benchmark(
             site_shapes(sites), device=device, cache=BenchCache(self.config.cache_dir),
             cost_model=CostModel.shipped(), budget_s=self.config.bench_budget_s,
-            norm_shapes=norm_shapes,
+            norm_shapes=norm_shapes, backends=mode_backends(mode),
         )  # fmt: skip
         for note in result.notes:
             self._event(f"bench: {note}")
