@@ -5,6 +5,7 @@ schema version, validation with errors that name the file, column and versions, 
 parquet IO, and the recipe grammar.
 """
 
+from loka.schema.atomic import atomic_write
 from loka.schema.io import TableWriteError, read_metadata, read_table, write_table
 from loka.schema.recipe import BF16, FP8_MAX, Recipe, RecipeError
 from loka.schema.sketches import SketchRecord, tensor_stats_from_sketches
@@ -39,6 +40,7 @@ __all__ = [
     "SketchRecord",
     "Table",
     "TableWriteError",
+    "atomic_write",
     "empty",
     "read_metadata",
     "read_table",

@@ -13,7 +13,10 @@ def main(argv: list[str]) -> int:
         print(f"\n{tbl.name}: {tbl.doc}\n  key: {', '.join(tbl.key)}")
         for col in tbl.columns:
             null = "" if not col.nullable else " (nullable)"
-            print(f"  {col.name:24s} {col.dtype!s:12s} {col.doc}{null}")
+            values = (
+                f" [{col.range.describe(col.dtype.is_integer())}]" if col.range is not None else ""
+            )
+            print(f"  {col.name:24s} {col.dtype!s:12s} {col.doc}{null}{values}")
     return 0
 
 

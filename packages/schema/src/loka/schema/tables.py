@@ -7,11 +7,16 @@ retyped, so that a reader can refuse files it would misread.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import polars as pl
 
 SCHEMA_VERSION = 1
+
+# cuBLAS and the Triton launchers take GEMM sizes as 32-bit ints: a larger K, N or M is not
+# a shape any backend could run, so a table holding one is wrong, not merely large.
+MAX_GEMM_DIM = 2**31 - 1
 
 FP8_FORMATS = ("e4m3", "e5m2")
 GRANULARITIES = ("tensor", "row", "block")
@@ -22,12 +27,37 @@ SITE_KINDS = ("linear", "grouped", "bmm")
 
 
 @dataclass(frozen=True)
+class Range:
+    """The values a numeric column may hold (nulls are governed by `Column.nullable`)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    nan: bool = False  # NaN allowed (it means "not measured" in a few float columns)
+    finite: bool = False  # +-Inf refused
+
+    def describe(self, integer: bool = False) -> str:
+        def num(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        parts = []
+        if self.low > -math.inf:
+            parts.append(f">= {num(self.low)}")
+        if self.high < math.inf:
+            parts.append(f"<= {num(self.high)}")
+        if not integer:
+            parts += ["finite"] if self.finite else []
+            parts += [] if self.nan else ["not NaN"]
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
 class Column:
     name: str
     dtype: pl.DataType
     doc: str
     nullable: bool = False
     allowed: tuple[str, ...] | None = None  # closed vocabulary of a string column
+    range: Range | None = None  # possible values of a numeric column
 
 
 @dataclass(frozen=True)
@@ -52,8 +82,31 @@ class Table:
         return [c.name for c in self.columns]
 
 
-def _c(name, dtype, doc, nullable=False, allowed=None) -> Column:
-    return Column(name, dtype, doc, nullable, allowed)
+# Value ranges by the name of the column: the same name means the same quantity in every
+# table. Float columns not listed may hold any value, NaN included.
+_DIM = Range(0, MAX_GEMM_DIM)  # 0: a site the probe registered but never saw run
+_COUNT = Range(0)
+_FRACTION = Range(0, 1)
+_TIME = Range(0, finite=True)
+_RANGES: dict[str, Range] = {
+    "K": _DIM, "N": _DIM, "M_min": _DIM, "M_p50": _DIM, "M_max": _DIM,
+    "M_bucket": Range(1, MAX_GEMM_DIM), "groups": Range(1, MAX_GEMM_DIM),
+    "calls": _COUNT, "window": _COUNT, "samples": _COUNT, "count": _COUNT, "zeros": _COUNT,
+    "subnormals": _COUNT, "nan": _COUNT, "pos_inf": _COUNT, "neg_inf": _COUNT, "n": _COUNT,
+    "fwd_ms": _TIME, "bwd_ms": _TIME, "median_ms": _TIME, "tflops": _TIME,
+    "time_share": Range(0), "confidence": _FRACTION,
+    "amax": Range(0), "budget": Range(0),
+    "mean_rel_err": Range(0, nan=True), "std_rel_err": Range(0, nan=True),
+    "max_abs_err": Range(0, nan=True),
+}  # fmt: skip
+for _fmt in FP8_FORMATS:
+    for _gran in GRANULARITIES:
+        _RANGES[f"{_fmt}_{_gran}_underflow"] = _FRACTION
+        _RANGES[f"{_fmt}_{_gran}_saturated"] = _FRACTION
+
+
+def _c(name, dtype, doc, nullable=False, allowed=None, range_=None) -> Column:
+    return Column(name, dtype, doc, nullable, allowed, range_ or _RANGES.get(name))
 
 
 _I, _F, _S, _B = pl.Int64(), pl.Float64(), pl.String(), pl.Boolean()
@@ -195,9 +248,19 @@ PLAN = Table(
         _c("K", _I, "in_features the plan was made for"),
         _c("N", _I, "out_features the plan was made for"),
         _c("M_p50", _I, "median M the plan was made for"),
-        _c("bf16_ms", _F, "time of the bf16 baseline at this shape"),
-        _c("predicted_ms", _F, "time of the chosen candidate"),
-        _c("predicted_speedup", _F, "bf16_ms / predicted_ms"),
+        _c(
+            "bf16_ms",
+            _F,
+            "time of the bf16 baseline at this shape (NaN: not timed)",
+            range_=Range(0, nan=True),
+        ),
+        _c(
+            "predicted_ms",
+            _F,
+            "time of the chosen candidate (NaN: not timed)",
+            range_=Range(0, nan=True),
+        ),
+        _c("predicted_speedup", _F, "bf16_ms / predicted_ms", range_=Range(0, nan=True)),
         _c("predicted_rel_err", _F, "upper confidence bound of the error", nullable=True),
         _c("budget", _F, "error budget of the site and pass", nullable=True),
         _c("estimated", _B, "true if times come from a cost model, not this GPU"),

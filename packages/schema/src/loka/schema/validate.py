@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from loka.schema.tables import SCHEMA_VERSION, Table, table
+from loka.schema.tables import SCHEMA_VERSION, Column, Table, table
 
 # Widening casts that lose nothing; anything else is a schema error, not a silent conversion.
 _SAFE_CASTS: dict[type[pl.DataType], tuple[type[pl.DataType], ...]] = {
@@ -42,7 +42,8 @@ def validate(
 
     Raises SchemaError naming the source, the column and both schema versions when a column
     is missing, has a type that cannot be widened losslessly, holds nulls where none are
-    allowed, holds a value outside a closed vocabulary, or when two rows share a key.
+    allowed, holds a value outside a closed vocabulary or outside its column's range (a
+    negative size, a NaN time, an M no GEMM takes), or when two rows share a key.
     Columns the table does not define are kept, after the defined ones.
     """
     tbl = table(table_name)
@@ -80,11 +81,34 @@ def validate(
                     f"{where}: column {col.name!r} holds {bad.unique().sort().to_list()}, "
                     f"allowed values are {list(col.allowed)}"
                 )
+        if col.range is not None:
+            _check_range(series, col, where)
 
     if len(out) and out.select(tbl.key).is_duplicated().any():
         dup = out.filter(out.select(tbl.key).is_duplicated()).select(tbl.key).row(0)
         raise SchemaError(f"{where}: key {dict(zip(tbl.key, dup, strict=True))} appears twice")
     return out
+
+
+def _check_range(series: pl.Series, col: Column, where: str) -> None:
+    r = col.range
+    values = series.drop_nulls()
+    if not len(values):
+        return
+    bad = (values < r.low) | (values > r.high)
+    if values.dtype.is_float():
+        bad = bad.fill_null(False)
+        # polars orders NaN above every number, so the comparisons above flag it: undo that
+        # where NaN is allowed, insist where it is not
+        bad = (bad & ~values.is_nan()) if r.nan else (bad | values.is_nan())
+        if r.finite:
+            bad = bad | values.is_infinite()
+    if bad.any():
+        first = values.filter(bad)[0]
+        raise SchemaError(
+            f"{where}: column {col.name!r} holds {first!r} ({bad.sum()} impossible value(s)); "
+            f"its values must be {r.describe(values.dtype.is_integer())}"
+        )
 
 
 def empty(table_name: str) -> pl.DataFrame:
