@@ -118,3 +118,24 @@ def test_tma_kernel_refuses_unaligned_rows():
     with pytest.raises(ValueError, match="multiple of 16"):
         triton_fp8_mm_tma(a, b)
     assert "multiple of 16" in registry.get("triton.fp8.tma").refuse(GemmSpec.of(a, b))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the branch not taken
+@pytest.mark.parametrize("recipe", RECIPES[:3], ids=["tensor", "row", "e5m2-row"])
+@pytest.mark.parametrize("kernel", [triton_fp8_mm, triton_fp8_mm_tma], ids=["plain", "tma"])
+def test_a_finite_product_of_huge_operands_stays_finite(recipe, kernel):
+    # |x| ~ 1e36 times weights of ~1e-3: the product (about 1e34) is finite in float32, but
+    # the accumulator times x's inverse scale alone (about 2e33) is not.
+    x, w = operands(32, 64, 16, seed=6)
+    x = x.float() * 1e36
+    w = w.float() * 1e-2
+    a, b = quantized(x, w, *recipe)
+    ref = mm_reference(a, b, out_dtype=torch.float32)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 1e33
+    out = kernel(a, b, out_dtype=torch.float32)
+    assert torch.isfinite(out).all()
+    assert_matches(out, ref)
+    # Tiny scales the other way: a product of normal size from tiny and huge operands.
+    a, b = quantized(x * 1e-36 * 1e-30, w * 1e30, *recipe)
+    out = kernel(a, b, out_dtype=torch.float32)
+    assert_matches(out, mm_reference(a, b, out_dtype=torch.float32))

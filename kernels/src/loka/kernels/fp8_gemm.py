@@ -1,8 +1,8 @@
 """Triton FP8 GEMM ``out = act(a @ b^T * scales + bias)`` with tensor, row or block scales.
 
 Both operands are K-contiguous (``a[M, K]``, ``b[N, K]``), the layout Hopper's FP8 tensor
-cores read without a transpose. Tensor and row scales are applied once in the epilogue;
-block scales (1x128 or 128x128, along K in steps of 128) are applied to each K step's
+cores read without a transpose. Tensor and row scales are applied once in the epilogue,
+in the order that keeps a finite product finite (`scale_product_tl`); block scales (1x128 or 128x128, along K in steps of 128) are applied to each K step's
 partial product before it joins the float32 accumulator, as in DeepSeek-V3. Without
 ``fast_accum`` the tensor cores' partial sums are promoted to float32 every BLOCK_K (<= 128)
 products; with it they accumulate at the tensor cores' reduced precision for the whole K.
@@ -40,6 +40,18 @@ def _load_scale_rows(scale_ptr, offs, limit, MODE: tl.constexpr):
         return tl.load(scale_ptr)
     else:
         return tl.load(scale_ptr + offs, mask=offs < limit, other=0.0)
+
+
+@triton.jit
+def scale_product_tl(acc, sa, sb):
+    """``acc * sa * sb`` for positive scales, in an order that leaves float32's range only
+    where the result does: the inverse scale of a huge operand (x ~ 1e36 gives ~2e33) times
+    the accumulator overflows although the other operand's small scale would bring the
+    product back. The larger scale goes first unless that overflows; then the smaller."""
+    big = tl.maximum(sa, sb)
+    small = tl.minimum(sa, sb)
+    high = acc * big
+    return tl.where(tl.abs(high) <= 3.4028234663852886e38, high * small, (acc * small) * big)
 
 
 @triton.jit
@@ -103,10 +115,16 @@ def _fp8_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
-    if A_SCALE != 2:
+    if (A_SCALE != 2) and (B_SCALE != 2):
+        sa = _load_scale_rows(a_scale_ptr, offs_m, M, A_SCALE)
+        sb = _load_scale_rows(b_scale_ptr, offs_n, N, B_SCALE)
+        acc = scale_product_tl(
+            acc, sa[:, None] if A_SCALE == 1 else sa, sb[None, :] if B_SCALE == 1 else sb
+        )
+    elif A_SCALE != 2:
         sa = _load_scale_rows(a_scale_ptr, offs_m, M, A_SCALE)
         acc = acc * (sa[:, None] if A_SCALE == 1 else sa)
-    if B_SCALE != 2:
+    elif B_SCALE != 2:
         sb = _load_scale_rows(b_scale_ptr, offs_n, N, B_SCALE)
         acc = acc * (sb[None, :] if B_SCALE == 1 else sb)
     if HAS_BIAS:

@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from loka.kernels.epilogue import ACTIVATION_IDS, activation_tl
 from loka.kernels.fp8_bits import FORMAT_IDS, fp8_decode_tl
-from loka.kernels.fp8_gemm import SCALE_MODES, check_fp8_request
+from loka.kernels.fp8_gemm import SCALE_MODES, check_fp8_request, scale_product_tl
 from loka.kernels.fp8_tensor import Fp8Tensor
 from loka.kernels.launch import Launcher
 from loka.kernels.runtime import (
@@ -69,13 +69,14 @@ def _fp8_gemm_tma_kernel(
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         if A_SCALE == 0:
-            acc = acc * tl.load(a_scale_ptr)
+            sa = tl.load(a_scale_ptr)
         else:
-            acc = acc * tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
+            sa = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
         if B_SCALE == 0:
-            acc = acc * tl.load(b_scale_ptr)
+            sb = tl.load(b_scale_ptr)
         else:
-            acc = acc * tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+            sb = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        acc = scale_product_tl(acc, sa, sb)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         acc = activation_tl(acc, ACTIVATION)
