@@ -85,6 +85,14 @@ class ProbeConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # A lone string is one pattern: iterating it would match single characters.
+        if isinstance(self.exclude, str):
+            object.__setattr__(self, "exclude", (self.exclude,))
+        else:
+            object.__setattr__(self, "exclude", tuple(self.exclude))
+        bad = [p for p in self.exclude if not isinstance(p, str) or not p]
+        if bad:
+            raise TypeError(f"ProbeConfig.exclude holds site patterns (strings), got {bad!r}")
         for name in ("every", "warmup_every", "decided_every", "rows", "min_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -162,12 +162,20 @@ class Probe:
     def save(self, directory: str | os.PathLike[str]) -> dict[str, Path]:
         """Write the three tables as parquet into `directory` (created if missing).
 
-        All three are written to a temporary folder beside the destination first and then
-        renamed into place, so a failure leaves the directory as it was. Raises
-        `loka.schema.TableWriteError` naming the path when the place is not writable.
+        All or nothing: the three are written to a temporary folder beside the destination,
+        then swapped in one by one with the old files set aside; if any swap fails, the
+        swapped ones are put back, so the directory holds the old three or the new three.
+        Raises `loka.schema.TableWriteError` naming the path and the cause when the place is
+        not writable or a destination is in the way (a directory, say).
         """
         frames = self.tables()
         directory = Path(directory)
+        targets = {name: directory / f"{name}.parquet" for name in TABLE_NAMES}
+        in_the_way = [str(p) for p in targets.values() if p.is_dir()]
+        if in_the_way:
+            raise TableWriteError(
+                f"cannot save probe tables to {directory}: {', '.join(in_the_way)} is a directory"
+            )
         try:
             directory.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=".loka-probe-", dir=directory))
@@ -188,11 +196,8 @@ class Probe:
                 )
                 for name in TABLE_NAMES
             }
-            out = {}
-            for name, path in staged.items():
-                out[name] = directory / path.name
-                os.replace(path, out[name])
-            return out
+            _swap_in(staged, targets, staging)
+            return targets
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -301,3 +306,33 @@ class Probe:
         if not self._worker.submit(job):
             self._dropped_steps += 1
             self._dropped_samples += len(samples)
+
+
+def _swap_in(staged: dict[str, Path], targets: dict[str, Path], staging: Path) -> None:
+    """Move each staged file over its target, keeping the old ones in `staging` until all
+    are in; on a failure, put everything back as it was and raise one TableWriteError."""
+    done: list[tuple[str, Path | None]] = []  # (name, where its old file was set aside)
+    name = ""
+    try:
+        for name, new in staged.items():
+            target = targets[name]
+            backup = staging / f"old-{name}.parquet" if target.exists() else None
+            if backup is not None:
+                os.replace(target, backup)
+            done.append((name, backup))
+            os.replace(new, target)
+    except OSError as exc:
+        _restore(done, targets)
+        raise TableWriteError(
+            f"cannot save probe tables: moving {name}.parquet into {targets[name].parent} "
+            f"failed ({exc.strerror or exc}); the old tables were left in place"
+        ) from exc
+
+
+def _restore(done: list[tuple[str, Path | None]], targets: dict[str, Path]) -> None:
+    for name, backup in reversed(done):
+        target = targets[name]
+        if backup is None:
+            target.unlink(missing_ok=True)
+        elif backup.exists():
+            os.replace(backup, target)
