@@ -41,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    from loka.dispatch.cli._common import fail, user_errors
+
+    try:
+        return int(args.func(args) or 0)
+    except user_errors() as exc:  # bad input a command did not report itself: one line
+        return fail(str(exc))
 
 
 if __name__ == "__main__":

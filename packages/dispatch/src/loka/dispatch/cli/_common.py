@@ -22,10 +22,16 @@ def use_interpreter_without_gpu() -> None:
 
 
 def fail(message: str) -> int:
-    """Print an error the way every loka command does and return exit status 1."""
+    """Print an error the way every loka command does and return exit status 1.
+
+    The message is printed as text, never read as rich markup (a recipe's `[/pow2]` or a
+    path's `[red]` are the user's words), and on one line: rich does not wrap it."""
+    from rich.markup import escape
+
     from loka.dispatch.console import console
 
-    console.print(f"[bold red]error:[/] {message}")
+    text = " ".join(str(message).split()) or "failed"
+    console.print(f"[bold red]error:[/] {escape(text)}", soft_wrap=True)
     return 1
 
 
@@ -34,4 +40,4 @@ def user_errors() -> tuple[type[Exception], ...]:
     from loka.dispatch.bench import CacheMismatchError
     from loka.schema import SchemaError
 
-    return (FileNotFoundError, SchemaError, CacheMismatchError, ValueError)
+    return (OSError, SchemaError, CacheMismatchError, ValueError)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
+import math
 import re
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,13 +64,62 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+# Sanity bounds: beyond them a value is a typo, and the arithmetic after it overflows.
+_MAX_GPU_MEMORY = 2**50  # 1 PiB per GPU
+_MAX_GPUS = 65536
+_MAX_TOKENS_PER_STEP = 2**31 - 1  # a step's M: no GEMM takes more rows
+
+
 def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(
             f"cannot read a memory size from {text!r}; use e.g. 80GiB, 141GB or 8e10"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not value < _MAX_GPU_MEMORY:  # 1e400 parses as inf
+        raise argparse.ArgumentTypeError(f"memory size {text!r} is more than 1 PiB")
+    return int(value)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse values no plan can be made with, before anything is read or computed."""
+    if not 1 <= args.gpus <= _MAX_GPUS:
+        raise ValueError(f"--gpus must be in [1, {_MAX_GPUS}], got {args.gpus}")
+    if args.gpu_memory is not None and args.gpu_memory < 1:
+        raise ValueError(
+            f"--gpu-memory must be a positive size (e.g. 80GiB), got {args.gpu_memory}; "
+            "leave it out to use the current CUDA device's"
+        )
+    if not 1 <= args.seq_len <= _MAX_TOKENS_PER_STEP:
+        raise ValueError(f"--seq-len must be in [1, {_MAX_TOKENS_PER_STEP}], got {args.seq_len}")
+    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise ValueError(
+            f"--time-limit must be a positive number of seconds, got {args.time_limit}"
+        )
+    if args.max_pack_size is not None and args.max_pack_size < 1:
+        raise ValueError(f"--max-pack-size must be at least 1, got {args.max_pack_size}")
+    if not (math.isfinite(args.headroom) and 0 < args.headroom <= 1):
+        raise ValueError(f"--headroom is a fraction of GPU memory in (0, 1], got {args.headroom}")
+    if args.out is not None:
+        if args.out.suffix not in (".csv", ".parquet", ".json"):
+            raise ValueError(
+                f"--out {args.out}: the schedule is written as .csv, .parquet or .json"
+            )
+        if args.out.is_dir():
+            raise ValueError(f"--out {args.out} is a directory; give a file name")
+
+
+def check_jobs(path: Path, jobs: list, seq_len: int) -> None:
+    for job in jobs:
+        tokens = job.batch_size * seq_len
+        if tokens > _MAX_TOKENS_PER_STEP:
+            raise ValueError(
+                f"{path}: job {job.name!r}: batch_size {job.batch_size} x seq_len {seq_len} = "
+                f"{tokens} tokens per step, more than any GEMM takes ({_MAX_TOKENS_PER_STEP})"
+            )
+        if job.rank > _MAX_TOKENS_PER_STEP:
+            raise ValueError(f"{path}: job {job.name!r}: rank {job.rank} is not a LoRA rank")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,8 +134,10 @@ def run(args: argparse.Namespace) -> int:
         read_job_configs,
     )
 
+    check_args(args)
     console = Console(stderr=True)
     jobs = read_job_configs(args.configs)
+    check_jobs(args.configs, jobs, args.seq_len)
     shape = ModelShape.from_hf_config(args.model)
     memory = MemoryModel(shape, seq_len=args.seq_len)
     gpu_memory = args.gpu_memory or _device_memory()
@@ -122,27 +172,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_schedule(schedule: pl.DataFrame, path: Path) -> None:
-    """Write atomically (temporary file in the same folder, then rename)."""
+    """Write atomically (temporary file in the same folder, then rename), with the mode an
+    ordinary new file gets."""
     writers = {".csv": schedule.write_csv, ".parquet": schedule.write_parquet}
     writers[".json"] = schedule.write_json
     if path.suffix not in writers:
         raise ValueError(f"{path}: the schedule is written as .csv, .parquet or .json")
+    from loka.schema import atomic_write
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        writers[path.suffix](tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, writers[path.suffix])  # mode: an ordinary file's under the umask
 
 
 def _device_memory() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device here: give --gpu-memory (e.g. 80GiB)")
+        raise ValueError("no CUDA device here: give --gpu-memory (e.g. 80GiB)")
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
@@ -153,7 +199,7 @@ def _profile(args, jobs, memory, console):
     from loka.dispatch.lora_plan import profile_throughput
 
     if not torch.cuda.is_available():
-        raise SystemExit("--profile needs a CUDA GPU; use --throughput with a recorded table")
+        raise ValueError("--profile needs a CUDA GPU; use --throughput with a recorded table")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda()
     with console.status("profiling packed steps") as status:
         throughput, profiles, packs = profile_throughput(

@@ -34,6 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out.is_dir():
+        return fail(f"--out {args.out} is a directory; give the plan's file name (plan.parquet)")
     use_interpreter_without_gpu()
     from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
     from loka.dispatch.console import console, print_plan

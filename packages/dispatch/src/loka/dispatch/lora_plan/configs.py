@@ -17,20 +17,14 @@ def read_job_configs(path: str | Path) -> list[LoraJobConfig]:
     if not path.is_file():
         raise FileNotFoundError(f"job configuration file {path} does not exist")
     suffix = path.suffix.lower()
-    if suffix == ".json":
-        entries = json.loads(path.read_text())
-    elif suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError as err:  # PyYAML is optional
-            raise RuntimeError(f"{path}: reading YAML needs PyYAML (pip install pyyaml)") from err
-        entries = yaml.safe_load(path.read_text())
-    elif suffix == ".csv":
-        import polars as pl
-
-        entries = pl.read_csv(path).to_dicts()
-    else:
+    if suffix not in (".json", ".yaml", ".yml", ".csv"):
         raise ValueError(f"{path}: job configurations are .json, .yaml/.yml or .csv")
+    try:
+        entries = _load(path, suffix)
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot read it ({err})") from None
+    except ValueError as err:  # JSONDecodeError is one; YAML and CSV errors become one below
+        raise ValueError(f"{path}: malformed {suffix[1:].upper()}: {_line(err)}") from None
     if isinstance(entries, dict) and "jobs" in entries:
         entries = entries["jobs"]
     if not isinstance(entries, list) or not entries:
@@ -41,6 +35,30 @@ def read_job_configs(path: str | Path) -> list[LoraJobConfig]:
     if twice:
         raise ValueError(f"{path}: job names must be unique; repeated: {twice}")
     return jobs
+
+
+def _load(path: Path, suffix: str) -> Any:
+    if suffix == ".json":
+        return json.loads(path.read_text())
+    if suffix == ".csv":
+        import polars as pl
+
+        try:
+            return pl.read_csv(path).to_dicts()
+        except pl.exceptions.PolarsError as err:
+            raise ValueError(str(err)) from None
+    try:
+        import yaml
+    except ImportError as err:  # PyYAML is optional
+        raise RuntimeError(f"{path}: reading YAML needs PyYAML (pip install pyyaml)") from err
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(str(err)) from None
+
+
+def _line(err: Exception) -> str:
+    return " ".join(str(err).split())
 
 
 def _job(path: Path, n: int, entry: Any) -> LoraJobConfig:

@@ -10,6 +10,9 @@ from typing import Any
 
 from loka.mods.packed_lora.config import LLAMA_TARGET_MODULES
 
+# A GEMM size no backend takes (cuBLAS's sizes are 32-bit ints): no real model has one.
+_MAX = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -79,14 +82,23 @@ class ModelShape:
     ) -> ModelShape:
         """From a `transformers` config object, its dict, a `config.json` path or the
         checkpoint folder holding it."""
+        where = "model config"
         if isinstance(config, str | Path):
             path = Path(config)
             path = path / "config.json" if path.is_dir() else path
             if not path.is_file():
                 raise FileNotFoundError(f"model config {path} does not exist")
-            config = json.loads(path.read_text())
+            where = f"model config {path}"
+            try:
+                config = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError) as err:
+                raise ValueError(f"{where}: cannot read it ({err})") from None
+            except ValueError as err:
+                raise ValueError(f"{where}: malformed JSON: {err}") from None
         elif not isinstance(config, Mapping):
             config = config.to_dict()
+        if not isinstance(config, Mapping):
+            raise ValueError(f"{where}: expected a JSON object, got {type(config).__name__}")
         missing = [
             key
             for key in (
@@ -99,17 +111,27 @@ class ModelShape:
             if key not in config
         ]
         if missing:
-            raise ValueError(f"model config lacks {missing}; is it a Llama-style causal LM?")
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        return cls(
-            num_layers=int(config["num_hidden_layers"]),
-            hidden=hidden,
-            intermediate=int(config["intermediate_size"]),
-            vocab=int(config["vocab_size"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            target_modules=tuple(target_modules),
-        )
+            raise ValueError(f"{where} lacks {missing}; is it a Llama-style causal LM?")
+
+        def size(key: str, default: int | None = None) -> int:
+            value = config.get(key) if default is None else (config.get(key) or default)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX:
+                raise ValueError(f"{where}: {key} must be an integer in [1, {_MAX}], got {value!r}")
+            return value
+
+        heads = size("num_attention_heads")
+        hidden = size("hidden_size")
+        try:
+            return cls(
+                num_layers=size("num_hidden_layers"),
+                hidden=hidden,
+                intermediate=size("intermediate_size"),
+                vocab=size("vocab_size"),
+                num_heads=heads,
+                num_kv_heads=size("num_key_value_heads", heads),
+                head_dim=size("head_dim", max(hidden // heads, 1)),
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                target_modules=tuple(target_modules),
+            )
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None

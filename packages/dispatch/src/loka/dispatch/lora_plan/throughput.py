@@ -100,14 +100,16 @@ class ThroughputModel:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"throughput table {path} does not exist")
-        if path.suffix == ".csv":
-            table = pl.read_csv(path)
-        elif path.suffix == ".parquet":
-            table = pl.read_parquet(path)
-        elif path.suffix == ".json":
-            table = pl.read_json(path)
-        else:
+        readers = {".csv": pl.read_csv, ".parquet": pl.read_parquet, ".json": pl.read_json}
+        if path.suffix not in readers:
             raise ValueError(f"{path}: throughput tables are .csv, .json or .parquet")
+        try:
+            table = readers[path.suffix](path)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # polars errors, and its Rust panics on damaged files
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ValueError(f"{path}: cannot read the throughput table ({first})") from None
         missing = [c for c in (*FEATURES, "step_time_s") if c not in table.columns]
         if missing:
             raise ValueError(f"{path}: throughput table lacks columns {missing}")
@@ -115,7 +117,10 @@ class ThroughputModel:
             table = table.filter(pl.col("kind") == "packed")
         if "backend" in table.columns:
             table = table.filter(pl.col("backend") == backend)
-        fitted = cls.fit(table.to_dicts())
+        try:
+            fitted = cls.fit(table.to_dicts())
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from None
         return replace(fitted, source=f"table {path.name} ({backend}): {fitted.source}")
 
     @classmethod
