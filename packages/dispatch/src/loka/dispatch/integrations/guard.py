@@ -4,6 +4,13 @@ re-probe finds its error drifted past the budget. Every demotion is logged with 
 
 Checks run on one step in `check_every`: hooks are armed for that step only, flags are
 accumulated on the device, and read back with a single host sync at the step's end.
+
+An overflow must not reach the weights, so the guard also has a word before the optimizer
+step (`before_optimizer_step`, between backward and `optimizer.step()`): when a gradient is
+non-finite it drops every gradient, so that the step changes nothing (as
+`torch.amp.GradScaler` skips such a step), judges the sites if the step was armed (and
+demotes the culprit), and otherwise arms the next step to find it. That check reads one flag
+per step (one host sync, like GradScaler's).
 """
 
 from __future__ import annotations
@@ -26,10 +33,13 @@ log = logging.getLogger("loka.dispatch")
 class GuardConfig:
     """check_every: steps between checks (each costs one host sync).
     drift_factor: after a re-probe, demote a site whose error bound exceeds its budget times
-    this factor (1.0: as soon as the verdict turns unsafe)."""
+    this factor (1.0: as soon as the verdict turns unsafe).
+    skip_nonfinite: `before_optimizer_step` checks the gradients of every step and skips a
+    step whose gradients are non-finite (False: it only judges armed steps)."""
 
     check_every: int = 50
     drift_factor: float = 1.0
+    skip_nonfinite: bool = True
 
     def __post_init__(self) -> None:
         if self.check_every < 1:
@@ -42,7 +52,7 @@ class GuardConfig:
 class GuardEvent:
     step: int
     site: str
-    action: str  # "demoted" or "observed"
+    action: str  # "demoted", "observed", or "skipped" (site "": an optimizer step)
     reason: str
 
 
@@ -60,9 +70,10 @@ class _Flags:
         self.values[key] = self.values[key] | bad if key in self.values else bad
 
     def read(self, sites: list[str], device: torch.device) -> dict[tuple[str, str], bool]:
-        """All flags of `sites` (one host sync); under torch.distributed a flag raised on any
-        rank is raised on all, so that every rank demotes the same sites."""
-        keys = [(s, w) for s in sites for w in _WHAT]
+        """All flags of `sites` and the step's own (site "") in one host sync; under
+        torch.distributed a flag raised on any rank is raised on all, so that every rank
+        demotes the same sites and skips the same steps."""
+        keys = [(s, w) for s in sites for w in _WHAT] + [k for k in self.values if k[0] == ""]
         if not keys:
             return {}
         zero = torch.zeros((), dtype=torch.bool, device=device)
@@ -79,27 +90,43 @@ def _nonfinite(t: torch.Tensor | None) -> torch.Tensor | None:
     return ~torch.isfinite(t).all()
 
 
+def _any_nonfinite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    flags = [bad.to(device) for t in tensors if (bad := _nonfinite(t)) is not None]
+    if not flags:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return torch.stack(flags).any()
+
+
 class RuntimeGuard:
-    """Guards the FP8 sites of `applied`. Call `step(step)` once per training step (after the
-    optimizer step); `check_errors(site_errors, step)` after a re-probe."""
+    """Guards the FP8 sites of `applied`. Per training step: `before_optimizer_step(optimizer)`
+    between backward and the optimizer step (skip the step when it returns False), then
+    `step(step)` after it; `check_errors(site_errors, step)` after a re-probe."""
 
     def __init__(self, applied: Applied, config: GuardConfig | None = None) -> None:
         self.applied = applied
         self.config = config or GuardConfig()
         self.events: list[GuardEvent] = []
+        self.skipped_steps = 0
         self._handles: list = []
         self._flags: _Flags | None = None
         self._armed_step: int | None = None
+        self._current = 0  # the step under way (the one after the last `step()`)
+        self._judged: list[GuardEvent] | None = None  # an armed step judged before its update
+        self._arm_next = False  # a skipped, unwatched step: watch the next one
 
     def _sites(self) -> dict[str, nn.Module]:
         live = [s for s in self.applied.sites if s not in self.applied.demoted]
         return {s: self.applied.model.get_submodule(s) for s in live}
 
+    def _device(self) -> torch.device:
+        return next((p.device for p in self.applied.model.parameters()), torch.device("cpu"))
+
     def arm(self, step: int) -> None:
         """Watch every live FP8 site during the coming step."""
         self.disarm()
         flags = self._flags = _Flags()
-        self._armed_step = step
+        self._armed_step = self._current = step
+        self._judged = None
         for name, module in self._sites().items():
 
             def forward_hook(module, args, out, name=name) -> None:
@@ -122,27 +149,86 @@ class RuntimeGuard:
             handle.remove()
         self._handles.clear()
 
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Between backward and the optimizer step of the step under way. Returns False when
+        a gradient is non-finite; every gradient of the model (and of `optimizer`'s
+        parameters) is then set to None, so that an `optimizer.step()` call changes neither
+        the weights nor the optimizer's state (torch's optimizers pass over parameters
+        without a gradient): skipping the call or making it are both safe. An armed step is
+        judged here, where its weight gradients are still at hand; an unarmed step that
+        overflowed arms the next one, which finds the site if the overflow recurs."""
+        armed = self._flags is not None and self._judged is None
+        if not armed and not self.config.skip_nonfinite:
+            return True
+        params = {id(p): p for p in self.applied.model.parameters()}
+        for group in getattr(optimizer, "param_groups", None) or []:  # accelerate's too
+            params.update((id(p), p) for p in group["params"])
+        device = self._device()
+        flags = self._flags if armed else _Flags()
+        if self.config.skip_nonfinite:
+            grads = [p.grad for p in params.values() if p.grad is not None]
+            flags.mark("", "grads", _any_nonfinite(grads, device))
+        step = self._current
+        new, read = self._evaluate(flags, step)
+        if armed:
+            self._judged = new
+        if not read.get(("", "grads"), False):
+            self.events += new
+            return True
+        for p in params.values():
+            p.grad = None
+        self.skipped_steps += 1
+        culprits = [e.site for e in new if e.action == "demoted"]
+        if culprits:
+            reason = f"non-finite gradients (FP8 overflow in {', '.join(culprits)})"
+        elif armed:
+            reason = "non-finite gradients from upstream of the FP8 sites"
+        else:
+            reason = "non-finite gradients (the sites are watched on the next step)"
+            self._arm_next = True
+        reason += "; weights unchanged"
+        log.warning("loka guard: step %d: optimizer step skipped: %s", step, reason)
+        new.append(GuardEvent(step, "", "skipped", reason))
+        if not armed:
+            self._judged = new  # reported by `step()`
+        self.events += new
+        return False
+
     def step(self, step: int) -> list[GuardEvent]:
-        """End of training step `step`: evaluate an armed check, demote culprits, and arm the
-        next check when it is due. Returns the events of this step."""
+        """End of training step `step`: evaluate an armed check (unless
+        `before_optimizer_step` did), demote culprits, and arm the next check when it is
+        due. Returns the events of this step, `before_optimizer_step`'s included."""
         new: list[GuardEvent] = []
-        if self._flags is not None and self._armed_step is not None:
-            self.disarm()
-            sites = self._sites()
+        if self._judged is not None:
+            new = self._judged
+        elif self._flags is not None and self._armed_step is not None:
+            new, _ = self._evaluate(self._flags, self._armed_step)
+            self.events += new
+        self.disarm()
+        self._flags = self._armed_step = self._judged = None
+        self._current = step + 1
+        if (step + 1) % self.config.check_every == 0 or self._arm_next:
+            self._arm_next = False
+            self.arm(step + 1)
+        return new
+
+    def _evaluate(self, flags: _Flags, step: int) -> tuple[list[GuardEvent], dict]:
+        """Read `flags` (one host sync); judge every live site by them if they are the armed
+        step's. Returns the events and the flags read."""
+        self.disarm()
+        sites = self._sites()
+        if flags is self._flags:
             for name, module in sites.items():
                 grad = getattr(getattr(module, "weight", None), "grad", None)
                 if (bad := _nonfinite(grad)) is not None:
-                    self._flags.mark(name, "weight_grad", bad)
-            device = next((p.device for p in self.applied.model.parameters()), torch.device("cpu"))
-            flags = self._flags.read(list(sites), device)
-            for name in sites:
-                new += self._judge(name, flags, self._armed_step)
-            self._flags = None
-            self._armed_step = None
-        if (step + 1) % self.config.check_every == 0:
-            self.arm(step + 1)
-        self.events += new
-        return new
+                    flags.mark(name, "weight_grad", bad)
+        else:
+            sites = {}
+        read = flags.read(list(sites), self._device())
+        new: list[GuardEvent] = []
+        for name in sites:
+            new += self._judge(name, read, step)
+        return new, read
 
     def _judge(self, name: str, flags: dict, step: int) -> list[GuardEvent]:
         def f(what: str) -> bool:

@@ -4,7 +4,9 @@ on the trainer's model.
     trainer = Trainer(model, args, train_dataset=ds,
                       callbacks=[LokaTrainerCallback(SessionConfig(warmup_steps=200))])
 
-`on_step_end` comes after the optimizer step of every (accumulated) training step.
+`on_step_end` comes after the optimizer step of every (accumulated) training step. Before
+it (`on_pre_optimizer_step`, after gradient clipping) the runtime guard checks the gradients:
+a non-finite one (an FP8 overflow) drops them all, so that the step changes no weight.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ class LokaTrainerCallback(TrainerCallback):
             if model is None:
                 raise ValueError("LokaTrainerCallback needs the Trainer to pass its model")
             self.session = Session(model, self.config, sample=self.sample)
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs) -> None:
+        # The Trainer steps regardless: the gradients are dropped instead, and torch's
+        # optimizers leave parameters without a gradient (and their state) alone.
+        if self.session is not None:
+            self.session.before_optimizer_step(optimizer)
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         if self.session is not None:

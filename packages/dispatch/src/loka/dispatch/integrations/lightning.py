@@ -3,7 +3,9 @@
     trainer = lightning.Trainer(callbacks=[LokaCallback(SessionConfig(warmup_steps=200))])
 
 The session starts with training (bf16 warm-up with Probe), plans and applies after the
-warm-up, and steps after every optimizer step (Lightning's `on_train_batch_end`).
+warm-up, and steps after every optimizer step (Lightning's `on_train_batch_end`). Before
+each optimizer step (`on_before_optimizer_step`) the runtime guard checks the gradients: a
+non-finite one (an FP8 overflow) drops them all, so that the step changes no weight.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ class LokaCallback(lp.Callback):
     def on_train_start(self, trainer: lp.Trainer, pl_module: lp.LightningModule) -> None:
         if self.session is None:
             self.session = Session(pl_module, self.config, sample=self.sample)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # Lightning cannot skip the step from here: the gradients are dropped instead, and
+        # torch's optimizers leave parameters without a gradient (and their state) alone.
+        if self.session is not None:
+            self.session.before_optimizer_step(optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # Lightning calls this after the optimizer step of the batch (when it stepped).

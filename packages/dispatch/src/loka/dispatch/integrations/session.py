@@ -2,8 +2,14 @@
 
     session = loka.dispatch.Session(model, SessionConfig(warmup_steps=200), sample=batch)
     for batch in batches:
-        loss = loss_fn(model(batch)); loss.backward(); optimizer.step(); optimizer.zero_grad()
+        loss = loss_fn(model(batch)); loss.backward()
+        if session.before_optimizer_step(optimizer):  # False: an overflow, step skipped
+            optimizer.step()
+        optimizer.zero_grad()
         session.step(loss)
+
+(`session.guard_optimizer(optimizer)`, once, does the same through an optimizer hook for a
+loop that calls `optimizer.step()` unconditionally.)
 
 The first `warmup_steps` steps run in bf16 with Probe attached; then the session plans
 (`loka.dispatch.make_plan` on the probed tables and kernel timings: measured on this GPU
@@ -155,11 +161,37 @@ class Session:
         self.norm_fed: set[str] = set()  # sites fed by their own norm (traced with `sample`)
         self.events: list[str] = []
         self.nonfinite_losses = 0
+        self.skipped_steps = 0  # optimizer steps skipped for non-finite gradients
         self._reprobe_start: int | None = None
         self.probe = self._attach_probe()
         self._event(f"warm-up: {self.config.warmup_steps} bf16 step(s) with Probe")
 
     # -- loop API ---------------------------------------------------------------------
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Call between backward and `optimizer.step()`: False when the runtime guard found
+        a non-finite gradient (an FP8 overflow), in which case skip the step. The gradients
+        have then been dropped (set to None), so an `optimizer.step()` made anyway changes
+        nothing. The site at fault is demoted (at once on a guard-check step, else after the
+        next step overflows too). Always True before the plan is applied or without a guard.
+        """
+        if self.guard is None or self.phase == "warmup":
+            return True
+        ok = self.guard.before_optimizer_step(optimizer)
+        if not ok:
+            self.skipped_steps += 1
+        return ok
+
+    def guard_optimizer(self, optimizer: torch.optim.Optimizer):
+        """Run `before_optimizer_step` from `optimizer`'s step pre-hook, for loops that call
+        `optimizer.step()` unconditionally (a skipped step then finds no gradient to apply).
+        Not for closure-taking optimizers (LBFGS): their gradients come after the hook.
+        Returns the hook's handle (`.remove()` undoes it)."""
+
+        def pre_hook(opt, args, kwargs) -> None:
+            self.before_optimizer_step(opt)
+
+        return optimizer.register_step_pre_hook(pre_hook)
 
     def step(self, loss: torch.Tensor | float | None = None) -> None:
         """Mark the end of a training step (after `optimizer.step()`). `loss`, if given, is
@@ -179,7 +211,8 @@ class Session:
         if self.guard is not None:
             checking = self.guard._armed_step is not None
             for event in self.guard.step(step):
-                self._event(f"step {event.step}: {event.site} {event.action}: {event.reason}")
+                what = event.site or "optimizer step"  # "": the step itself was skipped
+                self._event(f"step {event.step}: {what} {event.action}: {event.reason}")
             if checking and loss is not None:
                 value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
                 if not math.isfinite(value):
