@@ -47,6 +47,7 @@ from loka.kernels import registry
 from loka.schema import PASSES, Recipe, validate
 
 SAFE, UNDECIDED = "safe", "undecided"
+INVALID = "invalid"  # a site_errors row whose numbers cannot be checked (NaN, inf)
 # How the model will run: eager, torch.compile, or torch.compile(mode="reduce-overhead").
 MODES = ("eager", "compiled", "cudagraphs")
 
@@ -352,6 +353,24 @@ def _mode_refusal(backend: str, mode: str) -> str | None:
     return None
 
 
+def _checked_verdict(err: dict, bound: float | None, budget: float) -> tuple[str, str]:
+    """The row's verdict, checked against its numbers rather than believed: (verdict, what
+    to add to the reason). A bound that is not a finite, non-negative number is INVALID; a
+    "safe" row whose bound exceeds the budget, or an "undecided" one whose lower bound does,
+    is unsafe."""
+    if bound is None or not math.isfinite(bound) or bound < 0:
+        return INVALID, f"error bound {bound} is not a finite number >= 0: refused"
+    if not math.isfinite(budget):
+        return INVALID, f"error budget {budget} is not a finite number: refused"
+    verdict = err["verdict"]
+    lower = err.get("lcb_rel_err")
+    if verdict == SAFE and bound > budget:
+        return "unsafe", " (labelled safe)"
+    if verdict == UNDECIDED and lower is not None and not lower <= budget:
+        return "unsafe", " (labelled undecided, lower bound over the budget too)"
+    return verdict, ""
+
+
 def _site_options(
     site: dict,
     errors: dict[str, list[dict]],
@@ -397,9 +416,9 @@ def _site_options(
             if config.budgets and pass_ in config.budgets:
                 budget = config.budgets[pass_]
             bound = err["ucb_rel_err"] if err["ucb_rel_err"] is not None else err["mean_rel_err"]
-            verdict = err["verdict"]
-            if config.budgets and pass_ in config.budgets:
-                verdict = SAFE if bound <= budget else "unsafe"
+            verdict, why = _checked_verdict(err, bound, budget)
+            if config.budgets and pass_ in config.budgets and verdict != INVALID:
+                verdict, why = (SAFE if bound <= budget else "unsafe"), ""
             for r in timed:
                 median, gemm, quant = _timing(r, config.mode)
                 option = _Option(
@@ -411,8 +430,12 @@ def _site_options(
                     reason = "site excluded by PlanConfig.exclude"
                 elif config.inference and pass_ != "fwd":
                     reason = "inference plan: only the forward pass runs"
+                elif verdict == INVALID:
+                    reason = why
+                elif verdict == "unsafe" and bound <= budget:  # a label stricter than its bound
+                    reason = f"labelled unsafe (error bound {bound:.4g}, budget {budget:.4g})"
                 elif verdict == "unsafe":
-                    reason = f"unsafe: error bound {bound:.4g} > budget {budget:.4g}"
+                    reason = f"unsafe: error bound {bound:.4g} > budget {budget:.4g}{why}"
                 elif verdict == UNDECIDED and not config.allow_undecided:
                     reason = (
                         f"undecided after {err['n']} batch(es): error bound {bound:.4g} vs "
