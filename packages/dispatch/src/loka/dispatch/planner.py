@@ -287,6 +287,13 @@ def sites_fingerprint(sites: Iterable[tuple[str, int, int]]) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
+def tables_fingerprint(sites: pl.DataFrame) -> str:
+    """`sites_fingerprint` of a `sites` table's plannable sites (linear, one group): the
+    model fingerprint a plan made from that table records."""
+    linear = sites.filter((pl.col("kind") == "linear") & (pl.col("groups") == 1))
+    return sites_fingerprint((r["site"], r["K"], r["N"]) for r in linear.iter_rows(named=True))
+
+
 def _kernel_index(kernel_bench: pl.DataFrame) -> dict[tuple, list[dict]]:
     keyed = kernel_bench.filter(pl.col("groups") == 1).with_columns(
         pl.col("recipe").map_elements(speed_key, return_dtype=pl.String).alias("_speed")
@@ -666,9 +673,7 @@ def make_plan(
     summary = _summary(choices, table, devices, gemm_share, notes, passes)
     metadata = {
         "producer": "loka-dispatch planner",
-        "model_fingerprint": sites_fingerprint(
-            (r["site"], r["K"], r["N"]) for r in linear.iter_rows(named=True)
-        ),
+        "model_fingerprint": tables_fingerprint(sites),
         "sites": json.dumps({r["site"]: [r["K"], r["N"]] for r in linear.iter_rows(named=True)}),
         "device": devices[0].describe() if devices else "none",
         "estimated": str(summary.estimated),

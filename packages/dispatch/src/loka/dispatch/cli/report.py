@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         tables = load_probe_tables(args.tables)
         plan = read_plan(args.plan)
+        _check_same_model(plan, tables["sites"], args.plan, args.tables)
         bench = read_table(args.kernel_bench, "kernel_bench") if args.kernel_bench else None
         with progress_bar("rendering the report", 1) as update:
             path = write_report(args.out, sites=tables["sites"], site_errors=tables["site_errors"],
@@ -42,3 +43,27 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     console.print(f"wrote {path}")
     return 0
+
+
+def _check_same_model(plan, sites, plan_path: Path, tables_path: Path) -> None:
+    """Refuse a plan made from another model's tables, as `apply` refuses a plan made for
+    another model: the report would show one model's errors beside another's choices."""
+    from loka.dispatch.planner import tables_fingerprint
+
+    recorded = plan.metadata.get("model_fingerprint")
+    if recorded is not None:
+        ours = tables_fingerprint(sites)
+        if recorded != ours:
+            raise ValueError(
+                f"{plan_path} was made for another model (plan fingerprint {recorded}, the "
+                f"tables in {tables_path} have {ours}); plan from these tables, or pass the "
+                "tables the plan was made from"
+            )
+        return
+    # A plan without the fingerprint: its sites must at least be the tables' sites.
+    missing = sorted(set(plan.table["site"]) - set(sites["site"]))
+    if missing:
+        raise ValueError(
+            f"{plan_path} was made for another model: {len(missing)} of its sites are not in "
+            f"the tables in {tables_path} (e.g. {', '.join(missing[:3])})"
+        )
