@@ -35,6 +35,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+# Beyond these an operand alone outgrows a GPU's memory (2**32 bf16 elements: 8 GiB).
+MAX_DIM = 1 << 24
+MAX_OPERAND = 1 << 32
+
+
 def _parse_shapes(text: str):
     from loka.dispatch.bench import Shape, m_bucket
 
@@ -46,6 +51,11 @@ def _parse_shapes(text: str):
             raise ValueError(f"--shapes: {part!r} is not MxKxN") from None
         if min(M, K, N) < 1:
             raise ValueError(f"--shapes: {part!r} has a non-positive size")
+        if max(M, K, N) > MAX_DIM or max(M * K, K * N, M * N) > MAX_OPERAND:
+            raise ValueError(
+                f"--shapes: {part!r} is beyond what one GPU can time (each size at most "
+                f"{MAX_DIM}, each operand at most {MAX_OPERAND} elements)"
+            )
         shapes.append(Shape(m_bucket(M), K, N))
     return list(dict.fromkeys(shapes))
 

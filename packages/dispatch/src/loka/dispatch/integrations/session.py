@@ -196,6 +196,11 @@ class Session:
     def step(self, loss: torch.Tensor | float | None = None) -> None:
         """Mark the end of a training step (after `optimizer.step()`). `loss`, if given, is
         checked for finiteness only on guard-check steps (no extra host sync)."""
+        if self.phase == "closed":
+            raise RuntimeError(
+                "Session.step() after close(): the session was closed during its warm-up "
+                "and will not plan; make a new Session to plan this model"
+            )
         step = self.steps
         self.steps += 1
         if self.phase == "warmup":
@@ -222,6 +227,8 @@ class Session:
 
     def plan_and_apply(self) -> Plan:
         """End the warm-up now: tables, plan (rank 0, broadcast), apply, guard."""
+        if self.phase == "closed":
+            raise RuntimeError("plan_and_apply() after close(): the warm-up's Probe is detached")
         if self.phase != "warmup":
             raise RuntimeError(f"the plan was already applied (phase {self.phase!r})")
         self.tables = self.probe.tables()  # a collective under torch.distributed
@@ -256,6 +263,8 @@ class Session:
                 f"closed after {self.verifier.steps} verification step(s), before it ended: "
                 "every applied site left in FP8, unverified"
             )
+        if self.phase == "warmup":
+            self.phase = "closed"  # nothing probed is left to plan from
         if self.probe is not None:
             self.probe.detach()
             self.probe = None
