@@ -72,3 +72,9 @@ def test_host_overhead_is_zero_where_nothing_runs_on_the_host():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="mode must be one of"):
         PlanConfig(mode="jit")
+
+
+def test_a_model_with_no_linear_site_gets_an_empty_plan():
+    plan = make_plan(SITES.head(0), ERRORS, TIMED, PlanConfig(mode="compiled"))
+    assert plan.table.height == 0 and "site" in plan.table.columns
+    assert any("nothing to plan" in line for line in plan.summary.lines())

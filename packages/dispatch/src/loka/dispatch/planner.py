@@ -44,7 +44,7 @@ from loka.dispatch.bench.candidates import (
     speed_key,
 )
 from loka.kernels import registry
-from loka.schema import PASSES, Recipe, validate
+from loka.schema import PASSES, Recipe, empty, validate
 
 SAFE, UNDECIDED = "safe", "undecided"
 INVALID = "invalid"  # a site_errors row whose numbers cannot be checked (NaN, inf)
@@ -668,7 +668,11 @@ def make_plan(
     if skipped:
         notes.append(f"{skipped} grouped/bmm site(s) not planned (linear sites only)")
     rows = [r for c in choices for r in _rows(c, config)]
-    table = validate(pl.DataFrame(rows, schema_overrides=_PLAN_TYPES), "plan")
+    if rows:
+        table = validate(pl.DataFrame(rows, schema_overrides=_PLAN_TYPES), "plan")
+    else:  # no linear site to plan: an empty plan, not a frame without columns
+        notes.append("no linear site with a known shape: nothing to plan")
+        table = empty("plan")
     passes = ("fwd",) if config.inference else PASSES
     summary = _summary(choices, table, devices, gemm_share, notes, passes)
     metadata = {
