@@ -50,6 +50,18 @@ def one_line():
 
 
 @pytest.fixture
+def lora_model() -> dict:
+    """A small valid model config (a fresh copy per test)."""
+    return dict(MODEL)
+
+
+@pytest.fixture
+def lora_job() -> dict:
+    """A valid LoRA job (a fresh copy per test)."""
+    return dict(JOB)
+
+
+@pytest.fixture
 def lora_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(MODEL))
     (tmp_path / "jobs.json").write_text(json.dumps([JOB, {**JOB, "name": "b", "rank": 16}]))

@@ -7,16 +7,6 @@ import json
 import polars as pl
 import pytest
 
-MODEL = {
-    "num_hidden_layers": 4,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "vocab_size": 1000,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-JOB = {"name": "a", "rank": 8, "alpha": 16, "lr": 1e-4, "batch_size": 2, "steps": 10}
-
 
 def _args(folder, *extra, jobs="jobs.json", model=None):
     return ("lora-plan", folder / jobs, "--model", model or folder, "--gpu-memory", "80GiB",
@@ -118,21 +108,23 @@ BAD_JOBS = [
 
 
 @pytest.mark.parametrize(("change", "needle"), BAD_JOBS)
-def test_impossible_job_values_name_the_file_and_the_field(loka, lora_files, change, needle):
-    job = {k: v for k, v in {**JOB, **change}.items() if v is not None}
+def test_impossible_job_values_name_the_file_and_the_field(
+    loka, lora_files, lora_job, change, needle
+):
+    job = {k: v for k, v in {**lora_job, **change}.items() if v is not None}
     (lora_files / "bad.json").write_text(json.dumps([job]))
     line = loka(*_args(lora_files, jobs="bad.json"))
     assert "bad.json" in line and needle in line
 
 
-def test_a_missing_required_field(loka, lora_files):
-    job = {k: v for k, v in JOB.items() if k != "rank"}
+def test_a_missing_required_field(loka, lora_files, lora_job):
+    job = {k: v for k, v in lora_job.items() if k != "rank"}
     (lora_files / "bad.json").write_text(json.dumps([job]))
     assert "rank" in loka(*_args(lora_files, jobs="bad.json"))
 
 
-def test_duplicate_job_names(loka, lora_files):
-    (lora_files / "bad.json").write_text(json.dumps([JOB, JOB]))
+def test_duplicate_job_names(loka, lora_files, lora_job):
+    (lora_files / "bad.json").write_text(json.dumps([lora_job, lora_job]))
     assert "job names must be unique" in loka(*_args(lora_files, jobs="bad.json"))
 
 
@@ -174,10 +166,10 @@ BAD_MODELS = [
 
 
 @pytest.mark.parametrize(("change", "needle"), BAD_MODELS)
-def test_impossible_model_configs_name_the_file(loka, lora_files, change, needle):
+def test_impossible_model_configs_name_the_file(loka, lora_files, lora_model, change, needle):
     model = lora_files / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({**MODEL, **change}))
+    (model / "config.json").write_text(json.dumps({**lora_model, **change}))
     line = loka(*_args(lora_files, model=model))
     assert "config.json" in line and needle in line
 
