@@ -23,7 +23,14 @@ from pathlib import Path
 
 import torch
 
-from loka.dispatch.console import console, print_plan, progress_bar
+from loka.dispatch.console import (
+    console,
+    plan_lines,
+    print_lines,
+    print_plan,
+    progress_bar,
+    wrap_lines,
+)
 from loka.dispatch.integrations.session import Session, SessionConfig, warmup_probe_config
 from loka.dispatch.planner import Plan
 
@@ -59,9 +66,11 @@ def run_demo(
     kernel_bench=None,
     bench_budget_s: float | None = 60.0,
     quiet: bool = False,
+    verbose: bool = False,
 ) -> DemoResult:
     """Run the demo; see the module documentation. Defaults: on a GPU the `large` preset,
-    200 warm-up and 100 further steps; on the CPU `tiny`, 20 and 20."""
+    200 warm-up and 100 further steps; on the CPU `tiny`, 20 and 20. The plan prints one
+    line per FP8 site in 80 columns; `verbose` adds its full table."""
     import loka.zoo as zoo
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -126,22 +135,23 @@ def run_demo(
         result.bf16_step_ms = statistics.median(bf16) if bf16 else None
         result.plan_step_ms = statistics.median(planned) if planned else None
     if not quiet:
-        _print(result, session)
+        _print(result, session, verbose=verbose)
     return result
 
 
-def _print(result: DemoResult, session: Session) -> None:
+def _print(result: DemoResult, session: Session, *, verbose: bool = False) -> None:
     plan = result.plan
     fp8 = plan.table.filter(plan.table["recipe"] != "bf16")
-    if fp8.height:
+    if verbose and fp8.height:
         print_plan(plan.table, only_fp8=True)
+    if fp8.height:
+        print_lines(plan_lines(plan.table))
     else:
         console.print(
             "[yellow]The plan keeps every site in bf16[/]: at these shapes no safe FP8 "
             "candidate beats bf16 (each site's reasons are in the report)."
         )
-    for line in plan.summary.lines():
-        console.print(f"  {line}")
+    print_lines(wrap_lines(plan.summary.lines(), prefix="  "))
     if result.measured_speedup is not None:
         console.print(
             f"[bold]measured training step[/]: bf16 {result.bf16_step_ms:.2f} ms -> planned "

@@ -27,6 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bench-budget-s", type=float, default=60.0,
                         help="seconds of kernel timing on a GPU (measured rows are cached)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("loka-demo"))
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="also print the plan's full table (every pass, with its reason)")  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         run_demo(args.model, args.preset, warmup_steps=args.warmup_steps, steps=args.steps,
                  device=args.device, out=args.out, seed=args.seed,
                  kernel_bench=str(args.kernel_bench) if args.kernel_bench else None,
-                 bench_budget_s=args.bench_budget_s)  # fmt: skip
+                 bench_budget_s=args.bench_budget_s, verbose=args.verbose)  # fmt: skip
     except ValueError as exc:
         return fail(str(exc))
     return 0

@@ -28,7 +28,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gemm-share", type=float, default=None,
                         help="g for the end-to-end prediction when sites.time_share is empty")  # fmt: skip
     parser.add_argument("--exclude", action="append", default=[], help="site glob kept in bf16")
-    parser.add_argument("--show", choices=("fp8", "all", "none"), default="fp8")
+    parser.add_argument("--show", choices=("fp8", "all", "none"), default="fp8",
+                        help="sites listed: those with a pass in FP8 (default), all, or none")  # fmt: skip
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="also print the full table: every pass with its backend, shape, "
+                        "error bound and reason (the report has it too)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=180.0, help="bench budget if measuring")
     parser.set_defaults(func=run)
 
@@ -38,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--out {args.out} is a directory; give the plan's file name (plan.parquet)")
     use_interpreter_without_gpu()
     from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
-    from loka.dispatch.console import console, print_plan
+    from loka.dispatch.console import console, plan_lines, print_lines, print_plan, wrap_lines
     from loka.dispatch.planner import PlanConfig, make_plan
     from loka.dispatch.tables import load_probe_tables
     from loka.schema import read_table
@@ -62,10 +66,11 @@ def run(args: argparse.Namespace) -> int:
                          gemm_share=args.gemm_share)  # fmt: skip
     except user_errors() as exc:
         return fail(str(exc))
-    if args.show != "none":
+    if args.verbose and args.show != "none":
         print_plan(plan.table, only_fp8=args.show == "fp8")
-    for line in plan.summary.lines():
-        console.print(line)
+    if args.show != "none":
+        print_lines(plan_lines(plan.table, show_bf16=args.show == "all"))
+    print_lines(wrap_lines(plan.summary.lines()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plan.write(args.out)
     console.print(f"wrote {args.out}")
