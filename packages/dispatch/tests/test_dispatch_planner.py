@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loka.dispatch.planner import PlanConfig, make_plan, sites_fingerprint
+from loka.dispatch.planner import PlanConfig, batches_to_decide, make_plan, sites_fingerprint
 from loka.schema import PASSES, validate
 
 DEVICE = {
@@ -286,3 +286,32 @@ def test_estimated_times_do_not_put_a_pass_in_fp8_on_a_measured_table() -> None:
     } == {ROW}
     allowed = make_plan(sites, errors, mixed, PlanConfig(allow_estimated=True))
     assert {r["recipe"] for r in allowed.table.iter_rows(named=True) if r["pass"] == "fwd"} == {ROW}
+
+
+def _errors(n: int, mean: float, std: float, verdict: str = "undecided") -> pl.DataFrame:
+    rows = [
+        {"site": "fc", "recipe": ROW, "pass": p, "n": n, "mean_rel_err": mean,
+         "std_rel_err": std, "lcb_rel_err": mean - std, "ucb_rel_err": mean + std,
+         "sqnr_db": 30.0, "max_abs_err": 0.1, "bf16_rel_err": 0.003, "budget": 0.06,
+         "confidence": 0.95, "method": "student-t", "verdict": verdict, "emulated": True,
+         "step_last": n}
+        for p in PASSES
+    ]  # fmt: skip
+    return validate(pl.DataFrame(rows), "site_errors")
+
+
+def test_an_undecided_all_bf16_plan_says_so_and_how_many_batches_would_decide() -> None:
+    sites = sites_table(("fc", 1024, 4096, 8192, None))
+    bench = bench_table([*BF16_ROWS, *[("torch.scaled_mm", ROW, p, 0.5, 0.1) for p in PASSES]])
+    plan = make_plan(sites, _errors(4, 0.05, 0.01), bench)
+    assert plan.summary.sites_fp8 == 0
+    text = plan.summary.undecided
+    assert "3 FP8 candidate(s) refused as undecided after 4 sampled batch(es)" in text
+    need = batches_to_decide({"n": 4, "mean_rel_err": 0.05, "std_rel_err": 0.01,
+                              "budget": 0.06, "confidence": 0.95})  # fmt: skip
+    assert need == 5  # (1.645 * 0.01 / 0.01)^2 = 2.7, but at least n + 1
+    assert need is not None and f"about {need} sampled batches" in text
+    assert any(text == line for line in plan.summary.lines())
+    # Decided verdicts leave no such line.
+    decided = make_plan(sites, _errors(8, 0.01, 0.001, "safe"), bench)
+    assert decided.summary.sites_fp8 == 1 and decided.summary.undecided is None

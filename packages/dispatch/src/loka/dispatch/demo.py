@@ -147,9 +147,14 @@ def _print(result: DemoResult, session: Session, *, verbose: bool = False) -> No
     if fp8.height:
         print_lines(plan_lines(plan.table))
     else:
+        why = (
+            "FP8 verdicts were still undecided when the warm-up ended (see below)"
+            if plan.summary.undecided
+            else "at these shapes no safe FP8 candidate beats bf16"
+        )
         console.print(
-            "[yellow]The plan keeps every site in bf16[/]: at these shapes no safe FP8 "
-            "candidate beats bf16 (each site's reasons are in the report)."
+            f"[yellow]The plan keeps every site in bf16[/]: {why} (each site's reasons are "
+            "in the report)."
         )
     print_lines(wrap_lines(plan.summary.lines(), prefix="  "))
     if result.measured_speedup is not None:

@@ -29,6 +29,7 @@ import hashlib
 import itertools
 import json
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -178,6 +179,7 @@ class _SiteChoice:
     best_gemm: dict[str, float] = field(default_factory=dict)  # fastest FP8 GEMM, safe or not
     chosen: int = 0
     note: str | None = None  # why the site stays bf16 without any evaluation
+    undecided: list[dict] = field(default_factory=list)  # site_errors rows refused as undecided
 
     def current(self):
         return self.combos[self.chosen]
@@ -209,6 +211,9 @@ class PlanSummary:
     verified_sites: list[str] | None = None
     verify_demoted: dict[str, str] = field(default_factory=dict)
     verify_rounds: list[dict] = field(default_factory=list)
+    # FP8 candidates refused only because their verdict was undecided, and about how many
+    # sampled batches would decide them (`undecided_note`); None when there were none.
+    undecided: str | None = None
 
     @property
     def share_of_ceiling(self) -> float | None:
@@ -234,7 +239,8 @@ class PlanSummary:
                 f"end-to-end: predicted {self.predicted_speedup:.3f}x, ceiling "
                 f"1/((1-g)+g/s) = {self.ceiling:.3f}x with g = {self.gemm_share:.3f}{est}"
             )
-        return out + self.notes + self._measured_lines()
+        undecided = [self.undecided] if self.undecided else []
+        return out + undecided + self.notes + self._measured_lines()
 
     def _measured_lines(self) -> list[str]:
         if self.measured_speedup is None:
@@ -426,6 +432,11 @@ def _site_options(
             verdict, why = _checked_verdict(err, bound, budget)
             if config.budgets and pass_ in config.budgets and verdict != INVALID:
                 verdict, why = (SAFE if bound <= budget else "unsafe"), ""
+            if (
+                verdict == UNDECIDED and not config.allow_undecided
+                and not config.excluded(site["site"]) and not (config.inference and pass_ != "fwd")
+            ):  # fmt: skip
+                choice.undecided.append({**err, "budget": budget})
             for r in timed:
                 median, gemm, quant = _timing(r, config.mode)
                 option = _Option(
@@ -675,6 +686,7 @@ def make_plan(
         table = empty("plan")
     passes = ("fwd",) if config.inference else PASSES
     summary = _summary(choices, table, devices, gemm_share, notes, passes)
+    summary.undecided = undecided_note([e for c in choices for e in c.undecided])
     metadata = {
         "producer": "loka-dispatch planner",
         "model_fingerprint": tables_fingerprint(sites),
@@ -695,6 +707,44 @@ _PLAN_TYPES = {
     ),
     "fuse_norm": pl.Boolean,
 }
+
+
+def batches_to_decide(err: dict) -> int | None:
+    """About how many sampled batches would decide an undecided site_errors row: the n at
+    which the Student-t half-width, with the standard deviation measured so far, leaves the
+    mean on one side of the budget (normal quantile; at least the batches already seen + 1).
+    None when too few batches were seen to have a standard deviation."""
+    n, mean, std = err["n"], err["mean_rel_err"], err.get("std_rel_err")
+    if std is None or n < 2 or not math.isfinite(std) or mean is None:
+        return None
+    gap = abs(err["budget"] - mean)
+    if gap == 0:
+        return None
+    z = statistics.NormalDist().inv_cdf(err.get("confidence") or 0.95)
+    return max(n + 1, math.ceil((z * std / gap) ** 2))
+
+
+def undecided_note(rows: list[dict]) -> str | None:
+    """One line on the FP8 candidates refused because their verdict was undecided: how many,
+    after how many batches, and about how many sampled batches would decide most of them."""
+    if not rows:
+        return None
+    seen = sorted({int(r["n"]) for r in rows})
+    after = f"{seen[0]}" if len(seen) == 1 else f"{seen[0]}-{seen[-1]}"
+    needs = sorted(x for r in rows if (x := batches_to_decide(r)) is not None)
+    text = (
+        f"{len(rows)} FP8 candidate(s) refused as undecided after {after} sampled batch(es) "
+        "(their error bounds straddle the budget)"
+    )
+    if needs:
+        most = needs[min(len(needs) - 1, (3 * len(needs)) // 4)]
+        text += (
+            f"; about {most} sampled batches would decide most of them (median {needs[len(needs) // 2]}): "
+            "probe longer, e.g. more warm-up steps"
+        )
+    else:
+        text += "; too few batches to estimate how many would decide them: probe longer"
+    return text
 
 
 def _summary(choices, table, devices, gemm_share, notes, passes) -> PlanSummary:

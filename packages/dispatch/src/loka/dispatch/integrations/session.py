@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,10 @@ from loka.dispatch.verify import Verifier, VerifyConfig, settle, verifier_for
 from loka.schema import read_table, write_table
 
 log = logging.getLogger("loka.dispatch")
+
+
+class UndecidedPlanWarning(UserWarning):
+    """The warm-up ended before Probe could decide the FP8 verdicts: the plan is all bf16."""
 
 
 def warmup_probe_config(steps: int):
@@ -245,6 +250,14 @@ class Session:
         self._event(f"plan applied after {self.steps} step(s): {self.applied.summary()}")
         for line in self.plan.summary.lines():
             self._event(f"  {line}")
+        if self.plan.summary.sites_fp8 == 0 and self.plan.summary.undecided:
+            # Not a silent all-bf16 plan: in Lightning or HF nobody reads the events.
+            warnings.warn(
+                f"loka: the plan keeps every site in bf16 after a warm-up of {self.steps} "
+                f"step(s): {self.plan.summary.undecided}",
+                UndecidedPlanWarning,
+                stacklevel=2,
+            )
         if self.config.guard is not None:
             self.guard = RuntimeGuard(self.applied, self.config.guard)
             self.guard.arm(self.steps)
