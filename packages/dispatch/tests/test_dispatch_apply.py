@@ -129,11 +129,15 @@ def test_filters_and_unrunnable_backends(dhen) -> None:
         sites, errors, synthetic_kernel_bench([(32, 32, 64)], backend="torch.scaled_mm")
     )
     with pytest.warns(PlanFallbackWarning, match="torch.scaled_mm.*using triton"):
-        applied = apply(dhen.model, gpu_only)
+        applied = apply(dhen.model, gpu_only, ApplyConfig(emulate_on_cpu=False))
     assert dhen.model.get_submodule("blocks.0.fc1").fp8_config.fwd.backend.startswith("triton")
     applied.undo()
     with pytest.warns(PlanFallbackWarning, match="does not run on CPU"):
-        kept = apply(dhen.model, gpu_only, ApplyConfig(replace_unrunnable_backends=False))
+        kept = apply(
+            dhen.model,
+            gpu_only,
+            ApplyConfig(replace_unrunnable_backends=False, emulate_on_cpu=False),
+        )
     assert kept.sites == [] and _types(dhen.model)["blocks.0.fc1"] is nn.Linear
     only_first = apply(dhen.model, fc1_plan(dhen.model),
                        ApplyConfig(module_filter_fn=lambda m, name: name.startswith("blocks.0")))  # fmt: skip
@@ -204,3 +208,40 @@ def test_a_plan_that_fuses_a_norm_needs_the_sample_and_gets_the_fused_module(dhe
     assert applied.sites == ["blocks.0.fc1"] and type(dhen.model.blocks[0].fc1) is NormLinear
     applied.undo()
     assert type(dhen.model.blocks[0].fc1) is nn.Linear
+
+
+def test_on_the_cpu_native_recipes_are_emulated_by_torch_native_and_the_rest_keep_triton(
+    dhen,
+) -> None:
+    from loka.kernels.native import NATIVE_BACKEND
+
+    sites, errors = probe_like_tables(dhen.model)
+    plan = make_plan(
+        sites, errors, synthetic_kernel_bench([(32, 32, 64)], backend="triton.fp8.tma")
+    )
+    linear = dhen.model.get_submodule("blocks.0.fc1")
+    x = torch.randn(32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanFallbackWarning)  # runnable: no fallback warning
+        applied = apply(dhen.model, plan)
+    assert applied.emulated == applied.sites == ["blocks.0.fc1", "blocks.1.fc1"]
+    assert "2 emulated on the CPU by torch.native" in applied.summary()
+    module = dhen.model.get_submodule("blocks.0.fc1")
+    passes = module.fp8_config.passes()
+    assert {p.backend for p in passes.values() if not p.is_bf16} == {NATIVE_BACKEND}
+    assert module.native_plan is not None
+    # The same quantization and products as the planned Triton kernels (run interpreted).
+    emulated_y = module(x).float()
+    applied.undo()
+    assert dhen.model.get_submodule("blocks.0.fc1") is linear
+    planned = apply(dhen.model, plan, ApplyConfig(emulate_on_cpu=False))
+    triton_module = dhen.model.get_submodule("blocks.0.fc1")
+    assert triton_module.native_plan is None and planned.emulated == []
+    torch.testing.assert_close(emulated_y, triton_module(x).float(), rtol=1e-2, atol=1e-2)
+    planned.undo()
+    # Block scales have no native path: those sites keep the planned (Triton) backend.
+    block = errors.with_columns(recipe=pl.lit("e4m3:e4m3/block/dynamic"))
+    bench = synthetic_kernel_bench([(32, 32, 64)], dict.fromkeys(PASSES, "e4m3:e4m3/block/dynamic"))
+    kept = apply(dhen.model, make_plan(sites, block, bench))
+    assert kept.sites and kept.emulated == []
+    assert dhen.model.get_submodule("blocks.0.fc1").fp8_config.fwd.backend.startswith("triton")

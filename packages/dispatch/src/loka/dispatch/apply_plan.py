@@ -50,12 +50,19 @@ class ApplyConfig:
     replace_unrunnable_backends: a planned backend that cannot run on the model's device
         (e.g. a GPU-only backend on the CPU) is replaced by the default backend of the same
         recipe (identical numerics; speed not what was planned); False: the site stays bf16.
+    emulate_on_cpu: on the CPU, where Triton kernels only run in its interpreter (seconds
+        per launch), a site whose FP8 passes ``torch.native`` can all run (tensor or row
+        scales, dynamic scaling, GEMM dims multiples of 16, no fused norm) runs them there:
+        the same quantization bit for bit, the GEMM emulated in float32 (as torchao's
+        ``emulate=True``). Other sites (block scales, delayed scaling) keep the planned or
+        replacement backend. False: always the planned backends.
     """
 
     strict: bool = False
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None
     fuse_norm: bool = False
     replace_unrunnable_backends: bool = True
+    emulate_on_cpu: bool = True
 
 
 @dataclass
@@ -70,6 +77,8 @@ class Applied:
     report: Any = field(repr=False)  # loka.mods Report
     demoted: dict[str, str] = field(default_factory=dict)
     undone: bool = False
+    # Sites whose FP8 passes run on torch.native, emulated on the CPU (ApplyConfig.emulate_on_cpu).
+    emulated: list[str] = field(default_factory=list)
     # Per FP8 site, every module path apply swapped for it (the site, and the norm of a
     # fused site): (path, planned module, original module). What `use` switches between.
     variants: dict[str, list[tuple[str, nn.Module, nn.Module]]] = field(
@@ -139,6 +148,8 @@ class Applied:
 
     def summary(self) -> str:
         text = f"{len(self.sites)} site(s) in FP8"
+        if self.emulated:
+            text += f" ({len(self.emulated)} emulated on the CPU by torch.native)"
         if self.fallbacks:
             text += f", {len(self.fallbacks)} kept in bf16"
         if self.demoted:
@@ -234,6 +245,26 @@ def _runnable_backend(backend: str, recipe: str, device: torch.device, K: int, N
     return None, reason
 
 
+def _emulates_on_cpu(rows: list[dict], device: torch.device, config: ApplyConfig) -> bool:
+    """Whether a site's FP8 passes run on ``torch.native`` here instead of their planned
+    backends (`ApplyConfig.emulate_on_cpu`): every FP8 pass must be one it runs."""
+    from loka.kernels.native import NATIVE_BACKEND
+    from loka.schema import Recipe
+
+    if device.type != "cpu" or not config.emulate_on_cpu or config.fuse_norm:
+        return False
+    native = registry.get(NATIVE_BACKEND)
+    fp8 = [r for r in rows if r["recipe"] != "bf16"]
+    # M as probed: wgrad contracts over it, and the native GEMM needs it aligned.
+    refusals = [
+        native.supports(Recipe.parse(r["recipe"]), r.get("M_p50") or 128, r["K"], r["N"], r["pass"])
+        for r in fp8
+    ]
+    return (
+        bool(fp8) and not any(r.get("fuse_norm") for r in fp8) and refusals.count(None) == len(fp8)
+    )
+
+
 def norm_fed_sites(model: nn.Module, sample: Any) -> set[str]:
     """Linears whose input is the output of a norm that feeds nothing else (traced on
     `sample`, one model input): the sites whose norm `loka.mods` can fuse."""
@@ -323,6 +354,7 @@ def apply(
     fp8_rows = {n: r for n, r in rows_by_site.items() if any(x["recipe"] != "bf16" for x in r)}
     notes: dict[str, str] = {}
     spec_rows = []
+    emulated: list[str] = []  # sites run on torch.native on the CPU (ApplyConfig.emulate_on_cpu)
     for name, rows in fp8_rows.items():
         if name in problems:
             continue
@@ -334,6 +366,14 @@ def apply(
             problems[name] = f"{name!r}: the plan does not give all three passes"
             continue
         site_rows = []
+        if _emulates_on_cpu(rows, device, config):
+            from loka.kernels.native import NATIVE_BACKEND
+
+            emulated.append(name)
+            spec_rows += [
+                {**r, "backend": None if r["recipe"] == "bf16" else NATIVE_BACKEND} for r in rows
+            ]
+            continue
         for r in rows:
             if r["recipe"] == "bf16":
                 site_rows.append({**r, "backend": None})
@@ -398,7 +438,8 @@ def apply(
             if spec_rows:
                 report = mods_apply(model, ModSpec.from_plan(spec_rows, fuse_norm=fused), sample)
     fallbacks = {**{n: relevant[n] for n in relevant}, **notes}
-    applied = Applied(model, plan, sorted(spec_sites), fallbacks, report)
+    applied = Applied(model, plan, sorted(spec_sites), fallbacks, report,
+                      emulated=sorted(set(emulated) & spec_sites))  # fmt: skip
     applied.variants = _variants(before, model, spec_sites)
     log.info("loka: plan applied: %s", applied.summary())
     return applied
