@@ -194,3 +194,35 @@ def test_hf_trainer_callback_runs_the_session(tmp_path) -> None:
     assert callback.session.phase == "applied"
     assert callback.session.applied.sites == ["model.blocks.0.fc1"]
     assert type(setup.model.blocks[0].fc1) is Fp8Linear
+
+
+def test_lightning_callback_steps_per_optimizer_step_under_gradient_accumulation(
+    tmp_path,
+) -> None:
+    import lightning.pytorch as lp
+
+    from loka.dispatch.integrations.lightning import LokaCallback
+
+    setup = zoo.create("dhen", "tiny", seed=5, batch_size=16)
+
+    class Module(lp.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _ClickModule(setup)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    loader = torch.utils.data.DataLoader(_samples(setup, 8), batch_size=16)
+    # A warm-up longer than the run: only the step count is under test.
+    callback = LokaCallback(SessionConfig(warmup_steps=50, probe=PROBE, kernel_bench=BENCH))
+    trainer = lp.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback],
+                         default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(Module(), loader)
+    assert trainer.global_step == 3
+    assert callback.session.steps == 3  # six micro-batches, three optimizer steps

@@ -3,7 +3,8 @@
     trainer = lightning.Trainer(callbacks=[LokaCallback(SessionConfig(warmup_steps=200))])
 
 The session starts with training (bf16 warm-up with Probe), plans and applies after the
-warm-up, and steps after every optimizer step (Lightning's `on_train_batch_end`). Before
+warm-up, and steps after every optimizer step (Lightning's `on_train_batch_end` once
+`global_step` moved: micro-batches of gradient accumulation are not steps). Before
 each optimizer step (`on_before_optimizer_step`) the runtime guard checks the gradients: a
 non-finite one (an FP8 overflow) drops them all, so that the step changes no weight.
 """
@@ -23,8 +24,10 @@ class LokaCallback(lp.Callback):
         self.config = config
         self.sample = sample
         self.session: Session | None = None
+        self._global_step = 0  # trainer.global_step at the last session step
 
     def on_train_start(self, trainer: lp.Trainer, pl_module: lp.LightningModule) -> None:
+        self._global_step = trainer.global_step
         if self.session is None:
             self.session = Session(pl_module, self.config, sample=self.sample)
 
@@ -35,10 +38,15 @@ class LokaCallback(lp.Callback):
             self.session.before_optimizer_step(optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # Lightning calls this after the optimizer step of the batch (when it stepped).
+        # Lightning calls this after every micro-batch, and after the optimizer step on the
+        # batch that stepped: with accumulate_grad_batches > 1 only those are session steps
+        # (global_step counts optimizer steps, as the HF Trainer's on_step_end does).
         if self.session is None:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if trainer.global_step == self._global_step:
+            return
+        self._global_step = trainer.global_step
         self.session.step(loss.detach() if hasattr(loss, "detach") else loss)
 
     def on_train_end(self, trainer: lp.Trainer, pl_module: lp.LightningModule) -> None:
