@@ -4,6 +4,8 @@ was refused and why, grouped). Built from a synthetic plan: no probing, fast."""
 
 from __future__ import annotations
 
+import re
+
 import polars as pl
 import pytest
 
@@ -110,3 +112,71 @@ def test_all_sites_listed_with_show_all_still_fit() -> None:
 def test_other_widths(width: int) -> None:
     lines = plan_lines(many_site_plan(10), width=width)
     assert max(len(line) for line in lines) <= width
+
+
+def _tiny_tables(plan: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """`sites` and `site_errors` just rich enough for the report's figures."""
+    names = plan["site"].unique(maintain_order=True).to_list()
+    sites = pl.DataFrame({"site": names, "time_share": [None] * len(names)},
+                         schema_overrides={"time_share": pl.Float64})  # fmt: skip
+    errors = pl.DataFrame(
+        [{"site": s, "pass": p, "recipe": RECIPES[0], "ucb_rel_err": 0.01 * (1 + k),
+          "mean_rel_err": 0.01, "budget": 0.05, "verdict": "safe" if k < 4 else "unsafe"}
+         for k, s in enumerate(names) for p in ("fwd", "dgrad", "wgrad")]
+    )  # fmt: skip
+    return sites, errors
+
+
+def test_report_first_screen_says_what_runs_in_fp8_and_why_not() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    # The existing self-containment check, from its test module beside this one.
+    spec = importlib.util.spec_from_file_location(
+        "_cli_tests", Path(__file__).with_name("test_dispatch_cli.py")
+    )
+    cli_tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli_tests)
+
+    from loka.dispatch.report import render_report
+
+    plan = many_site_plan(40).with_columns(estimated=pl.lit(True))
+    sites, errors = _tiny_tables(plan)
+    page = render_report(sites=sites, site_errors=errors, plan=plan,
+                         summary=verified_summary(plan))  # fmt: skip
+    first = page[: page.index('id="summary"')]  # everything above the old summary list
+    # Per pass, and the sites grouped by the passes they run in FP8.
+    assert "36 of 40 sites" in first and "run at least one pass in FP8" in first
+    assert re.search(r"<th>dgrad</th><td[^>]*>35 of 40</td>", first)
+    assert re.search(r"<b>28 sites</b> run only <b>dgrad</b> in FP8", first)
+    # Predicted and measured speedup, with the interval and the sites kept.
+    assert "1.031x" in first and "1.012x" in first and "[1.004, 1.020]" in first
+    assert "33 of 36 FP8 sites kept" in first
+    # Refusals grouped: one row per reason with its count, not one per pass.
+    assert "<b>77 passes stay bf16</b>, for 2 reason(s)" in first
+    assert first.count("no FP8 candidate is safe here") == 1
+    assert re.search(r"candidates: (slower than bf16|unsafe) \(\d+\); ", first)
+    assert "<b>3 FP8 sites demoted by verification</b>" in first
+    assert "in a failing set; max_rounds reached before it was measured alone" in first
+    # The full table is still there, folded.
+    assert "<details>\n<summary>The full plan: 120 rows" in page
+    assert page.count('<tr class="fp8">') == plan.filter(pl.col("recipe") != "bf16").height
+    cli_tests.assert_self_contained(page)
+
+
+def test_reasons_group_without_their_numbers() -> None:
+    from loka.dispatch.report.glance import reason_group
+
+    assert reason_group("unsafe: error bound 0.1234 > budget 5e-2") == reason_group(
+        "unsafe: error bound 7 > budget 0.05"
+    )
+    assert reason_group("bf16: no safe FP8 candidate is faster than bf16 here") == (
+        "no safe FP8 candidate is faster than bf16 here"
+    )
+    assert (
+        reason_group(
+            "measured alone: round 4: 1 FP8 site(s): 0.993x bf16 [0.972, 1.021], predicted "
+            "1.001x: not shown to be as fast as bf16"
+        )
+        == "measured alone: not shown to be as fast as bf16"
+    )

@@ -15,12 +15,14 @@ import polars as pl
 
 from loka.dispatch.planner import PlanSummary
 from loka.dispatch.report import plots
+from loka.dispatch.report.glance import glance
 
 FIGURES = ("error-vs-budget", "safety-speed-map", "speedup-vs-shape", "time-share")
 
 
-def _figure(fig_id: str, svg: str, caption: str) -> str:
+def _figure(fig_id: str, svg: str, caption: str, heading: str) -> str:
     return (
+        f"<h3>{html.escape(heading)}</h3>\n"
         f'<figure id="{fig_id}">\n{svg}\n<figcaption>{html.escape(caption)}</figcaption>\n</figure>'
     )
 
@@ -50,7 +52,7 @@ def _plan_table(plan: pl.DataFrame) -> str:
             f'<td class="num">{num(r["bf16_ms"])}', f'<td class="num">{num(r["predicted_ms"])}',
             f'<td class="num">{num(r["predicted_speedup"], "{:.2f}x")}',
             f'<td class="num">{num(r["predicted_rel_err"])}', f'<td class="num">{num(r["budget"])}',
-            "yes" if r["estimated"] else "no", html.escape(r["reason"]),
+            "yes" if r["estimated"] else "no", f'<td class="reason">{html.escape(r["reason"])}',
             f"<details><summary>{len(r['rejected'])}</summary><ul>{rejected}</ul></details>"
             if r["rejected"] else "0",
         ]  # fmt: skip
@@ -101,17 +103,23 @@ def render_report(
     fig = plots.error_vs_budget(site_errors)
     figures.append(_figure(FIGURES[0], plots.to_svg(fig),
                            "Each dot is one recipe's upper confidence bound of the GEMM's relative "
-                           "error on sampled real batches (Probe); the black tick is the budget."))  # fmt: skip
+                           "error on sampled real batches (Probe) over the site's budget: left of "
+                           "the black line is within budget. Ratios beyond 1e-3..1e3 are drawn at "
+                           "the edge.", "Error of each recipe against its budget, per site"))  # fmt: skip
     fig = plots.safety_speed_map(plan, site_errors, kernel_bench)
     figures.append(_figure(FIGURES[1], plots.to_svg(fig),
                            "Every probed recipe with a timing, at its best backend: right of 1 is "
-                           "faster than bf16, below 1 within budget. Ringed: chosen."))  # fmt: skip
+                           "faster than bf16, below 1 within budget. Ringed: chosen. Values "
+                           "beyond the axes are drawn at the edge.",
+                           "Safe or unsafe, fast or slow: every timed candidate"))  # fmt: skip
     fig = plots.speedup_vs_shape(plan)
     figures.append(_figure(FIGURES[2], plots.to_svg(fig),
                            "The planned speedup of each pass (quantization included) against the "
-                           "size of its GEMM; small GEMMs rarely gain from FP8."))  # fmt: skip
+                           "size of its GEMM; small GEMMs rarely gain from FP8.",
+                           "Speedup against GEMM size"))  # fmt: skip
     fig, label = plots.time_share(sites, plan)
-    figures.append(_figure(FIGURES[3], plots.to_svg(fig), f"Bars: {label}."))
+    figures.append(_figure(FIGURES[3], plots.to_svg(fig), f"Bars: {label}; label: the planned "
+                           "site speedup.", "Where the GEMM time goes, and what the plan saves"))  # fmt: skip
     estimated = bool(plan["estimated"].any()) if plan.height else False
     device = summary.device if summary is not None else "unknown"
     banner = ""
@@ -128,7 +136,9 @@ def render_report(
         meta=html.escape(f"generated {generated}; device {device}; {sites.height} sites"),
         estimate_banner=banner,
         summary="\n".join(f"<li>{html.escape(line)}</li>" for line in lines),
+        glance=glance(plan, summary),
         figures="\n".join([_verify_table(summary), *figures]),
+        plan_rows=str(plan.height),
         plan_table=_plan_table(plan),
     )
 
