@@ -260,7 +260,7 @@ def test_custom_modules_are_gemm_sites() -> None:
 
 def test_full_queue_drops_and_counts_sampled_steps() -> None:
     model = nn.Sequential(nn.Linear(16, 16))
-    probe = Probe(model, ProbeConfig(every=1, warmup_steps=0, queue_size=1))
+    probe = Probe(model, ProbeConfig(every=1, warmup_steps=0, queue_size=1, queue_wait_s=0))
     started, gate = threading.Event(), threading.Event()
     slow = probe._analyzer.process
 
@@ -280,6 +280,40 @@ def test_full_queue_drops_and_counts_sampled_steps() -> None:
     assert "3 dropped" in probe.summary()
     assert probe.tables()["site_errors"]["n"].max() == 2
     probe.detach()
+
+
+def test_probe_alone_on_a_dense_schedule_keeps_every_sampled_step() -> None:
+    # The default queue holds 2 steps; the training loop waits for a slot (queue_wait_s)
+    # rather than drop steps the verdicts need.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    config = ProbeConfig(every=1, warmup_steps=0)
+    assert config.queue_size == 2 and config.queue_wait_s is not None
+    with Probe(model, config) as probe:
+        for _ in range(12):
+            model(torch.randn(256, 64)).square().mean().backward()
+            probe.step()
+        tables = probe.tables()
+        assert probe.counters["dropped_steps"] == 0 and probe.counters["sampled_steps"] == 12
+    assert tables["site_errors"]["n"].min() >= config.min_batches  # decided sites sample less
+
+
+def test_a_full_queue_waits_for_a_slot_then_takes_the_job() -> None:
+    from loka.probe.worker import Worker
+
+    gate, done = threading.Event(), []
+    worker = Worker(lambda job: (gate.wait(timeout=60), done.append(job)), 1, lambda *a: None)
+    assert worker.submit(1)  # taken by the thread, which waits on the gate
+    while worker._queue.unfinished_tasks and worker._queue.qsize():
+        pass
+    assert worker.submit(2)  # fills the queue
+    assert not worker.submit(3, timeout=0)  # full: refused at once
+    threading.Timer(0.1, gate.set).start()
+    assert worker.submit(4, timeout=None)  # waits until the thread frees a slot
+    worker.close()
+    assert done == [1, 2, 4]
+    with pytest.raises(ValueError, match="queue_wait_s"):
+        ProbeConfig(queue_wait_s=-1)
 
 
 def test_drift_is_flagged_and_reverified(synthetic, every_step) -> None:

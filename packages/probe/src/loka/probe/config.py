@@ -73,9 +73,12 @@ class ProbeConfig:
     # between two windows is flagged and re-verified from the newer window on.
     drift_tolerance: float = 2.0
     window_steps: int = 200
-    # Sampled steps whose statistics may wait for the background thread; a step that
-    # finds the queue full is dropped and counted.
+    # Sampled steps whose statistics may wait for the background thread. A step that
+    # finds the queue full waits up to `queue_wait_s` for a slot (the training loop pauses:
+    # on a dense schedule such as every=1 the thread cannot keep up otherwise, and dropped
+    # steps leave verdicts undecided), then is dropped and counted. None: wait as needed.
     queue_size: int = 2
+    queue_wait_s: float | None = 30.0
     timing: bool = True
     # Sites with K * N at most this compute their error GEMMs on the CPU, where hundreds
     # of tiny kernels cost the GPU nothing.
@@ -105,6 +108,10 @@ class ProbeConfig:
                 )
         if self.window_steps < 1 or self.queue_size < 1:
             raise ValueError("ProbeConfig.window_steps and queue_size must be at least 1")
+        if self.queue_wait_s is not None and not self.queue_wait_s >= 0:
+            raise ValueError(
+                f"ProbeConfig.queue_wait_s must be >= 0 seconds or None, got {self.queue_wait_s}"
+            )
         if self.max_sites_per_step is not None and self.max_sites_per_step < 1:
             raise ValueError("ProbeConfig.max_sites_per_step must be >= 1 or None")
         if not 0.5 <= self.confidence < 1:

@@ -303,7 +303,7 @@ class Probe:
             ready.record()
         job = StepJob(capture.step, self._device, samples, ready, self._step_start)
         self._step_start = None
-        if not self._worker.submit(job):
+        if not self._worker.submit(job, self.config.queue_wait_s):
             self._dropped_steps += 1
             self._dropped_samples += len(samples)
 

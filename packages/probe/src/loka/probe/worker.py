@@ -16,8 +16,9 @@ _STOP = object()
 class Worker:
     """Runs `process(job)` for submitted jobs on one daemon thread, in order.
 
-    `submit` never blocks: when `capacity` jobs are already waiting it refuses the job
-    (the caller counts the drop). An exception in `process` is passed to `on_error` and the
+    When `capacity` jobs are already waiting, `submit` waits up to `timeout` seconds for a
+    slot (None: as long as needed; 0: not at all), then refuses the job (the caller counts
+    the drop). An exception in `process` is passed to `on_error` and the
     thread goes on with the next job.
     """
 
@@ -39,11 +40,14 @@ class Worker:
         # (seen with torch + gloo); stop it cleanly first if the user never detached.
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    def submit(self, job: Any) -> bool:
+    def submit(self, job: Any, timeout: float | None = 0.0) -> bool:
         if not self._thread.is_alive():
             raise RuntimeError("the probe's background thread has stopped (probe detached)")
         try:
-            self._queue.put_nowait(job)
+            if timeout == 0:
+                self._queue.put_nowait(job)
+            else:
+                self._queue.put(job, timeout=timeout)
         except queue.Full:
             return False
         return True
