@@ -24,11 +24,38 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+def version_text() -> str:
+    """`loka --version`: this package's version, and those of the LoKA packages installed
+    beside it (each installs alone, so versions may differ)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("loka-dispatch", "loka-kernels", "loka-mods", "loka-probe", "loka-schema",
+                 "loka-stats", "loka-zoo"):  # fmt: skip
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            continue
+    return "\n".join(found) or "loka: no LoKA package metadata found"
+
+
+class _Version(argparse.Action):
+    """argparse's own version action wraps the text to the terminal: one package a line."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="loka",
         description="LoKA: probe FP8 numerics per GEMM site, benchmark kernels, plan and apply.",
     )
+    parser.add_argument("--version", action=_Version, help="print the LoKA versions and exit")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).add_parser(subparsers)

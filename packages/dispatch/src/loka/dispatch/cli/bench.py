@@ -20,7 +20,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     what.add_argument("--shapes", help="comma-separated MxKxN shapes, e.g. 16384x1024x4096")
     what.add_argument("--zoo-large", action="store_true",
                       help="the site shapes of the zoo's large dlrm, dhen, wukong and hstu")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("kernel_bench.parquet"))
+    parser.add_argument("--out", type=Path, default=Path("kernel_bench.parquet"),
+                        help="kernel_bench table to write (default kernel_bench.parquet)")  # fmt: skip
     parser.add_argument("--cache", type=Path, default=None,
                         help="cache folder (default $LOKA_CACHE_DIR or ~/.cache/loka)")  # fmt: skip
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
@@ -31,7 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--recipes-from-errors", action="store_true",
                         help="time the recipes probed in --tables' site_errors (default: the usual set)")  # fmt: skip
     parser.add_argument("--fast-accum", action="store_true", help="also time .fast backends")
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--device", default=None,
+                        help="GPU to time on, e.g. cuda:1 (default: the current one)")  # fmt: skip
     parser.set_defaults(func=run)
 
 

@@ -20,13 +20,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--preset", default=None, help="default: large on a GPU, tiny on CPU")
     parser.add_argument("--warmup-steps", type=int, default=None, help="bf16 steps with Probe")
     parser.add_argument("--steps", type=int, default=None, help="steps after applying the plan")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the model's weights and data (default 0)")  # fmt: skip
     parser.add_argument("--kernel-bench", type=Path, default=None,
                         help="plan from this kernel_bench table instead of measuring/estimating")  # fmt: skip
     parser.add_argument("--bench-budget-s", type=float, default=60.0,
                         help="seconds of kernel timing on a GPU (measured rows are cached)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("loka-demo"))
+    parser.add_argument("--out", type=Path, default=Path("loka-demo"),
+                        help="folder for the tables, the plan and report.html (default loka-demo)")  # fmt: skip
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="also print the plan's full table (every pass, with its reason)")  # fmt: skip
     parser.set_defaults(func=run)

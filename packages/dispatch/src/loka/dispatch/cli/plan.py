@@ -18,7 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tables", type=Path, required=True, help="probe tables folder")
     parser.add_argument("--kernel-bench", type=Path, default=None,
                         help="kernel_bench table (default: measure here, or estimate for the H200)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("plan.parquet"))
+    parser.add_argument("--out", type=Path, default=Path("plan.parquet"),
+                        help="plan table to write (default plan.parquet)")  # fmt: skip
     parser.add_argument("--min-speedup", type=float, default=1.05,
                         help="speedup over bf16 every FP8 pass must reach (1.05)")  # fmt: skip
     parser.add_argument("--allow-fast-accum", action="store_true")

@@ -21,7 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--every", type=int, default=1, help="sample one step in N (default 1)")
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the model's weights and data (default 0)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("loka-probe"), help="output folder")
     parser.set_defaults(func=run)
 
@@ -39,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"loka probe needs loka-probe and loka-zoo (the demo extra): {exc}")
     if args.steps < 1:
         return fail(f"--steps must be at least 1, got {args.steps}")
+    import loka.zoo as zoo
+
+    if args.model not in zoo.MODELS:  # before the progress bar is drawn
+        return fail(f"no zoo model {args.model!r}; choose one of {', '.join(zoo.MODELS)}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         config = ProbeConfig(

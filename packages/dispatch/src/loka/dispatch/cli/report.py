@@ -18,7 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tables", type=Path, required=True, help="probe tables folder")
     parser.add_argument("--plan", type=Path, required=True, help="plan table (loka plan)")
     parser.add_argument("--kernel-bench", type=Path, default=None, help="for the speed map")
-    parser.add_argument("--out", type=Path, default=Path("loka-report.html"))
+    parser.add_argument("--out", type=Path, default=Path("loka-report.html"),
+                        help="HTML file to write (default loka-report.html)")  # fmt: skip
     parser.add_argument("--title", default="LoKA plan report")
     parser.set_defaults(func=run)
 

@@ -47,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     data.add_argument("--data-dir", default=None, help="folder of the Amazon files")
     data.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     data.add_argument("--bf16", action="store_true", help="bfloat16 autocast (CUDA)")
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--seed", type=int, default=0, help="seed of the runs (default 0)")
     data.add_argument("--methods", type=_csv(str, _METHODS), default=_METHODS,
                       help=f"comma-separated subset of {','.join(_METHODS)}")  # fmt: skip
     data.add_argument("--out", type=Path, default=Path("reprec-results"),
