@@ -245,3 +245,32 @@ def test_on_the_cpu_native_recipes_are_emulated_by_torch_native_and_the_rest_kee
     kept = apply(dhen.model, make_plan(sites, block, bench))
     assert kept.sites and kept.emulated == []
     assert dhen.model.get_submodule("blocks.0.fc1").fp8_config.fwd.backend.startswith("triton")
+
+
+def test_guard_watches_gradients_without_torchs_full_backward_hook_warning() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    sites, errors = probe_like_tables(model)
+    plan = make_plan(sites, errors, synthetic_kernel_bench([(32, 32, 64), (32, 64, 32)]))
+    applied = apply(model, plan)
+    assert applied.sites == ["0", "2"]
+    guard = RuntimeGuard(applied, GuardConfig(check_every=1))
+    guard.arm(0)
+    x = torch.randn(32, 32)  # needs no gradient: site "0" has no grad_input
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's full backward hook warned here every step
+        model(x).sum().backward()
+    flags = guard._flags.read(["0", "2"], torch.device("cpu"))
+    assert not any(flags.values())
+    assert ("0", "grad_output") in guard._flags.values and (
+        "0",
+        "grad_input",
+    ) not in guard._flags.values
+    assert ("2", "grad_input") in guard._flags.values  # site 2's own dgrad is watched
+    guard.arm(1)
+    model.zero_grad()
+    (model(x) * float("inf")).sum().backward()  # a non-finite gradient into site 2
+    flags = guard._flags.read(["0", "2"], torch.device("cpu"))
+    assert flags[("2", "grad_output")]
+    guard.disarm()
+    applied.undo()

@@ -127,22 +127,37 @@ class RuntimeGuard:
         flags = self._flags = _Flags()
         self._armed_step = self._current = step
         self._judged = None
+        # The gradients are watched through tensor hooks, not a full backward hook: that one
+        # warns on every backward of a site whose input needs no gradient (the first layer).
         for name, module in self._sites().items():
+
+            def watch(tensor: torch.Tensor, what: str, name: str) -> None:
+                def hook(grad: torch.Tensor) -> None:
+                    if (bad := _nonfinite(grad)) is not None:
+                        flags.mark(name, what, bad)
+
+                tensor.register_hook(hook)
+
+            def pre_hook(module, args, name=name):
+                x = args[0] if args else None
+                if not (isinstance(x, torch.Tensor) and x.requires_grad):
+                    return None
+                # A view of its own: its gradient is this site's dgrad alone, not the sum
+                # over every consumer of x.
+                x = x.view_as(x)
+                watch(x, "grad_input", name)
+                return (x, *args[1:])
 
             def forward_hook(module, args, out, name=name) -> None:
                 if (bad := _nonfinite(args[0] if args else None)) is not None:
                     flags.mark(name, "input", bad)
                 if (bad := _nonfinite(out)) is not None:
                     flags.mark(name, "output", bad)
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    watch(out, "grad_output", name)
 
-            def backward_hook(module, grad_input, grad_output, name=name) -> None:
-                if (bad := _nonfinite(grad_output[0])) is not None:
-                    flags.mark(name, "grad_output", bad)
-                if (bad := _nonfinite(grad_input[0])) is not None:
-                    flags.mark(name, "grad_input", bad)
-
+            self._handles.append(module.register_forward_pre_hook(pre_hook))
             self._handles.append(module.register_forward_hook(forward_hook))
-            self._handles.append(module.register_full_backward_hook(backward_hook))
 
     def disarm(self) -> None:
         for handle in self._handles:
