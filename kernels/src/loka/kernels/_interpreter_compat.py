@@ -27,9 +27,16 @@ def apply() -> None:
         return
     original = interpreter._patch_lang_tensor
 
-    def patch_lang_tensor(tensor, scope) -> None:
+    def index(self) -> int:
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patch_lang_tensor(tensor, scope=None) -> None:
+        if scope is None:  # Triton 3.4/3.5 set the attributes on the class directly
+            original(tensor)
+            tensor.__index__ = index
+            return
         original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        scope.set_attr(tensor, "__index__", index)
 
     interpreter._patch_lang_tensor = patch_lang_tensor
     interpreter._loka_index_backport = True

@@ -6,16 +6,20 @@ so there are no masks in the K loop. Tensor and row scales, bias and activation 
 in the epilogue. TMA needs 16-byte aligned rows: K a multiple of 16, and N a multiple of 8
 (bf16 out) or 4 (float32 out). Same math as `fp8_gemm.triton_fp8_mm`, whose reference
 (`mm_reference`) this kernel is tested against.
+
+Host-side tensor descriptors (`triton.tools.tensor_descriptor`) came with Triton 3.4: they
+are imported when the kernel is launched, so that loka.kernels imports on older Triton, where
+this backend refuses (`tma_refusal`) and the others run.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from loka.kernels.epilogue import ACTIVATION_IDS, activation_tl
 from loka.kernels.fp8_bits import FORMAT_IDS, fp8_decode_tl
@@ -146,8 +150,31 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+TMA_MIN_TRITON = "3.4"
+
+
+@functools.cache
+def tma_supported() -> bool:
+    """Whether this Triton has host-side tensor descriptors (Triton >= 3.4)."""
+    try:
+        return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _tensor_descriptor():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor
+
+
 def tma_refusal(k: int, n: int, out_dtype: torch.dtype) -> str | None:
     """Why TMA cannot address these operands (None when it can)."""
+    if not tma_supported():
+        return (
+            f"the TMA GEMM needs triton>={TMA_MIN_TRITON} (host tensor descriptors), "
+            f"found {triton.__version__}"
+        )
     if k % 16:
         return f"TMA needs K a multiple of 16 (16-byte FP8 rows), got K={k}"
     per_16_bytes = 16 // torch.empty((), dtype=out_dtype).element_size()
@@ -178,6 +205,7 @@ def triton_fp8_mm_tma(
     reason = tma_refusal(K, N, out_dtype)
     if reason is not None:
         raise ValueError(reason)
+    TensorDescriptor = _tensor_descriptor()
     require_triton_device(a.data, b.data, min_capability=(9, 0))
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
