@@ -23,6 +23,9 @@ COMMAND_MODULES: tuple[str, ...] = (
     "loka.dispatch.cli.reprec",
 )
 
+# The extra that brings everything a command needs, where it is not the missing module's own.
+COMMAND_EXTRAS: dict[str, str] = {"demo": "demo", "probe": "demo"}
+
 
 def version_text() -> str:
     """`loka --version`: this package's version, and those of the LoKA packages installed
@@ -68,12 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    from loka.dispatch.cli._common import fail, user_errors
+    from loka.dispatch.cli._common import device_problem, fail, user_errors
+    from loka.dispatch.extras import explain
 
+    problem = device_problem(getattr(args, "device", None))
+    if problem is not None:  # every command's --device, before any work
+        return fail(problem)
     try:
         return int(args.func(args) or 0)
     except user_errors() as exc:  # bad input a command did not report itself: one line
         return fail(str(exc))
+    except ImportError as exc:  # an optional package is missing: name the extra
+        missing = explain(exc, f"loka {args.command}", extra=COMMAND_EXTRAS.get(args.command))
+        if missing is None:
+            raise
+        return fail(str(missing))
 
 
 if __name__ == "__main__":

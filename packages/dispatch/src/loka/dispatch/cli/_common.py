@@ -21,6 +21,26 @@ def use_interpreter_without_gpu() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def device_problem(device: str | None) -> str | None:
+    """Why `--device` cannot be used on this machine (None when it can)."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        return f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)"
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {device}: no CUDA GPU is available here (use --device cpu)"
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            return f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)"
+    elif parsed.type != "cpu":
+        return f"--device {device}: loka runs on cpu or cuda"
+    return None
+
+
 def fail(message: str) -> int:
     """Print an error the way every loka command does and return exit status 1.
 

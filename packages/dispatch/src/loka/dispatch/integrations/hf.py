@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import TrainerCallback
-
+from loka.dispatch.extras import explain
 from loka.dispatch.integrations.session import Session, SessionConfig
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # the `hf` extra
+    raise explain(exc, "LokaTrainerCallback (the Hugging Face integration)") or exc from None
 
 
 class LokaTrainerCallback(TrainerCallback):

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as lp
-
+from loka.dispatch.extras import explain
 from loka.dispatch.integrations.session import Session, SessionConfig
+
+try:
+    import lightning.pytorch as lp
+except ImportError as exc:  # the `lightning` extra
+    raise explain(exc, "LokaCallback (the Lightning integration)") or exc from None
 
 
 class LokaCallback(lp.Callback):

@@ -123,14 +123,10 @@ def _max_over_ranks(value: float) -> float:
 
 
 def _probe_module():
-    try:
-        import loka.probe as probe
-    except ImportError as exc:  # the `demo` extra
-        raise ImportError(
-            "a Session probes the model with loka-probe: pip install 'loka-dispatch[demo]' "
-            "(or plan from saved tables with loka.dispatch.make_plan)"
-        ) from exc
-    return probe
+    from loka.dispatch.extras import require
+
+    # Without it, plan from saved tables with loka.dispatch.make_plan.
+    return require("loka.probe", "a Session (it probes the model during the warm-up)")
 
 
 class Session:

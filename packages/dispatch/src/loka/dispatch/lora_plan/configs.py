@@ -47,10 +47,9 @@ def _load(path: Path, suffix: str) -> Any:
             return pl.read_csv(path).to_dicts()
         except pl.exceptions.PolarsError as err:
             raise ValueError(str(err)) from None
-    try:
-        import yaml
-    except ImportError as err:  # PyYAML is optional
-        raise RuntimeError(f"{path}: reading YAML needs PyYAML (pip install pyyaml)") from err
+    from loka.dispatch.extras import require
+
+    yaml = require("yaml", f"reading {path.name} (YAML)")
     try:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
