@@ -213,7 +213,7 @@ def test_a_plan_that_fuses_a_norm_needs_the_sample_and_gets_the_fused_module(dhe
 def test_on_the_cpu_native_recipes_are_emulated_by_torch_native_and_the_rest_keep_triton(
     dhen,
 ) -> None:
-    from loka.kernels.native import NATIVE_BACKEND
+    from loka.kernels.native import NATIVE_CPU_BACKEND
 
     sites, errors = probe_like_tables(dhen.model)
     plan = make_plan(
@@ -228,7 +228,7 @@ def test_on_the_cpu_native_recipes_are_emulated_by_torch_native_and_the_rest_kee
     assert "2 emulated on the CPU by torch.native" in applied.summary()
     module = dhen.model.get_submodule("blocks.0.fc1")
     passes = module.fp8_config.passes()
-    assert {p.backend for p in passes.values() if not p.is_bf16} == {NATIVE_BACKEND}
+    assert {p.backend for p in passes.values() if not p.is_bf16} == {NATIVE_CPU_BACKEND}
     assert module.native_plan is not None
     # The same quantization and products as the planned Triton kernels (run interpreted).
     emulated_y = module(x).float()

@@ -84,6 +84,29 @@ def test_unaligned_batch_runs_wgrad_in_high_precision():
     torch.testing.assert_close(module.weight.grad, torch.ones(16, 13) @ x)
 
 
+@pytest.mark.parametrize("recipes", RECIPES[:2])
+def test_native_cpu_runs_unaligned_shapes_in_fp8_as_the_reference(recipes):
+    # torch.native.cpu (the CPU emulation of loka.dispatch.apply): every shape in FP8, as
+    # the Triton kernels would run it; torch.native would run these passes in high precision.
+    config = Fp8LinearConfig.from_recipes(*recipes, backend="torch.native.cpu")
+    g = torch.Generator().manual_seed(1)
+    module = Fp8Linear(13, 7, bias=False, config=config)
+    assert module.native_plan.any_shape
+    x = torch.randn(11, 13, generator=g, requires_grad=True)
+    dy = torch.randn(11, 7, generator=g)
+    y = module(x)
+    y.backward(dy)
+    ref = fp8_linear_reference(x.detach(), module.weight.detach(), config, dy)
+    tol = {"rtol": 2**-7, "atol": 1e-5}
+    torch.testing.assert_close(y, ref.y.to(y.dtype), **tol)
+    torch.testing.assert_close(x.grad, ref.dx, **tol)
+    torch.testing.assert_close(module.weight.grad, ref.dw, **tol)
+    exact = (x.detach() @ module.weight.detach().t()).to(y.dtype)
+    assert not torch.equal(y.detach(), exact)  # quantized, not high precision
+    cpu_only = registry.get("torch.native.cpu")
+    assert cpu_only.runnable_reason("cpu") is None and cpu_only.unavailable_reason("cpu")
+
+
 def test_native_config_is_checked_before_anything_changes():
     with pytest.raises(ValueError, match="every FP8 pass"):
         NativePlan.of(

@@ -16,7 +16,13 @@ from loka.kernels.epilogue import apply_epilogue
 from loka.kernels.fp8_gemm import check_fp8_request, mm_reference, triton_fp8_mm
 from loka.kernels.fp8_gemm_tma import tma_refusal, triton_fp8_mm_tma
 from loka.kernels.grouped_gemm import grouped_mm_reference, loop_grouped_mm, triton_grouped_mm
-from loka.kernels.native import NATIVE_ALIGN, NATIVE_BACKEND, native_mm, native_refusal
+from loka.kernels.native import (
+    NATIVE_ALIGN,
+    NATIVE_BACKEND,
+    NATIVE_CPU_BACKEND,
+    native_mm,
+    native_refusal,
+)
 from loka.kernels.registry import BF16, Backend, GemmSpec, registry
 from loka.kernels.torch_gemm import bf16_mm, scaled_mm, scaled_mm_refusal
 
@@ -116,6 +122,19 @@ def _register_builtins() -> None:
         check=_native_check,
     )
     registry.register(native, replace=True)
+    native_cpu = _fp8_backend(
+        NATIVE_CPU_BACKEND,
+        _native_run,
+        "torch.native on the CPU only: the same quantization, the GEMM emulated in float32 at "
+        "any shape (the CPU's stand-in for Triton kernels, which only run interpreted there)",
+        granularities=frozenset({"tensor", "row"}),
+        runs_on_cpu=True,
+        # Never on a GPU (no capability reaches this): there it is torch.native, aligned.
+        min_capability=(99, 0),
+        scalings=frozenset({"dynamic"}),
+        check=_native_check,
+    )
+    registry.register(native_cpu, replace=True)
     grouped_formats = FP8_PAIRS | {(BF16, BF16)}
     grouped = Backend(
         name="triton.grouped",

@@ -24,6 +24,10 @@ from loka.kernels.scaling import finite_abs, saturate_cast, scale_from_amax
 from loka.kernels.torch_gemm import scaled_mm_refusal
 
 NATIVE_BACKEND = "torch.native"
+# The same on the CPU only, at any shape: there the GEMM is emulated, with no _scaled_mm and
+# so no alignment rule; what `loka.dispatch.apply` runs FP8 passes on where Triton kernels
+# would run in the interpreter (the CPU demo).
+NATIVE_CPU_BACKEND = "torch.native.cpu"
 NATIVE_GRANULARITIES = ("tensor", "row")
 # torch._scaled_mm needs the contracted dim and the output's columns in multiples of 16.
 NATIVE_ALIGN = 16

@@ -52,7 +52,7 @@ class ApplyConfig:
         recipe (identical numerics; speed not what was planned); False: the site stays bf16.
     emulate_on_cpu: on the CPU, where Triton kernels only run in its interpreter (seconds
         per launch), a site whose FP8 passes ``torch.native`` can all run (tensor or row
-        scales, dynamic scaling, GEMM dims multiples of 16, no fused norm) runs them there:
+        scales, dynamic scaling, no fused norm) runs them on ``torch.native.cpu``, at any shape:
         the same quantization bit for bit, the GEMM emulated in float32 (as torchao's
         ``emulate=True``). Other sites (block scales, delayed scaling) keep the planned or
         replacement backend. False: always the planned backends.
@@ -248,18 +248,15 @@ def _runnable_backend(backend: str, recipe: str, device: torch.device, K: int, N
 def _emulates_on_cpu(rows: list[dict], device: torch.device, config: ApplyConfig) -> bool:
     """Whether a site's FP8 passes run on ``torch.native`` here instead of their planned
     backends (`ApplyConfig.emulate_on_cpu`): every FP8 pass must be one it runs."""
-    from loka.kernels.native import NATIVE_BACKEND
+    from loka.kernels.native import native_refusal
     from loka.schema import Recipe
 
     if device.type != "cpu" or not config.emulate_on_cpu or config.fuse_norm:
         return False
-    native = registry.get(NATIVE_BACKEND)
     fp8 = [r for r in rows if r["recipe"] != "bf16"]
-    # M as probed: wgrad contracts over it, and the native GEMM needs it aligned.
-    refusals = [
-        native.supports(Recipe.parse(r["recipe"]), r.get("M_p50") or 128, r["K"], r["N"], r["pass"])
-        for r in fp8
-    ]
+    # The recipe alone: torch.native.cpu emulates the GEMM and takes any shape.
+    recipes = [Recipe.parse(r["recipe"]) for r in fp8]
+    refusals = [native_refusal(x.a_format, x.b_format, x.granularity, x.scaling) for x in recipes]
     return (
         bool(fp8) and not any(r.get("fuse_norm") for r in fp8) and refusals.count(None) == len(fp8)
     )
@@ -367,11 +364,12 @@ def apply(
             continue
         site_rows = []
         if _emulates_on_cpu(rows, device, config):
-            from loka.kernels.native import NATIVE_BACKEND
+            from loka.kernels.native import NATIVE_CPU_BACKEND
 
             emulated.append(name)
             spec_rows += [
-                {**r, "backend": None if r["recipe"] == "bf16" else NATIVE_BACKEND} for r in rows
+                {**r, "backend": None if r["recipe"] == "bf16" else NATIVE_CPU_BACKEND}
+                for r in rows
             ]
             continue
         for r in rows:

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loka.kernels.native import NATIVE_ALIGN, NATIVE_BACKEND, native_mm, native_refusal
+from loka.kernels.native import (
+    NATIVE_ALIGN,
+    NATIVE_BACKEND,
+    NATIVE_CPU_BACKEND,
+    native_mm,
+    native_refusal,
+)
 from loka.mods.config import Fp8LinearConfig, PassConfig
 
 
@@ -61,6 +67,7 @@ class NativePlan:
     fwd: NativePass | None
     dgrad: NativePass | None
     wgrad: NativePass | None
+    any_shape: bool = False  # torch.native.cpu: on the CPU every shape runs in FP8
 
     @classmethod
     def of(cls, config: Fp8LinearConfig) -> NativePlan | None:
@@ -68,11 +75,12 @@ class NativePlan:
         A linear runs natively as a whole: mixing ``torch.native`` with another FP8 backend
         in one linear is refused (their weight copies and saved operands differ)."""
         backends = {p.backend for p in config.passes().values() if not p.is_bf16}
-        if NATIVE_BACKEND not in backends:
+        name = next((n for n in (NATIVE_BACKEND, NATIVE_CPU_BACKEND) if n in backends), None)
+        if name is None:
             return None
-        if backends != {NATIVE_BACKEND}:
+        if backends != {name}:
             raise ValueError(
-                f"{NATIVE_BACKEND} runs every FP8 pass of a linear or none; got backends "
+                f"{name} runs every FP8 pass of a linear or none; got backends "
                 f"{sorted(str(b) for b in backends)}"
             )
         if config.pad:
@@ -81,10 +89,15 @@ class NativePlan:
             _native_pass("fwd", config.fwd),
             _native_pass("dgrad", config.dgrad),
             _native_pass("wgrad", config.wgrad),
+            any_shape=name == NATIVE_CPU_BACKEND,
         )
 
 
-def _aligned(*dims: int) -> bool:
+def _aligned(plan: NativePlan, t: torch.Tensor, *dims: int) -> bool:
+    """Whether the pass runs in FP8 at these GEMM dims: multiples of 16 for _scaled_mm, any
+    on the CPU for torch.native.cpu (its GEMM is emulated there)."""
+    if plan.any_shape and t.device.type == "cpu":
+        return True
     return all(d % NATIVE_ALIGN == 0 for d in dims)
 
 
@@ -104,7 +117,7 @@ class NativeFp8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         M, K = x.shape
         N = weight.shape[0]
-        fwd = plan.fwd if _aligned(K, N) else None
+        fwd = plan.fwd if _aligned(plan, x, K, N) else None
         if fwd is not None:
             xq, x_inv = fwd.quantize(x, "a")
             wq, w_inv = fwd.quantize(weight, "b")
@@ -113,7 +126,7 @@ class NativeFp8LinearFunction(torch.autograd.Function):
         else:
             b = None if bias is None else bias.to(compute_dtype)
             y = F.linear(x.to(compute_dtype), weight.to(compute_dtype), b)
-        wgrad = plan.wgrad if keep_wgrad and _aligned(M, K) else None
+        wgrad = plan.wgrad if keep_wgrad and _aligned(plan, x, M, K) else None
         if wgrad is not None:
             # x^T quantized now (one pass over x, fused with its producer) and saved in FP8.
             xt, xt_inv = wgrad.quantize(x, "b", transpose=True)
@@ -133,7 +146,7 @@ class NativeFp8LinearFunction(torch.autograd.Function):
         weight = saved[0]
         N, K = weight.shape
         dx = dw = db = None
-        dgrad = plan.dgrad if _aligned(N, K) else None
+        dgrad = plan.dgrad if _aligned(plan, dy, N, K) else None
         if need_dx and dgrad is not None:
             dyq, dy_inv = dgrad.quantize(dy, "a")
             wt, wt_inv = dgrad.quantize(weight, "b", transpose=True)
