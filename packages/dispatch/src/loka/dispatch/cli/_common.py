@@ -8,7 +8,9 @@ import sys
 
 def use_interpreter_without_gpu() -> None:
     """Without a CUDA GPU, run Triton kernels in its CPU interpreter. Must happen before
-    loka.kernels is first imported (Triton decides when a kernel is defined)."""
+    loka.kernels is first imported (Triton decides when a kernel is defined). Most FP8 sites
+    never reach it (`apply` emulates tensor/row dynamic recipes on `torch.native.cpu`); it
+    is still what runs block-scaled and delayed-scaling sites on the CPU."""
     if "loka.kernels" in sys.modules:
         return
     try:
