@@ -12,7 +12,11 @@ else
         echo "[loka] installing uv from PyPI" >&2
         python3 -m pip install --quiet --user uv
     fi
-    UV=(python3 -m uv)
+    # Put the binary pip installed on PATH too: once the workspace's venv comes first on PATH,
+    # `python3 -m uv` would name the venv's Python, which has no uv (scripts and tests call it).
+    UV_DIR="$(dirname "$(python3 -c 'import uv; print(uv.find_uv_bin())')")"
+    export PATH="$PATH:$UV_DIR"
+    UV=(uv)
 fi
 echo "[loka] syncing the workspace (first run downloads torch and builds the Rust crate)" >&2
 "${UV[@]}" sync --all-packages --all-extras --locked --quiet
