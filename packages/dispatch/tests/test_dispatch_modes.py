@@ -78,3 +78,12 @@ def test_a_model_with_no_linear_site_gets_an_empty_plan():
     plan = make_plan(SITES.head(0), ERRORS, TIMED, PlanConfig(mode="compiled"))
     assert plan.table.height == 0 and "site" in plan.table.columns
     assert any("nothing to plan" in line for line in plan.summary.lines())
+
+
+def test_the_summary_names_sites_the_bench_left_unmeasured():
+    # Only bf16 rows at this shape: the probed FP8 recipe has no kernel_bench row.
+    bf16_only = TIMED.filter(pl.col("backend") == "torch.bf16")
+    plan = make_plan(SITES, ERRORS, bf16_only, PlanConfig(mode="compiled"))
+    assert any("left unmeasured" in line and "fc" in line for line in plan.summary.lines())
+    measured = make_plan(SITES, ERRORS, TIMED, PlanConfig(mode="compiled"))
+    assert not any("left unmeasured" in line for line in measured.summary.lines())

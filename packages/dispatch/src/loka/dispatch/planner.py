@@ -747,6 +747,20 @@ def undecided_note(rows: list[dict]) -> str | None:
     return text
 
 
+_UNMEASURED = ("time ESTIMATED, not measured", "no kernel_bench row")
+
+
+def _unmeasured_sites(choices: list[_SiteChoice]) -> list[str]:
+    """Sites (largest time share first) with a candidate refused only for lack of a
+    measurement: what a larger bench budget could still turn to FP8."""
+    found = [
+        c for c in choices
+        if any(r["reason"].startswith(_UNMEASURED) for rows in c.rejected.values() for r in rows)
+    ]  # fmt: skip
+    found.sort(key=lambda c: -(c.share or 0.0))
+    return [c.site for c in found]
+
+
 def _summary(choices, table, devices, gemm_share, notes, passes) -> PlanSummary:
     timed = [c for c in choices if c.note is None]
     index = [PASSES.index(p) for p in passes]
@@ -778,6 +792,13 @@ def _summary(choices, table, devices, gemm_share, notes, passes) -> PlanSummary:
         notes = [*notes, f"g = {g:.3f} given, not measured"]
     if g is not None:
         ceiling = 1.0 / ((1.0 - g) + g / s_prequant)
+    unmeasured = _unmeasured_sites(choices)
+    if unmeasured:
+        shown = ", ".join(unmeasured[:5]) + (
+            f" and {len(unmeasured) - 5} more" if len(unmeasured) > 5 else ""
+        )
+        notes = [*notes, f"{len(unmeasured)} site(s) have FP8 candidates the bench left "
+                 f"unmeasured (budget spent or no row), so they were not considered: {shown}"]  # fmt: skip
     fp8 = table.filter(pl.col("recipe") != "bf16")
     # ESTIMATED when an FP8 choice rests on an estimate, or nothing was measured at all; a
     # measured plan whose bf16-only sites have estimated baselines says so in a note.
