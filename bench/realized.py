@@ -15,8 +15,20 @@ Per zoo model (`large` presets, fused AdamW, bf16 autocast) and execution mode (
    order rotating from block to block; a block's time is CUDA events around its steps
    (one sync per block). Speedup = median(bf16 seed-0 blocks) / median(variant blocks),
    with the spread of the paired per-block ratios.
-5. With `--verify` (and loka.dispatch.verify present), LoKA's plan is then put through
-   Dispatch's closed-loop verification on the same step and re-measured.
+5. With `--verify`, LoKA's plan first goes through Dispatch's closed-loop verification
+   (`loka.dispatch.verify`) on the same step, so that the blocks time the verified plan.
+6. Quality (`--quality-steps N`): fresh models (bf16 seeds 0, 1, 2 and LoKA's final plan:
+   the applied plan less what verification demoted) train N steps in the same mode on the
+   same fresh batches (none cycled), then eval on the same held-out batches (NE for CTR
+   models, NDCG@10 for HSTU); `quality_ok`: not worse than the bf16 seeds' band. The timed
+   models are not used: verification gives LoKA's more steps, over a few cycled batches.
+7. Inference (`--inference`): the bf16 seed-0 model's weights served in bf16, forward only,
+   in the same mode, interleaved blocks: `infer-bf16`, `infer-torchao-rowwise` (dynamic
+   FP8, torchao), `infer-loka` (`PlanConfig(inference=True, mode=mode)`); compiled modes
+   freeze the weights (`torch._inductor.config.freezing`), so inductor folds the weight
+   quantization into constants: pre-quantized weights.
+On a machine without a GPU (`--device cpu`, implied there) it runs the tiny presets as a
+smoke test of the script itself; its times say nothing of GPU speed.
 
     python bench/realized.py --models dhen --modes compiled,eager
 Results: realized_<utc>.json under --out (default $OUT, else bench/results/): metadata,
@@ -59,8 +71,87 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify", action="store_true", help="run Dispatch's verification too")
     p.add_argument("--profile", action="store_true", help="profile LoKA's and bf16's step")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new work after")
+    p.add_argument("--inference", action="store_true", help="also time forward-only serving")
+    p.add_argument(
+        "--quality-steps",
+        type=int,
+        default=0,
+        help="train fresh bf16 seeds and LoKA's final plan this long, then eval",
+    )
+    p.add_argument("--device", default=None, help="cuda (default where present) or cpu")
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cpu":  # a smoke test of the script: tiny models, few steps
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before loka.kernels is imported
+        args.preset = "tiny"
+        args.probe_steps = min(args.probe_steps, 4)
+        args.warmup_steps = min(args.warmup_steps, 2)
+        args.blocks, args.block_steps = min(args.blocks, 3), min(args.block_steps, 3)
+    return args
+
+
+QUALITY_KEY = {"dlrm": "ne", "dhen": "ne", "wukong": "ne", "hstu": "ndcg@10"}
+
+
+class Clock:
+    """Block timing: CUDA events (one sync per block) on a GPU, the host clock elsewhere."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.cuda = device == "cuda"
+        self.torch = torch
+
+    def start(self):
+        if self.cuda:
+            a = self.torch.cuda.Event(enable_timing=True)
+            a.record()
+            return a
+        return time.perf_counter()
+
+    def elapsed_ms(self, mark) -> float:
+        if self.cuda:
+            b = self.torch.cuda.Event(enable_timing=True)
+            b.record()
+            b.synchronize()
+            return mark.elapsed_time(b)
+        return (time.perf_counter() - mark) * 1e3
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+
+def interleaved(fns: dict, blocks: int, calls: int, clock: Clock, left) -> dict[str, list[float]]:
+    """ms per call of each `fns[name]()`, per block; blocks interleave the names, the order
+    rotating from block to block."""
+    names = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for block in range(blocks):
+        order = names[block % len(names) :] + names[: block % len(names)]
+        for name in order:
+            mark = clock.start()
+            for i in range(calls):
+                fns[name](i)
+            times[name].append(clock.elapsed_ms(mark) / calls)
+        if left() < 20:
+            break
+    return times
+
+
+def quality_rows(rows: list[dict], key: str) -> None:
+    """`quality` and `quality_ok` (not worse than the bf16 seeds' band) on each row."""
+    band = [r["quality"] for r in rows if r["variant"].startswith("bf16") and "quality" in r]
+    for r in rows:
+        if "quality" not in r or not band:
+            continue
+        lo, hi = min(band), max(band)
+        r["quality_band"] = (lo, hi)
+        r["quality_ok"] = r["quality"] <= hi + 1e-12 if key == "ne" else r["quality"] >= lo - 1e-12
 
 
 def block_stats(base: list[float], other: list[float]) -> dict:
@@ -82,13 +173,15 @@ def main(argv: list[str] | None = None) -> None:
     from loka.probe import Probe, ProbeConfig
 
     start = time.monotonic()
-    device = "cuda"
+    device = args.device
+    gpu = device == "cuda"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {
         "command": " ".join([sys.executable, *sys.argv]),
         "date_utc": dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ"),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
+        "torch": torch.__version__,
         "python": platform.python_version(), "cuda": torch.version.cuda,
         "preset": args.preset, "blocks": args.blocks, "block_steps": args.block_steps,
         "timing": "interleaved blocks, CUDA events around each block's steps, one sync per "
@@ -123,10 +216,11 @@ def main(argv: list[str] | None = None) -> None:
         probe = Probe(setup.model, ProbeConfig(
             warmup_steps=P, max_sites_per_step=None, warmup_every=max(1, P // 8), every=25,
             min_batches=min(5, max(2, P // 8)), queue_size=P))  # fmt: skip
-        opt = torch.optim.AdamW(setup.model.parameters(), lr=1e-3, fused=True)
+        opt = torch.optim.AdamW(setup.model.parameters(), lr=1e-3, fused=gpu)
         for i in range(P):
             zoo.training_step(setup, setup.model, opt, batches[i % len(batches)],
-                              autocast_dtype=torch.bfloat16, check_finite=False)  # fmt: skip
+                              autocast_dtype=torch.bfloat16 if gpu else None,
+                              check_finite=False)  # fmt: skip
             probe.step()
         tables = probe.tables()
         probe.detach()
@@ -144,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
                              f"{exc}", "traceback": traceback.format_exc()[-3000:]})  # fmt: skip
                 print(rows[-1]["traceback"])
             gc.collect()
-            torch.cuda.empty_cache()
+            if gpu:
+                torch.cuda.empty_cache()
             torch._dynamo.reset()
 
     stamp = meta["date_utc"]
@@ -152,18 +247,23 @@ def main(argv: list[str] | None = None) -> None:
     path.write_text(json.dumps({"meta": meta, "runs": rows, "plans": plans}, indent=1,
                                default=str))  # fmt: skip
     print(f"\n== realized step speed ({args.preset}) ==")
-    print(f"{'model':<7} {'mode':<10} {'variant':<24} {'fp8':>4} {'step ms':>8} {'x bf16':>7} "
-          f"{'ratio min..max':>15} {'pred':>6}")  # fmt: skip
+    print(f"{'model':<7} {'mode':<10} {'variant':<24} {'fp8':>4} {'ms':>8} {'x bf16':>7} "
+          f"{'ratio min..max':>15} {'pred':>6} {'quality':>8}")  # fmt: skip
     for r in rows:
-        if "step_ms" not in r:
+        if "step_ms" not in r and "fwd_ms" not in r:
             print(f"{r.get('model', ''):<7} {r.get('mode', ''):<10} {r.get('variant', ''):<24} "
                   f"{r.get('skipped') or r.get('error', '')[:80]}")  # fmt: skip
             continue
         pred = r.get("predicted_speedup")
+        quality = (
+            ""
+            if "quality" not in r
+            else f"{r['quality']:.4f}{'' if r.get('quality_ok', True) else '!'}"
+        )
         print(f"{r['model']:<7} {r['mode']:<10} {r['variant']:<24} {r.get('fp8_layers', ''):>4} "
-              f"{r['step_ms']:>8.2f} {r['speedup_vs_bf16']:>7.3f} "
+              f"{r.get('step_ms', r.get('fwd_ms')):>8.2f} {r['speedup_vs_bf16']:>7.3f} "
               f"{r['ratio_min']:>7.3f}..{r['ratio_max']:<7.3f} "
-              f"{'' if pred is None else f'{pred:.3f}':>6}")  # fmt: skip
+              f"{'' if pred is None else f'{pred:.3f}':>6} {quality:>8}")  # fmt: skip
     print(f"wrote {path} ({time.monotonic() - start:.0f} s)")
 
 
@@ -175,7 +275,10 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
     from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
     from loka.dispatch.bench.runner import mode_backends
 
-    device = "cuda"
+    device = args.device
+    gpu = device == "cuda"
+    autocast = torch.bfloat16 if gpu else None
+    clock = Clock(device)
     # Every variant (and every set of sites verification tries) is one more compiled
     # version of the same forward code: above dynamo's default limit of 8.
     torch._dynamo.config.recompile_limit = 64
@@ -194,11 +297,14 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
           f"predicted {s.predicted_speedup}, ceiling {s.ceiling}")  # fmt: skip
 
     made: dict[str, dict] = {}
+    made_applied = None
     for variant in variants:
         seed = {"bf16-seed1": 1, "bf16-seed2": 2}.get(variant, 0)
         setup = zoo.create(name, args.preset, device=device, seed=seed)
         row = {"model": name, "mode": mode, "variant": variant, "seed": seed, "fp8_layers": 0}
         if variant.startswith("torchao"):
+            if not gpu:
+                continue  # torchao's float8 training needs a CUDA GPU
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
             from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
@@ -221,7 +327,7 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
             model = torch.compile(setup.model)
         elif mode == "cudagraphs":
             model = torch.compile(setup.model, mode="reduce-overhead")
-        opt = torch.optim.AdamW(setup.model.parameters(), lr=1e-3, fused=True)
+        opt = torch.optim.AdamW(setup.model.parameters(), lr=1e-3, fused=gpu)
         made[variant] = {"setup": setup, "model": model, "opt": opt, "row": row}
     batches = [b for b, _ in zip(made["bf16"]["setup"].train_batches(), range(args.batches),
                                  strict=False)]  # fmt: skip
@@ -230,15 +336,16 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
     def step_fn(v, i):
         if cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
+        v["steps"] = v.get("steps", 0) + 1
         return zoo.training_step(v["setup"], v["model"], v["opt"], batches[i % len(batches)],
-                                 autocast_dtype=torch.bfloat16, check_finite=False)  # fmt: skip
+                                 autocast_dtype=autocast, check_finite=False)  # fmt: skip
 
     for v in made.values():
         t0 = time.monotonic()
         try:
             for i in range(args.warmup_steps):
                 step_fn(v, i)
-            torch.cuda.synchronize()
+            clock.sync()
         except Exception as exc:
             v["row"]["error"] = f"{type(exc).__name__}: {exc}"[:2000]
             v["row"]["traceback"] = traceback.format_exc()[-3000:]
@@ -248,21 +355,8 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
     if args.verify and "loka" in live:
         # The closed loop first, so that the blocks below time the plan it settled on.
         made["loka"]["row"] |= verify_loka(made["loka"], step_fn, made_applied)
-    times: dict[str, list[float]] = {k: [] for k in live}
-    ev = torch.cuda.Event
-    for block in range(args.blocks):
-        order = live[block % len(live) :] + live[: block % len(live)]
-        for variant in order:
-            v = made[variant]
-            a, b = ev(enable_timing=True), ev(enable_timing=True)
-            a.record()
-            for i in range(args.block_steps):
-                step_fn(v, i)
-            b.record()
-            b.synchronize()
-            times[variant].append(a.elapsed_time(b) / args.block_steps)
-        if left() < 20:
-            break
+    fns = {k: (lambda i, v=made[k]: step_fn(v, i)) for k in live}
+    times = interleaved(fns, args.blocks, args.block_steps, clock, left)
     if args.profile:
         for variant in ("bf16", "loka"):
             if variant in live:
@@ -270,16 +364,156 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
                                                           tag=f"{name}_{mode}_{variant}")  # fmt: skip
     rows = []
     base = times.get("bf16")
+    key = QUALITY_KEY.get(name, "ne")
     for variant, v in made.items():
         row = v["row"]
         if variant in times and times[variant] and base:
             row |= {"step_ms": statistics.median(times[variant]), "blocks_ms": times[variant],
                     **block_stats(base, times[variant])}  # fmt: skip
+        if "error" not in row:
+            row["steps_timed"] = v.get("steps", 0)
         rows.append(row)
+    if args.quality_steps > 0 and left() > 60:
+        demoted = made["loka"]["row"].get("demoted", {}) if "loka" in made else {}
+        for r in rows:
+            if r["variant"] in QUALITY_SEEDS or (r["variant"] == "loka" and "error" not in r):
+                r["eval"] = train_and_evaluate(args, name, mode, r["variant"], plan, demoted)
+                r["quality"] = r["eval"].get(key)
+                r["quality_steps"] = args.quality_steps
+        quality_rows(rows, key)
     band = [r["speedup_vs_bf16"] for r in rows if r["variant"].startswith("bf16") and "speedup_vs_bf16" in r]  # fmt: skip
     for r in rows:
         r["bf16_band"] = (min(band), max(band)) if band else None
+    if args.inference and "bf16" in made and left() > 30:
+        try:
+            rows += inference_rows(args, name, mode, made["bf16"]["setup"], tables, bench,
+                                   batches[0], clock, left)  # fmt: skip
+        except Exception as exc:
+            rows.append({"model": name, "mode": mode, "variant": "infer",
+                         "error": f"{type(exc).__name__}: {exc}"[:2000],
+                         "traceback": traceback.format_exc()[-3000:]})  # fmt: skip
     made.clear()
+    return rows
+
+
+QUALITY_SEEDS = {"bf16": 0, "bf16-seed1": 1, "bf16-seed2": 2}
+
+
+def train_and_evaluate(args, name, mode, variant, plan, demoted) -> dict[str, float]:
+    """A fresh model of `variant` trained `args.quality_steps` steps in `mode` on fresh
+    batches, then its eval metrics."""
+    import torch
+
+    import loka.zoo as zoo
+    from loka.dispatch import apply
+
+    gpu = args.device == "cuda"
+    autocast = torch.bfloat16 if gpu else None
+    setup = zoo.create(name, args.preset, device=args.device, seed=QUALITY_SEEDS.get(variant, 0))
+    if variant == "loka":
+        applied = apply(setup.model, plan)
+        for site, reason in demoted.items():
+            applied.demote(site, reason)
+    model = setup.model
+    if mode != "eager":
+        kw = {"mode": "reduce-overhead"} if mode == "cudagraphs" else {}
+        model = torch.compile(setup.model, **kw)
+    opt = torch.optim.AdamW(setup.model.parameters(), lr=1e-3, fused=gpu)
+    for _, batch in zip(range(args.quality_steps), setup.train_batches(), strict=False):
+        if mode == "cudagraphs":
+            torch.compiler.cudagraph_mark_step_begin()
+        zoo.training_step(setup, model, opt, batch, autocast_dtype=autocast, check_finite=False)
+    return evaluate(setup, autocast)
+
+
+def evaluate(setup, autocast) -> dict[str, float]:
+    import torch
+
+    model = setup.model
+    model.eval()
+    device = next(model.parameters()).device.type
+    with torch.no_grad(), torch.autocast(device, dtype=autocast or torch.float32,
+                                         enabled=autocast is not None):  # fmt: skip
+        metrics = setup.metrics(model, setup.eval_batches())
+    model.train()
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def inference_rows(args, name, mode, setup, tables, bench, batch, clock, left) -> list[dict]:
+    """Forward-only serving of the bf16 seed-0 weights, in `mode`, interleaved blocks."""
+    import copy
+
+    import torch
+
+    from loka.dispatch import PlanConfig, apply, make_plan
+
+    gpu = args.device == "cuda"
+    served = copy.deepcopy(setup.model).eval()
+    if gpu:
+        served = served.to(torch.bfloat16)
+    models = {"infer-bf16": served}
+    extra: dict[str, dict] = {"infer-bf16": {}}
+    if gpu:
+        try:
+            from torchao.quantization import (
+                Float8DynamicActivationFloat8WeightConfig,
+                PerRow,
+                quantize_,
+            )
+
+            quantized = copy.deepcopy(served)
+            quantize_(quantized, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+            models["infer-torchao-rowwise"], extra["infer-torchao-rowwise"] = quantized, {}
+        except Exception as exc:  # torchao absent or refusing these shapes: said in the row
+            extra["infer-torchao-rowwise"] = {"error": repr(exc)[:500]}
+    plan = make_plan(tables["sites"], tables["site_errors"], bench.table,
+                     PlanConfig(inference=True, mode=mode))  # fmt: skip
+    loka_model = copy.deepcopy(served)
+    applied = apply(loka_model, plan)
+    models["infer-loka"] = loka_model
+    s = plan.summary
+    extra["infer-loka"] = {"fp8_layers": len(applied.sites), "predicted_gemm_speedup": s.gemm_speedup,
+                           "passes_fp8": s.passes_fp8}  # fmt: skip
+    if mode != "eager":
+        # Frozen weights: inductor folds their quantization into constants (pre-quantized).
+        torch._inductor.config.freezing = True
+        kw = {"mode": "reduce-overhead"} if mode == "cudagraphs" else {}
+        models = {k: torch.compile(m, **kw) for k, m in models.items()}
+    autocast = torch.bfloat16 if gpu else None
+
+    def forward(model):
+        def run(i):
+            if mode == "cudagraphs":
+                torch.compiler.cudagraph_mark_step_begin()
+            with torch.no_grad(), torch.autocast(args.device, dtype=autocast or torch.float32,
+                                                 enabled=autocast is not None):  # fmt: skip
+                model(batch)
+
+        return run
+
+    fns, rows = {}, []
+    for variant, model in models.items():
+        try:
+            for i in range(3):
+                forward(model)(i)
+            clock.sync()
+            fns[variant] = forward(model)
+        except Exception as exc:
+            extra[variant] = {
+                **extra.get(variant, {}),
+                "error": f"{type(exc).__name__}: {exc}"[:2000],
+            }
+    try:
+        times = interleaved(fns, args.blocks, 2 * args.block_steps, clock, left)
+    finally:
+        torch._inductor.config.freezing = False
+    base = times.get("infer-bf16")
+    for variant in extra:
+        row = {"model": name, "mode": mode, "variant": variant, **extra[variant]}
+        if variant in times and times[variant] and base:
+            row |= {"fwd_ms": statistics.median(times[variant]), "blocks_ms": times[variant],
+                    **block_stats(base, times[variant])}  # fmt: skip
+        rows.append(row)
     return rows
 
 
