@@ -1,0 +1,66 @@
+"""bench/realized.py's pure parts: the A/B statistics, interleaving and the quality band."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).parents[1] / "bench" / "realized.py"
+_SPEC = importlib.util.spec_from_file_location("bench_realized", _PATH)
+realized = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(realized)  # importing it runs nothing
+
+
+def test_block_stats_is_the_ratio_of_medians_with_paired_ratios():
+    stats = realized.block_stats([10.0, 12.0, 11.0], [8.0, 12.0, 10.0])
+    assert stats["speedup_vs_bf16"] == pytest.approx(11.0 / 10.0)
+    assert stats["ratio_min"] == pytest.approx(1.0)
+    assert stats["ratio_max"] == pytest.approx(1.25)
+
+
+class FakeClock:
+    """Each call of a variant costs its own number of milliseconds."""
+
+    def __init__(self, cost: dict[str, float]) -> None:
+        self.cost, self.now, self.order = cost, 0.0, []
+
+    def start(self):
+        return self.now
+
+    def elapsed_ms(self, mark) -> float:
+        return self.now - mark
+
+    def sync(self) -> None:
+        pass
+
+
+def test_interleaved_rotates_the_order_and_times_each_call():
+    clock = FakeClock({"a": 2.0, "b": 5.0})
+
+    def fn(name):
+        def call(i):
+            clock.now += clock.cost[name]
+            clock.order.append(name)
+
+        return call
+
+    times = realized.interleaved({k: fn(k) for k in "ab"}, 3, 4, clock, lambda: 1e9)
+    assert times == {"a": [2.0, 2.0, 2.0], "b": [5.0, 5.0, 5.0]}
+    firsts = [clock.order[i * 8] for i in range(3)]
+    assert firsts == ["a", "b", "a"]  # block 1 starts with the other variant
+
+
+def test_quality_ok_is_not_worse_than_the_bf16_band():
+    rows = [
+        {"variant": "bf16", "quality": 0.80},
+        {"variant": "bf16-seed1", "quality": 0.82},
+        {"variant": "loka", "quality": 0.81},
+        {"variant": "torchao", "quality": 0.83},
+    ]
+    realized.quality_rows(rows, "ne")  # lower NE is better
+    assert [r["quality_ok"] for r in rows] == [True, True, True, False]
+    rows = [{"variant": "bf16", "quality": 0.5}, {"variant": "loka", "quality": 0.4}]
+    realized.quality_rows(rows, "ndcg@10")  # higher is better
+    assert rows[1]["quality_ok"] is False
