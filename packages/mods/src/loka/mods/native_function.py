@@ -27,6 +27,7 @@ from loka.kernels.native import (
     NATIVE_CPU_BACKEND,
     native_mm,
     native_refusal,
+    quantize_native,
 )
 from loka.mods.config import Fp8LinearConfig, PassConfig
 
@@ -40,8 +41,6 @@ class NativePass:
     scale_ub: float | None
 
     def quantize(self, t: torch.Tensor, side: str, transpose: bool = False):
-        from loka.kernels.native import quantize_native
-
         fmt = self.a_fmt if side == "a" else self.b_fmt
         return quantize_native(
             t, fmt, self.granularity, pow2=self.pow2, scale_ub=self.scale_ub,

@@ -45,9 +45,6 @@ def run(args: argparse.Namespace) -> int:
         return fail(
             f"--bench-budget-s must be a positive number of seconds, got {args.bench_budget_s}"
         )
-    problem = _device_problem(args.device)
-    if problem is not None:
-        return fail(problem)
     if args.kernel_bench is not None and not args.kernel_bench.is_file():
         return fail(f"--kernel-bench: no such file {args.kernel_bench}")
     try:  # before any training: a run must not end by failing to write its results
@@ -66,23 +63,3 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc))
     return 0
-
-
-def _device_problem(device: str | None) -> str | None:
-    """Why `--device` cannot run the demo here (None when it can)."""
-    if device is None:
-        return None
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        return f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)"
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            return f"--device {device}: no CUDA GPU is available here (use --device cpu)"
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            return f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s)"
-    elif parsed.type != "cpu":
-        return f"--device {device}: the demo runs on cpu or cuda"
-    return None
