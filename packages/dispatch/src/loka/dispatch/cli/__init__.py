@@ -3,7 +3,8 @@
 Each subcommand lives in its own module under `loka.dispatch.cli` and exposes
 `add_parser(subparsers)`, which registers the subcommand and sets `func` (called with the
 parsed namespace, returns an exit code). Modules are imported lazily so that a command
-whose optional dependencies are missing does not break the others.
+whose optional dependencies are missing does not break the others. Other LoKA packages
+bring their own subcommands through entry points (`loka.dispatch.cli.plugins`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from loka.dispatch.cli.plugins import absent_command, add_plugin_commands, missing_module_message
 
 # Subcommand modules, in the order `loka --help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -34,7 +37,7 @@ def version_text() -> str:
 
     found = []
     for name in ("loka-dispatch", "loka-kernels", "loka-mods", "loka-probe", "loka-schema",
-                 "loka-stats", "loka-zoo"):  # fmt: skip
+                 "loka-stats", "loka-zoo", "loka-plora", "loka-lordba", "loka-reprec"):  # fmt: skip
         try:
             found.append(f"{name} {version(name)}")
         except PackageNotFoundError:
@@ -62,17 +65,24 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).add_parser(subparsers)
+    add_plugin_commands(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from loka.dispatch.cli._common import device_problem, fail, user_errors
+    from loka.dispatch.extras import explain
+
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    absent = absent_command(argv, commands)
+    if absent is not None:  # a LoKA package's subcommand, and that package is not installed
+        return fail(absent)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    from loka.dispatch.cli._common import device_problem, fail, user_errors
-    from loka.dispatch.extras import explain
 
     problem = device_problem(getattr(args, "device", None))
     if problem is not None:  # every command's --device, before any work
@@ -82,10 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     except user_errors() as exc:  # bad input a command did not report itself: one line
         return fail(str(exc))
     except ImportError as exc:  # an optional package is missing: name the extra
-        missing = explain(exc, f"loka {args.command}", extra=COMMAND_EXTRAS.get(args.command))
-        if missing is None:
+        package = getattr(args, "loka_package", None)
+        if package is None:  # dispatch's own command: dispatch's extras
+            missing = explain(exc, f"loka {args.command}", extra=COMMAND_EXTRAS.get(args.command))
+            if missing is None:
+                raise
+            return fail(str(missing))
+        if not isinstance(exc, ModuleNotFoundError):
             raise
-        return fail(str(missing))
+        return fail(missing_module_message(exc, args.command, package))
 
 
 if __name__ == "__main__":
