@@ -55,6 +55,14 @@ VARIANTS = ("bf16", "bf16-seed1", "bf16-seed2", "torchao-tensorwise-auto",
             "torchao-rowwise-auto", "loka")  # fmt: skip
 
 
+_T0 = time.monotonic()
+
+
+def log(message: str) -> None:
+    """A progress line with the seconds since start (where a GPU budget went)."""
+    print(f"[realized {time.monotonic() - _T0:6.0f} s] {message}", flush=True)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="dhen")
@@ -226,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         probe.detach()
         del setup, opt, probe
         gc.collect()
-        print(f"[realized] {name}: probed {P} steps ({time.monotonic() - start:.0f} s)")
+        log(f"{name}: probed {P} steps")
         for mode in args.modes.split(","):
             if left() < 45:
                 rows.append({"model": name, "mode": mode, "skipped": "over the time budget"})
@@ -288,13 +296,15 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
         cost_model=CostModel.shipped(), budget_s=args.bench_budget_s,
         backends=mode_backends(mode),
     )  # fmt: skip
+    log(f"{name}/{mode}: bench {bench.measured} measured, {bench.reused} cached, "
+        f"{bench.estimated} estimated")  # fmt: skip
     plan = make_plan(sites, tables["site_errors"], bench.table, PlanConfig(mode=mode))
     s = plan.summary
     plans[f"{name}/{mode}"] = {"summary": s.__dict__, "bench_notes": bench.notes,
                                "fp8_sites": plan.fp8_sites(),
                                "table": plan.table.to_dicts()}  # fmt: skip
-    print(f"[realized] {name}/{mode}: plan {s.sites_fp8} sites / {s.passes_fp8} passes, "
-          f"predicted {s.predicted_speedup}, ceiling {s.ceiling}")  # fmt: skip
+    log(f"{name}/{mode}: plan {s.sites_fp8} sites / {s.passes_fp8} passes, predicted "
+        f"{s.predicted_speedup}, ceiling {s.ceiling}")  # fmt: skip
 
     made: dict[str, dict] = {}
     made_applied = None
@@ -316,6 +326,11 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
             row["fp8_layers"] = sum(
                 type(m).__name__ == "Float8Linear" for m in setup.model.modules()
             )
+            if row["fp8_layers"] == 0:
+                # Nothing converted: the same model as bf16, not worth a compile and blocks.
+                row["skipped"] = "no layer passed torchao's auto filter: the bf16 model"
+                made[variant] = {"row": row}
+                continue
         if variant == "loka":
             applied = apply(setup.model, plan)
             row |= {"fp8_layers": len(applied.sites), "predicted_speedup": s.predicted_speedup,
@@ -341,6 +356,8 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
                                  autocast_dtype=autocast, check_finite=False)  # fmt: skip
 
     for v in made.values():
+        if "skipped" in v["row"]:
+            continue
         t0 = time.monotonic()
         try:
             for i in range(args.warmup_steps):
@@ -351,12 +368,14 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
             v["row"]["traceback"] = traceback.format_exc()[-3000:]
             print(v["row"]["traceback"])
         v["row"]["warmup_s"] = time.monotonic() - t0
-    live = [k for k, v in made.items() if "error" not in v["row"]]
+        log(f"{name}/{mode}/{v['row']['variant']}: warmed up in {v['row']['warmup_s']:.0f} s")
+    live = [k for k, v in made.items() if "error" not in v["row"] and "skipped" not in v["row"]]
     if args.verify and "loka" in live:
         # The closed loop first, so that the blocks below time the plan it settled on.
         made["loka"]["row"] |= verify_loka(made["loka"], step_fn, made_applied)
     fns = {k: (lambda i, v=made[k]: step_fn(v, i)) for k in live}
     times = interleaved(fns, args.blocks, args.block_steps, clock, left)
+    log(f"{name}/{mode}: timed {len(fns)} variant(s)")
     if args.profile:
         for variant in ("bf16", "loka"):
             if variant in live:
@@ -370,7 +389,7 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
         if variant in times and times[variant] and base:
             row |= {"step_ms": statistics.median(times[variant]), "blocks_ms": times[variant],
                     **block_stats(base, times[variant])}  # fmt: skip
-        if "error" not in row:
+        if "error" not in row and "skipped" not in row:
             row["steps_timed"] = v.get("steps", 0)
         rows.append(row)
     if args.quality_steps > 0 and left() > 60:
@@ -385,6 +404,7 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
     for r in rows:
         r["bf16_band"] = (min(band), max(band)) if band else None
     if args.inference and "bf16" in made and left() > 30:
+        log(f"{name}/{mode}: inference")
         try:
             rows += inference_rows(args, name, mode, made["bf16"]["setup"], tables, bench,
                                    batches[0], clock, left)  # fmt: skip
@@ -503,6 +523,7 @@ def inference_rows(args, name, mode, setup, tables, bench, batch, clock, left) -
                 **extra.get(variant, {}),
                 "error": f"{type(exc).__name__}: {exc}"[:2000],
             }
+    log(f"{name}/{mode}: inference compiled and warm")
     try:
         times = interleaved(fns, args.blocks, 2 * args.block_steps, clock, left)
     finally:

@@ -23,7 +23,7 @@ from loka.dispatch.bench.candidates import (
 from loka.dispatch.bench.cost_model import CostModel
 from loka.dispatch.bench.runner import Shape, benchmark, site_shapes
 from loka.dispatch.bench.shipped import build_shipped_table
-from loka.dispatch.bench.timing import PassTimer
+from loka.dispatch.bench.timing import NativeQuantTimes, PassTimer, QuantOperand
 from loka.dispatch.device import DeviceInfo
 from loka.schema import read_table, validate
 
@@ -208,3 +208,54 @@ def test_device_info_of_the_cpu() -> None:
     assert H200.differences(dataclasses.replace(H200, triton_version="3.5.0")) == [
         "triton_version '3.5.0' (this machine: '3.6.0')"
     ]
+
+
+def test_native_quant_times_measure_once_then_fit_from_the_measured() -> None:
+    times = NativeQuantTimes()
+    calls = []
+
+    def measure(ms: float):
+        return lambda: calls.append(ms) or ms
+
+    row = [QuantOperand(r, 1024, 2, "row", False) for r in (1024, 4096, 16384)]
+    assert times.time(row[0], measure(0.01)) == (0.01, False)
+    assert times.time(row[0], measure(99.0)) == (0.01, False)  # the same operand: not again
+    times.fit_only = True
+    # One point of this granularity and layout is no line: it is measured after all.
+    assert times.time(row[1], measure(0.03)) == (0.03, False)
+    assert calls == [0.01, 0.03]
+    fitted, was_fitted = times.time(row[2], measure(99.0))
+    # The line through (2 MiB, 0.01) and (8 MiB, 0.03), extended to 32 MiB.
+    assert was_fitted and fitted == pytest.approx(0.01 + 0.02 * (16384 - 1024) / 3072)
+    assert calls == [0.01, 0.03]
+    # Another layout has no points of its own: measured.
+    other = QuantOperand(1024, 1024, 2, "row", True)
+    assert times.time(other, measure(0.02)) == (0.02, False)
+    # A falling line is not extrapolated below zero.
+    flat = NativeQuantTimes()
+    flat.measured = {QuantOperand(1, 10, 2, "tensor", False): 0.05,
+                     QuantOperand(1, 1000, 2, "tensor", False): 0.01}  # fmt: skip
+    assert flat.fit(QuantOperand(1, 10**6, 2, "tensor", False)) >= 0.0
+
+
+def test_native_quantization_is_timed_per_operand_whatever_its_format(monkeypatch) -> None:
+    """e4m3 and e5m2 move the same bytes: the dgrad's weight operand, shared by both recipes,
+    is timed once, and so is the dY operand (only the format differs)."""
+    import loka.dispatch.bench.timing as timing
+    from loka.kernels.native import quantize_native
+    from loka.schema import Recipe
+
+    monkeypatch.setattr(timing, "_compiled_native_quantize", lambda: quantize_native)
+    shared = NativeQuantTimes()
+    timer = PassTimer(32, 64, 48, "cpu", native_quant=shared)
+    e5m2 = timer.quant_ms(Recipe.parse("e5m2:e4m3/row/dynamic"), "dgrad", traceable=True)
+    assert {(o.rows, o.cols, o.element_bytes, o.transpose) for o in shared.measured} == {
+        (32, 48, 2, False),  # dY, bf16
+        (48, 64, 4, True),  # the weight from its float32 master, transposed
+    }
+    e4m3 = timer.quant_ms(Recipe.parse("e4m3:e4m3/row/dynamic"), "dgrad", traceable=True)
+    assert len(shared.measured) == 2 and e4m3 == e5m2 > 0
+    # Another shape's timer shares the measurements through the same object.
+    other = PassTimer(64, 64, 48, "cpu", native_quant=shared)
+    other.quant_ms(Recipe.parse("e4m3:e4m3/row/dynamic"), "fwd", traceable=True)
+    assert len(shared.measured) == 4  # x[64, 64] and W[48, 64] row-major are new

@@ -23,12 +23,17 @@ from loka.dispatch.bench.candidates import (
 )
 from loka.dispatch.bench.cost_model import CostModel
 from loka.dispatch.bench.host import host_overhead_ms
-from loka.dispatch.bench.timing import PassTimer, PassTiming
+from loka.dispatch.bench.timing import NativeQuantTimes, PassTimer, PassTiming
 from loka.dispatch.device import DeviceInfo
 from loka.kernels import available, gemm_dims, registry
 from loka.schema import empty, validate
 
 Progress = Callable[[int, int, str], None]
+
+# Share of the bench budget that may go to compiling and timing native quantizations; past
+# it, operands not yet timed are fitted from the timed ones (`NativeQuantTimes`), so the
+# rest of the budget measures GEMMs, a fraction of a second per candidate.
+NATIVE_QUANT_BUDGET_SHARE = 0.4
 
 
 @dataclass(frozen=True, order=True)
@@ -196,6 +201,10 @@ def benchmark(
             f"{info.device}: not used for shapes past the budget"
         )
     deadline = time.monotonic() + budget_s if budget_s is not None else None
+    quant_deadline = (
+        time.monotonic() + NATIVE_QUANT_BUDGET_SHARE * budget_s if budget_s is not None else None
+    )
+    native_quant = NativeQuantTimes()
     plan: list[tuple[Shape, CandidateStatus]] = []
     norm_recipes = [r for r in recipes_by_pass(recipes)["fwd"] if fusable(r)]
     for M, K in dict.fromkeys((m_bucket(m), k) for m, k in norm_shapes):
@@ -228,10 +237,13 @@ def benchmark(
             result.reused += 1
             continue
         if measuring and (deadline is None or time.monotonic() < deadline):
+            native_quant.fit_only = quant_deadline is not None and time.monotonic() > quant_deadline
             timer = timers.get(shape)
             if timer is None:
                 timers.clear()  # free the previous shape's inputs
-                timer = timers[shape] = PassTimer(shape.M_bucket, shape.K, shape.N, device)
+                timer = timers[shape] = PassTimer(
+                    shape.M_bucket, shape.K, shape.N, device, native_quant=native_quant
+                )
             try:
                 t = _time(timer, c)
             except Exception as exc:  # a backend failing is a result, not a crash

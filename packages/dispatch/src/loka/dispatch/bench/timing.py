@@ -13,7 +13,13 @@ once per optimizer step and therefore not timed:
 A traceable backend (`torch.native`) keeps no weight copies: its fwd and dgrad also
 quantize the weight (from its float32 master copy) every step, and its quantizations are
 timed as `torch.compile` makes them (one fused kernel per operand), since that is the only
-mode the planner uses it in.
+mode the planner uses it in. Each of those is its own compiled graph (about a second of
+compilation for a few microseconds of work), so they are timed per operand and shared
+(`NativeQuantTimes`): keyed by the operand's shape, dtype, granularity and layout, not its
+FP8 format (e4m3 and e5m2 move the same bytes); once the bench hands its remaining budget
+to GEMMs (`fit_only`), an operand not yet timed is estimated by a least-squares line
+(time = a + b * bytes) through the measured operands of the same granularity and layout,
+and the row's method says so (`+quant_fit`).
 
 Each pass is costed standalone; the planner credits the quantizations two FP8 passes share
 (the forward's x with the wgrad's x^T, the dgrad's dY with the wgrad's dY^T). Every part is
@@ -49,6 +55,59 @@ class PassTiming:
     gemm_ms: float
     quant_ms: float
     method: str  # "cuda_graph", "eager" (graph capture failed) or "wall_clock" (CPU)
+
+
+@dataclass(frozen=True)
+class QuantOperand:
+    """What decides the time of one compiled native quantization."""
+
+    rows: int
+    cols: int
+    element_bytes: int
+    granularity: str
+    transpose: bool
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.cols * self.element_bytes
+
+
+class NativeQuantTimes:
+    """Compiled native quantization times per operand, shared by every shape's `PassTimer`
+    in one bench: measured, or with `fit_only` fitted from the measured ones."""
+
+    def __init__(self) -> None:
+        self.measured: dict[QuantOperand, float] = {}
+        self.fit_only = False
+
+    def time(self, operand: QuantOperand, measure: Callable[[], float]) -> tuple[float, bool]:
+        """(milliseconds, whether fitted rather than measured)."""
+        if operand in self.measured:
+            return self.measured[operand], False
+        if self.fit_only:
+            fitted = self.fit(operand)
+            if fitted is not None:
+                return fitted, True
+        ms = self.measured[operand] = measure()
+        return ms, False
+
+    def fit(self, operand: QuantOperand) -> float | None:
+        """`a + b * bytes` from the measured operands of the same granularity and layout
+        (a and b kept non-negative); None with fewer than two of them."""
+        points = [
+            (o.bytes, ms)
+            for o, ms in self.measured.items()
+            if (o.granularity, o.transpose) == (operand.granularity, operand.transpose)
+        ]
+        if len({b for b, _ in points}) < 2:
+            return None
+        n = len(points)
+        mean_x = sum(b for b, _ in points) / n
+        mean_y = sum(ms for _, ms in points) / n
+        var = sum((b - mean_x) ** 2 for b, _ in points)
+        slope = max(0.0, sum((b - mean_x) * (ms - mean_y) for b, ms in points) / var)
+        intercept = max(0.0, mean_y - slope * mean_x)
+        return intercept + slope * operand.bytes
 
 
 def _median_cuda_graph(fn: Callable[[], object], target_ms: float, replays: int) -> float:
@@ -144,8 +203,11 @@ class PassTimer:
         target_ms: float = 4.0,
         replays: int = 7,
         seed: int = 0,
+        native_quant: NativeQuantTimes | None = None,
     ) -> None:
         self.M, self.K, self.N = M, K, N
+        self.native_quant = native_quant if native_quant is not None else NativeQuantTimes()
+        self._fitted: set[tuple] = set()
         self.device = torch.device(device)
         self.target_ms, self.replays = target_ms, replays
         self.method = "cuda_graph" if self.device.type == "cuda" else "wall_clock"
@@ -234,25 +296,47 @@ class PassTimer:
         key = (pass_, recipe.a_format, recipe.b_format, recipe.granularity, recipe.scaling,
                traceable)  # fmt: skip
         if key not in self._quant_ms:
-            make = self._native_quantizer if traceable else self._quantizer
-            self._quant_ms[key] = self._measure(make(recipe, pass_))
+            if traceable:
+                self._quant_ms[key] = self._native_quant_ms(recipe, pass_, key)
+            else:
+                self._quant_ms[key] = self._measure(self._quantizer(recipe, pass_))
         return self._quant_ms[key]
 
-    def _native_quantizer(self, recipe: Recipe, pass_: str) -> Callable[[], tuple]:
-        """The pass's quantizations as the traceable backend runs them, compiled."""
-        quant = _compiled_native_quantize()
-        a, b, g = recipe.a_format, recipe.b_format, recipe.granularity
+    def _native_operands(self, recipe: Recipe, pass_: str) -> list[tuple]:
+        """(inputs rotation or fixed tensor, format, transpose) of each operand the
+        traceable backend quantizes in `pass_` (the weight from its float32 master)."""
         if not hasattr(self, "_master_w"):
             self._master_w = self.w.float()
-        w = self._master_w
-        if pass_ == "fwd":
-            return lambda: (quant(self._x.next()[0], a, g), quant(w, b, g))
-        if pass_ == "dgrad":
-            return lambda: (quant(self._dy.next()[0], a, g), quant(w, b, g, transpose=True))
-        return lambda: (
-            quant(self._dy.next()[0], a, g, transpose=True),
-            quant(self._x.next()[0], b, g, transpose=True),
-        )
+        a, b, w = recipe.a_format, recipe.b_format, self._master_w
+        return {
+            "fwd": [(self._x, a, False), (w, b, False)],
+            "dgrad": [(self._dy, a, False), (w, b, True)],
+            "wgrad": [(self._dy, a, True), (self._x, b, True)],
+        }[pass_]
+
+    def _native_quant_ms(self, recipe: Recipe, pass_: str, key: tuple) -> float:
+        """The pass's quantizations as the traceable backend runs them, compiled, summed
+        over its operands (each measured once per bench, or fitted: `NativeQuantTimes`)."""
+        quant = _compiled_native_quantize()
+        total = 0.0
+        for source, fmt, transpose in self._native_operands(recipe, pass_):
+            sample = source if isinstance(source, torch.Tensor) else source.items[0][0]
+            operand = QuantOperand(*sample.shape, sample.element_size(), recipe.granularity,
+                                   transpose)  # fmt: skip
+
+            def measure(source=source, fmt=fmt, transpose=transpose) -> float:
+                def get() -> torch.Tensor:
+                    return source if isinstance(source, torch.Tensor) else source.next()[0]
+
+                return self._measure(
+                    lambda: quant(get(), fmt, recipe.granularity, transpose=transpose)
+                )
+
+            ms, fitted = self.native_quant.time(operand, measure)
+            total += ms
+            if fitted:
+                self._fitted.add(key)
+        return total
 
     def layer_norm_ms(self) -> float:
         """A bf16 LayerNorm of x[M, K] (its output kept for the backward, as autograd does)."""
@@ -316,4 +400,6 @@ class PassTimer:
         rotation.items = [list(p) for p in pairs]
         gemm_ms = self._measure(lambda: fp8_mm(*rotation.next(), backend=backend))
         quant_ms = self.quant_ms(recipe, pass_, backend.traceable)
-        return PassTiming(gemm_ms + quant_ms, gemm_ms, quant_ms, self.method)
+        key = (pass_, recipe.a_format, recipe.b_format, recipe.granularity, recipe.scaling, True)
+        method = self.method + ("+quant_fit" if key in self._fitted else "")
+        return PassTiming(gemm_ms + quant_ms, gemm_ms, quant_ms, method)
