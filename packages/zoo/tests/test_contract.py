@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import loka.zoo as zoo
+from loka.zoo.models import SequentialConfig
 from loka.zoo.registry import SPECS
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
@@ -63,7 +64,15 @@ def test_a_norm_followed_by_a_linear_of_its_width_feeds_it(name: str) -> None:
         and norm.normalized_shape[-1] == linear.in_features
     ]
     layers = getattr(setup.config, "num_layers", 0)
-    expected = {"dlrm": 0, "dhen": layers + 1, "wukong": layers, "hstu": 2 * layers}
+    # InterFormer, per layer: PMA, interaction MLP, personalized FFN, attention; then the
+    # final summary's PMA and the head.
+    expected = {
+        "dlrm": 0,
+        "dhen": layers + 1,
+        "wukong": layers,
+        "hstu": 2 * layers,
+        "interformer": 4 * layers + 2,
+    }
     assert len(pairs) == expected.get(name, 2 * layers), pairs
     outputs: dict[str, torch.Tensor] = {}
     inputs: dict[str, torch.Tensor] = {}
@@ -95,7 +104,8 @@ def test_large_preset_fits_one_h200(name: str) -> None:
     assert params * 4 * 4 < 30e9  # fp32 weights, gradients, two AdamW moments
     widest = max(m.out_features for m in model.modules() if isinstance(m, nn.Linear))
     assert 1024 <= widest <= 4096
-    tokens = batch * (config.max_seq_len if hasattr(config, "max_seq_len") else 1)
+    sequential = isinstance(config, SequentialConfig)  # a batch of sequences, else of samples
+    tokens = batch * (config.max_seq_len if sequential else 1)
     assert 16384 <= tokens <= 65536
 
 

@@ -7,7 +7,7 @@ import torch
 
 import loka.zoo as zoo
 
-CTR = ("dlrm", "dhen", "wukong")
+CTR = ("dlrm", "dhen", "wukong", "interformer")
 SEQUENTIAL = ("hstu", "sasrec")
 
 

@@ -1,5 +1,5 @@
-"""loka.zoo: reference recommendation models and their data, tiny (CPU tests) to large
-(one H200).
+"""loka.zoo: reference recommendation models and their data, tiny (CPU tests) to xl
+(production-sized dense arches on one H200).
 
     setup = loka.zoo.create("dhen", "tiny")
     losses = loka.zoo.train(setup, steps=50)
@@ -15,6 +15,8 @@ from loka.zoo.models import (
     DHENConfig,
     DLRMConfig,
     HSTUConfig,
+    InterFormer,
+    InterFormerConfig,
     PopularityModel,
     SASRec,
     SASRecConfig,
@@ -35,6 +37,8 @@ __all__ = [
     "DHENConfig",
     "DLRMConfig",
     "HSTUConfig",
+    "InterFormer",
+    "InterFormerConfig",
     "PopularityModel",
     "RMSNorm",
     "SASRec",

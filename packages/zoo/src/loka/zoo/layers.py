@@ -82,10 +82,11 @@ class FeatureEmbeddings(nn.Module):
     """One pooled (sum) embedding bag per categorical feature, stored as one table.
 
     One concatenated table is what production table-batched embeddings do: a single lookup
-    kernel for all features instead of one per feature.
+    kernel for all features instead of one per feature. With `sparse=True` the table's
+    gradient is sparse (the looked-up rows only), for `loka.zoo.optim.RowWiseAdagrad`.
     """
 
-    def __init__(self, cardinalities: Sequence[int], dim: int) -> None:
+    def __init__(self, cardinalities: Sequence[int], dim: int, *, sparse: bool = False) -> None:
         super().__init__()
         sizes = torch.tensor(list(cardinalities), dtype=torch.int64)
         offsets = torch.cumsum(sizes, 0) - sizes
@@ -93,7 +94,9 @@ class FeatureEmbeddings(nn.Module):
         self.register_buffer("cardinalities", sizes, persistent=False)
         self.num_features = len(cardinalities)
         self.dim = dim
-        self.bags = nn.EmbeddingBag(sum(cardinalities) + 1, dim, mode="sum", padding_idx=0)
+        self.bags = nn.EmbeddingBag(
+            sum(cardinalities) + 1, dim, mode="sum", padding_idx=0, sparse=sparse
+        )
         with torch.no_grad():
             # Small init keeps the dot interaction's products near unit scale.
             self.bags.weight.normal_(0.0, dim**-0.5)

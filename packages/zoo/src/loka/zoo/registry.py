@@ -12,6 +12,7 @@ from torch import nn
 
 from loka.zoo import models
 from loka.zoo.data import amazon
+from loka.zoo.data.behaviour import SyntheticBehaviour, SyntheticBehaviourConfig
 from loka.zoo.data.criteo import SyntheticCriteo, SyntheticCriteoConfig
 from loka.zoo.data.sequences import SyntheticSequences, SyntheticSequencesConfig, check_layout
 from loka.zoo.tasks import click_loss, click_metrics, next_item_loss, next_item_metrics
@@ -120,6 +121,26 @@ SPECS: dict[str, _Spec] = {
             ),
         },
     ),
+    "interformer": _Spec(
+        models.InterFormer,
+        models.InterFormerConfig,
+        SyntheticBehaviourConfig,
+        {
+            "tiny": (dict(embedding_dim=16, max_table_rows=1000, num_items=500, max_seq_len=16,
+                          interaction_hidden=64, sequence_hidden=32),
+                     dict(num_clusters=16), 256),
+            "base": (dict(embedding_dim=64, max_table_rows=20_000, num_items=20_000, max_seq_len=32,
+                          num_heads=4, num_layers=3, interaction_hidden=1024, sequence_hidden=256,
+                          num_summary=4, num_pma=2, num_recent=4, bottom_widths=(128,),
+                          head_widths=(256,)),
+                     dict(num_clusters=64, min_seq_len=8), 4096),
+            "large": (dict(embedding_dim=128, max_table_rows=_CTR_LARGE_ROWS, num_items=200_000,
+                           max_seq_len=64, num_heads=4, num_layers=4, interaction_hidden=2048,
+                           sequence_hidden=512, num_summary=4, num_cls=2, num_pma=2,
+                           num_recent=4, bottom_widths=(512, 256), head_widths=(1024, 512)),
+                      dict(num_clusters=256, min_seq_len=16), 16384),
+        },
+    ),
     "hstu": _Spec(
         models.HSTU,
         models.HSTUConfig,
@@ -218,8 +239,8 @@ def create(
     batch_size: int | None = None,
     **overrides: Any,
 ) -> ZooSetup:
-    """Build model `name` ("dlrm", "dhen", "wukong", "hstu", "sasrec") in a preset ("tiny",
-    "base", "large") on `device`, with its data and task.
+    """Build model `name` ("dlrm", "dhen", "wukong", "interformer", "hstu", "sasrec") in a
+    preset ("tiny", "base", "large") on `device`, with its data and task.
 
     `overrides` replace fields of the model config (e.g. `embedding_dim=32`) or of the data
     config (e.g. `layout="padded"`, `dataset="beauty"`). `seed` sets the model's
@@ -237,18 +258,23 @@ def create(
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     device = torch.device(device)
-    data_config = spec.data_config(**{**data_preset, **data_overrides})
 
-    if spec.data_config is SyntheticCriteoConfig:
+    if issubclass(spec.data_config, SyntheticCriteoConfig):
         if "cardinalities" in data_overrides:
             raise ValueError("table sizes come from num_sparse and max_table_rows; set those")
         config = spec.config(**{**model_preset, **model_overrides})
-        data_config = dataclasses.replace(
-            data_config, cardinalities=config.cardinalities, num_dense=config.num_dense
+        # The data's shape follows the model: table sizes, and the sequence's vocabulary/width.
+        derived = dict(cardinalities=config.cardinalities, num_dense=config.num_dense)
+        if spec.data_config is SyntheticBehaviourConfig:
+            derived.update(num_items=config.num_items, max_seq_len=config.max_seq_len)
+        data_config = spec.data_config(**{**data_preset, **data_overrides, **derived})
+        stream = (
+            SyntheticBehaviour if spec.data_config is SyntheticBehaviourConfig else SyntheticCriteo
         )
-        data: Any = SyntheticCriteo(data_config, batch_size, device=device, seed=seed)
+        data: Any = stream(data_config, batch_size, device=device, seed=seed)
         loss, metrics = click_loss, click_metrics
     else:
+        data_config = spec.data_config(**{**data_preset, **data_overrides})
         config, data = _sequence_data(spec, model_preset, model_overrides, data_config,
                                       batch_size, device, seed)  # fmt: skip
         loss, metrics = next_item_loss, next_item_metrics

@@ -66,6 +66,56 @@ def training_batch(
 
 
 @dataclass(frozen=True)
+class ItemClusters:
+    """How item ids are laid out: `num_clusters` interest clusters of `num_items //
+    num_clusters` items each, power-law popular within a cluster, scrambled over the ids."""
+
+    num_items: int
+    num_clusters: int
+    shift: int  # names the scramble; a dataset draws it from its teacher seed
+    zipf_alpha: float
+
+    def item_ids(self, cluster: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+        """Ids in 1..num_items of the items at `rank` within `cluster`."""
+        raw = cluster + self.num_clusters * rank
+        return 1 + (raw * _SCRAMBLE_PRIME + self.shift) % self.num_items
+
+    def cluster_of(self) -> torch.Tensor:
+        """`[num_items + 1]` the cluster of every id that `item_ids` can give (0 elsewhere)."""
+        per_cluster = self.num_items // self.num_clusters
+        raw = torch.arange(self.num_clusters * per_cluster)
+        table = torch.zeros(self.num_items + 1, dtype=torch.int64)
+        ids = self.item_ids(raw % self.num_clusters, raw // self.num_clusters)
+        return table.index_copy_(0, ids, raw % self.num_clusters)
+
+
+def drifting_items(
+    clusters: ItemClusters,
+    first: torch.Tensor,
+    second: torch.Tensor,
+    lengths: torch.Tensor,
+    width: int,
+    noise: float,
+    g: torch.Generator,
+) -> torch.Tensor:
+    """Left-padded item sequences `[B, width]` (0 pads) of users who drift from cluster
+    `first` to `second` (`[B, 1]` each) along their `lengths` (`[B, 1]`, on the device); with
+    probability `noise` an item comes from a random cluster instead."""
+    batch, dev = first.size(0), first.device
+    from_end = torch.arange(width - 1, -1, -1, device=dev).view(1, -1)
+    progress = 1.0 - from_end / (lengths - 1).clamp_min(1)
+    drifted = torch.rand(batch, width, generator=g, device=dev) < progress
+    cluster = torch.where(drifted, second, first)
+    random_cluster = torch.randint(clusters.num_clusters, (batch, width), generator=g, device=dev)
+    noisy = torch.rand(batch, width, generator=g, device=dev) < noise
+    cluster = torch.where(noisy, random_cluster, cluster)
+    per_cluster = clusters.num_items // clusters.num_clusters
+    uniform = torch.rand(batch, width, generator=g, device=dev)
+    items = clusters.item_ids(cluster, zipf_ids(uniform, per_cluster, clusters.zipf_alpha))
+    return items.masked_fill(from_end >= lengths, 0)
+
+
+@dataclass(frozen=True)
 class SyntheticSequencesConfig:
     num_items: int = 1000
     max_seq_len: int = 16  # L: model input length (a sequence holds up to L + 1 items)
@@ -122,21 +172,11 @@ class SyntheticSequences(BatchStream):
         g = generator(self.device, seed, stream, index)
         dev = self.device
         first, second = torch.randint(cfg.num_clusters, (2, batch, 1), generator=g, device=dev)
-        lengths_dev = to_device(lengths, dev).view(-1, 1)
-        from_end = torch.arange(width - 1, -1, -1, device=dev).view(1, -1)
-        progress = 1.0 - from_end / (lengths_dev - 1).clamp_min(1)
-        drifted = torch.rand(batch, width, generator=g, device=dev) < progress
-        cluster = torch.where(drifted, second, first)
-        random_cluster = torch.randint(cfg.num_clusters, (batch, width), generator=g, device=dev)
-        noisy = torch.rand(batch, width, generator=g, device=dev) < cfg.noise
-        cluster = torch.where(noisy, random_cluster, cluster)
-        per_cluster = cfg.num_items // cfg.num_clusters
-        rank = zipf_ids(
-            torch.rand(batch, width, generator=g, device=dev), per_cluster, cfg.zipf_alpha
-        )
-        raw = cluster + cfg.num_clusters * rank
-        items = 1 + (raw * _SCRAMBLE_PRIME + self._shift) % cfg.num_items
-        return items.masked_fill(from_end >= lengths_dev, 0), lengths
+        items = drifting_items(
+            ItemClusters(cfg.num_items, cfg.num_clusters, self._shift, cfg.zipf_alpha),
+            first, second, to_device(lengths, dev).view(-1, 1), width, cfg.noise, g,
+        )  # fmt: skip
+        return items, lengths
 
     def batch(self, index: int) -> dict[str, torch.Tensor]:
         window, lengths = self._windows(self.seed, TRAIN_STREAM, index)

@@ -41,6 +41,8 @@ class CTRFeaturesConfig:
     embedding_dim: int = 16
     # The bottom MLP ends at embedding_dim so the dense vector joins the sparse ones.
     bottom_widths: tuple[int, ...] = (32,)
+    # Sparse table gradients, for the row-wise Adagrad of `loka.zoo.make_optimizer`.
+    sparse_embeddings: bool = False
 
     def __post_init__(self) -> None:
         require_positive(self, "num_dense", "num_sparse", "embedding_dim")
@@ -79,7 +81,9 @@ class FeatureInputs(nn.Module):
     def __init__(self, config: CTRFeaturesConfig) -> None:
         super().__init__()
         self.num_dense = config.num_dense
-        self.embeddings = FeatureEmbeddings(config.cardinalities, config.embedding_dim)
+        self.embeddings = FeatureEmbeddings(
+            config.cardinalities, config.embedding_dim, sparse=config.sparse_embeddings
+        )
         self.bottom = mlp(config.num_dense, (*config.bottom_widths, config.embedding_dim))
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,6 +35,8 @@ class SequentialConfig:
     norm: NormKind = "layernorm"
     similarity: Similarity = "dot"
     temperature: float = 1.0  # scores are divided by it
+    # A sparse item-table gradient, for the row-wise Adagrad of `loka.zoo.make_optimizer`.
+    sparse_embeddings: bool = False
 
     def __post_init__(self) -> None:
         require_positive(
@@ -68,7 +70,9 @@ class SequentialRecommender(nn.Module):
         super().__init__()
         self.config = config
         dim = config.embedding_dim
-        self.item_embeddings = nn.Embedding(config.num_items + 1, dim, padding_idx=0)
+        self.item_embeddings = nn.Embedding(
+            config.num_items + 1, dim, padding_idx=0, sparse=config.sparse_embeddings
+        )
         # Positions count back from the most recent item, so any history length lines up.
         self.position_embeddings = nn.Embedding(config.max_seq_len, dim)
         with torch.no_grad():

@@ -1,0 +1,74 @@
+"""InterFormer: both arms exchange information in every layer, the model uses the sequence,
+bad sequences are refused. (Shapes, gradients, determinism and learning are checked for every
+zoo model in test_models.py; the GEMM and norm contract in test_contract.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import loka.zoo as zoo
+
+
+def test_information_flows_both_ways_within_one_layer() -> None:
+    setup = zoo.create("interformer", batch_size=8)
+    model = setup.model
+    batch = next(setup.train_batches())
+    dense_vector, pooled = model.inputs(batch)
+    x = torch.cat([dense_vector.unsqueeze(1), pooled], 1).detach().requires_grad_()
+    seq, valid = model.embed_sequence(batch["sequence"])
+    seq = seq.detach().requires_grad_()
+    x_out, seq_out = model.layers[0](x, seq, valid)
+    # The interaction arm reads the sequence (through its summary) ...
+    (grad_seq,) = torch.autograd.grad(x_out.sum(), seq, retain_graph=True)
+    assert grad_seq.abs().sum() > 0
+    # ... and the sequence arm reads the non-sequence features (through theirs).
+    (grad_x,) = torch.autograd.grad(seq_out.sum(), x)
+    assert grad_x.abs().sum() > 0
+    assert x_out.shape == x.shape and seq_out.shape == seq.shape
+
+
+def test_padding_neither_moves_the_prediction_nor_leaves_zero() -> None:
+    setup = zoo.create("interformer", batch_size=8)
+    model = setup.model.eval()
+    batch = next(setup.train_batches())
+    recent = batch["sequence"][:, -10:]
+    padded = torch.cat([torch.zeros_like(recent[:, :6]), recent], 1)
+    with torch.no_grad():
+        seq, valid = model.embed_sequence(padded)
+        assert (seq[~valid] == 0).all() and valid[:, : setup.config.num_cls].all()
+        # More left-padding in front of the same items: the same logits.
+        torch.testing.assert_close(
+            model({**batch, "sequence": padded}), model({**batch, "sequence": recent})
+        )
+
+
+def test_the_trained_model_uses_the_sequence() -> None:
+    setup = zoo.create("interformer", sequence_share=0.8)
+    held_out = setup.eval_batches(2)
+    zoo.train(setup, 60, lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    shuffled = [
+        {**b, "sequence": b["sequence"][torch.randperm(b["label"].numel(), generator=g)]}
+        for b in held_out
+    ]
+    real, other = setup.metrics(setup.model, held_out), setup.metrics(setup.model, shuffled)
+    assert real["ne"] < other["ne"] - 0.01, (real, other)
+
+
+def test_rejects_bad_sequences() -> None:
+    setup = zoo.create("interformer", batch_size=4)
+    batch = next(setup.train_batches())
+    with pytest.raises(ValueError, match="sequence must be"):
+        setup.model({**batch, "sequence": batch["sequence"].flatten()})
+    too_long = torch.ones(4, setup.config.max_seq_len + 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        setup.model({**batch, "sequence": too_long})
+    unknown = batch["sequence"].clone()
+    unknown[0, -1] = setup.config.num_items + 1
+    with pytest.raises(RuntimeError, match="item id outside"):
+        setup.model({**batch, "sequence": unknown})
+    with pytest.raises(ValueError, match="num_recent"):
+        zoo.create("interformer", num_recent=17)
+    with pytest.raises(ValueError, match="divisible"):
+        zoo.create("interformer", num_heads=3)
