@@ -61,18 +61,18 @@ if ARGS.no_autotune:
 
 import torch.nn.functional as F  # noqa: E402
 
-from loka.kernels.multi_lora import (  # noqa: E402
-    MultiLoraLayout,
-    multi_lora_linear,
-    multi_lora_linear_reference,
-)
-from loka.mods.packed_lora import (  # noqa: E402
+from loka.plora import (  # noqa: E402
     LoraJobConfig,
     PackedLoraConfig,
     PerAdapterOptimizer,
     convert_to_packed_lora,
-    packed_train_step,
 )
+from loka.plora.kernels import (  # noqa: E402
+    MultiLoraLayout,
+    multi_lora_linear,
+    multi_lora_linear_reference,
+)
+from loka.plora.runner import packed_train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32

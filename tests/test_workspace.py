@@ -15,6 +15,7 @@ PACKAGES = {
     "loka-probe": "loka.probe",
     "loka-mods": "loka.mods",
     "loka-dispatch": "loka.dispatch",
+    "loka-plora": "loka.plora",
 }
 
 

@@ -39,17 +39,6 @@ def test_bench_zoo_large_without_zoo_names_the_zoo_extra(monkeypatch, capsys, tm
     assert _one_error_line(capsys).endswith("needs loka-zoo: pip install 'loka-dispatch[zoo]'")
 
 
-def test_lora_plan_yaml_without_pyyaml_names_the_yaml_extra(monkeypatch, capsys, tmp_path):
-    jobs = tmp_path / "jobs.yaml"
-    jobs.write_text("- {name: a, rank: 8}\n")
-    monkeypatch.setitem(sys.modules, "yaml", None)
-    rc = main(["lora-plan", str(jobs), "--model", "gpt2"])
-    assert rc == 1
-    line = _one_error_line(capsys)
-    assert "needs PyYAML: pip install 'loka-dispatch[yaml]'" in line
-    assert "jobs.yaml" in line
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 @pytest.mark.parametrize("command", [["bench", "--shapes", "128x128x128"], ["probe", "dlrm"]])
 def test_device_cuda_on_a_cpu_machine_is_one_line(capsys, tmp_path, command):

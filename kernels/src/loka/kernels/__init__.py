@@ -4,11 +4,6 @@ from loka.kernels import backends  # noqa: F401  (importing it registers the bui
 from loka.kernels.formats import FP8_DTYPES, FP8_MAX, GRANULARITIES, PASSES, QuantConfig
 from loka.kernels.fp8_tensor import Fp8Tensor
 from loka.kernels.mm import fp8_mm, grouped_mm
-from loka.kernels.multi_lora import (  # importing it registers the "multi_lora" backends
-    MultiLoraLayout,
-    multi_lora_linear,
-    multi_lora_linear_loop,
-)
 from loka.kernels.norm_quantization import NormQuantized, norm_backward, norm_quantize
 from loka.kernels.quantization import quantize, quantize_reference, quantize_with
 from loka.kernels.registry import (
@@ -40,7 +35,6 @@ __all__ = [
     "Fp8Tensor",
     "GemmSpec",
     "KernelRecipe",
-    "MultiLoraLayout",
     "NormQuantized",
     "OperandSpec",
     "QuantConfig",
@@ -50,8 +44,6 @@ __all__ = [
     "fp8_mm",
     "gemm_dims",
     "grouped_mm",
-    "multi_lora_linear",
-    "multi_lora_linear_loop",
     "norm_backward",
     "norm_quantize",
     "pack_signs",

@@ -24,7 +24,6 @@ _EXPORTS = {
                             "Shape", "benchmark", "site_shapes"),
     "loka.dispatch.device": ("DeviceInfo",),
     "loka.dispatch.integrations": ("GuardConfig", "RuntimeGuard", "Session", "SessionConfig"),
-    "loka.dispatch.lora_plan": ("LoraPlan", "plan_lora_jobs"),
     "loka.dispatch.planner": ("Plan", "PlanConfig", "PlanSummary", "make_plan"),
     "loka.dispatch.report": ("write_report",),
     "loka.dispatch.tables": ("load_probe_tables", "read_plan"),
@@ -53,7 +52,6 @@ if TYPE_CHECKING:
     )
     from loka.dispatch.device import DeviceInfo
     from loka.dispatch.integrations import GuardConfig, RuntimeGuard, Session, SessionConfig
-    from loka.dispatch.lora_plan import LoraPlan, plan_lora_jobs
     from loka.dispatch.planner import Plan, PlanConfig, PlanSummary, make_plan
     from loka.dispatch.report import write_report
     from loka.dispatch.tables import load_probe_tables, read_plan
@@ -81,7 +79,6 @@ __all__: list[str] = [
     "CostModel",
     "DeviceInfo",
     "GuardConfig",
-    "LoraPlan",  # the LoRA job planner (PLoRA); its models live in loka.dispatch.lora_plan
     "Plan",
     "PlanConfig",
     "PlanFallbackWarning",
@@ -98,7 +95,6 @@ __all__: list[str] = [
     "load_probe_tables",
     "make_plan",
     "norm_fed_sites",
-    "plan_lora_jobs",
     "read_plan",
     "site_shapes",
     "write_report",

@@ -13,7 +13,6 @@ from types import ModuleType
 OPTIONAL: dict[str, tuple[str, str]] = {
     "loka.zoo": ("loka-zoo", "zoo"),
     "loka.probe": ("loka-probe", "probe"),
-    "yaml": ("PyYAML", "yaml"),
     "lightning": ("lightning", "lightning"),
     "transformers": ("transformers", "hf"),
     "peft": ("peft", "hf"),

@@ -14,16 +14,6 @@ from loka.mods.lordba import (
     save_lordba,
 )
 from loka.mods.norm_linear import FusedNorm, NormLinear
-from loka.mods.packed_lora import (
-    LoraJobConfig,
-    PackedLora,
-    PackedLoraConfig,
-    PerAdapterOptimizer,
-    convert_to_packed_lora,
-    load_adapter,
-    save_adapter,
-    train_packs,
-)
 from loka.mods.recipe import Fp8Recipe, parse_recipe
 from loka.mods.reference import fp8_linear_reference
 from loka.mods.smoothing import fold_norm_bias, smooth
@@ -41,15 +31,10 @@ __all__: list[str] = [
     "GroupedLinear",
     "LoRDBAConfig",
     "LoRDBALinear",
-    # packed concurrent LoRA (PLoRA)
-    "LoraJobConfig",
     "ModSpec",
     "ModsError",
     "NormLinear",
-    "PackedLora",
-    "PackedLoraConfig",
     "PassConfig",
-    "PerAdapterOptimizer",
     "Report",
     "SiteMods",
     "apply",
@@ -57,17 +42,13 @@ __all__: list[str] = [
     "convert_to_fp8_linear",
     "convert_to_linear",
     "convert_to_lordba",
-    "convert_to_packed_lora",
     "fold_norm_bias",
     "fp8_linear_reference",
     "invalidate_weight_caches",
-    "load_adapter",
     "load_lordba",
     "lordba_footprint",
     "parse_recipe",
-    "save_adapter",
     "save_lordba",
     "smooth",
-    "train_packs",
     "undo",
 ]

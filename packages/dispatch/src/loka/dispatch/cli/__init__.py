@@ -22,7 +22,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "loka.dispatch.cli.bench",
     "loka.dispatch.cli.plan",
     "loka.dispatch.cli.report",
-    "loka.dispatch.cli.lora_plan",
     "loka.dispatch.cli.reprec",
 )
 

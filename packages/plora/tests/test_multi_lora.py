@@ -7,7 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the ke
 import pytest
 import torch
 
-from loka.kernels.multi_lora import (
+from loka.plora.kernels import (
     MultiLoraLayout,
     lora_expand,
     lora_expand_reference,
@@ -22,7 +22,7 @@ from loka.kernels.multi_lora import (
 
 if not multi_lora_kernels_available("cpu"):
     pytest.skip(
-        "loka.kernels.multi_lora was imported before TRITON_INTERPRET=1 was set",
+        "loka.plora.kernels was imported before TRITON_INTERPRET=1 was set",
         allow_module_level=True,
     )
 

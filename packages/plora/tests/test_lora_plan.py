@@ -1,4 +1,4 @@
-"""The LoRA job planner: memory budget, makespan against one job per pack, models, CLI."""
+"""The LoRA job planner: memory budget, makespan against one job per pack, models."""
 
 import json
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loka.dispatch.cli import main
-from loka.dispatch.lora_plan import (
+from loka.plora import LoraJobConfig, PackedLoraConfig, convert_to_packed_lora
+from loka.plora.plan import (
     SCHEDULE_SCHEMA,
     MemoryModel,
     ModelShape,
@@ -18,7 +18,6 @@ from loka.dispatch.lora_plan import (
     read_job_configs,
     simulate_makespan,
 )
-from loka.mods.packed_lora import LoraJobConfig, PackedLoraConfig, convert_to_packed_lora
 
 GIB = 1024**3
 SHAPE = ModelShape(
@@ -258,44 +257,3 @@ def test_job_configs_read_from_json_yaml_and_csv(tmp_path):
     (tmp_path / "twice.json").write_text(json.dumps([rows[0], rows[0]]))
     with pytest.raises(ValueError, match=r"repeated: \['a'\]"):
         read_job_configs(tmp_path / "twice.json")
-
-
-def test_cli_writes_the_schedule_and_fails_on_a_job_that_cannot_fit(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {
-                "num_hidden_layers": 24,
-                "hidden_size": 1536,
-                "intermediate_size": 4096,
-                "vocab_size": 32000,
-                "num_attention_heads": 12,
-                "num_key_value_heads": 4,
-            }
-        )
-    )
-    jobs = [
-        {
-            "name": f"j{n}",
-            "rank": 8 * (1 + n % 3),
-            "alpha": 16,
-            "lr": 1e-4,
-            "batch_size": 1 + n % 4,
-            "steps": 100,
-        }
-        for n in range(6)
-    ]
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    out = tmp_path / "plan" / "schedule.csv"
-    args = ["lora-plan", str(tmp_path / "jobs.json"), "--model", str(tmp_path), "--gpus", "2"]
-    assert main([*args, "--gpu-memory", "80GiB", "--out", str(out)]) == 0
-    schedule = pl.read_csv(out)
-    assert sorted(schedule["job"]) == [j["name"] for j in jobs]
-    assert set(schedule["status"]) == {"planned"}
-    assert "analytic estimate" in capsys.readouterr().err
-    (tmp_path / "jobs.json").write_text(
-        json.dumps([*jobs, {**jobs[0], "name": "huge", "batch_size": 4096}])
-    )
-    assert main([*args, "--gpu-memory", "80GiB"]) == 1
-    assert "huge does not fit" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main([*args, "--gpu-memory", "eighty"])

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from loka.mods.packed_lora.config import LoraJobConfig
+from loka.plora.config import LoraJobConfig
 
 
 class TokenBlocks:

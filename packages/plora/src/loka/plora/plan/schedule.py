@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from loka.dispatch.lora_plan.memory import GIB, MemoryModel
-from loka.dispatch.lora_plan.solver import (
+from loka.plora.config import LoraJobConfig
+from loka.plora.plan.memory import GIB, MemoryModel
+from loka.plora.plan.solver import (
     Assignment,
     PackingProblem,
     candidate_packs,
@@ -16,8 +17,7 @@ from loka.dispatch.lora_plan.solver import (
     solve_greedy,
     solve_milp,
 )
-from loka.dispatch.lora_plan.throughput import ThroughputModel
-from loka.mods.packed_lora.config import LoraJobConfig
+from loka.plora.plan.throughput import ThroughputModel
 
 SOLVERS = ("auto", "milp", "greedy")
 

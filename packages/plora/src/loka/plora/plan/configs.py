@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loka.mods.packed_lora.config import LoraJobConfig
+from loka.plora.config import LoraJobConfig
 
 
 def read_job_configs(path: str | Path) -> list[LoraJobConfig]:
@@ -47,9 +47,13 @@ def _load(path: Path, suffix: str) -> Any:
             return pl.read_csv(path).to_dicts()
         except pl.exceptions.PolarsError as err:
             raise ValueError(str(err)) from None
-    from loka.dispatch.extras import require
-
-    yaml = require("yaml", f"reading {path.name} (YAML)")
+    try:
+        import yaml
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            f"reading {path.name} (YAML) needs PyYAML: pip install 'loka-plora[yaml]'",
+            name="yaml",
+        ) from None
     try:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:

@@ -8,9 +8,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from loka.dispatch.lora_plan.throughput import ThroughputModel
-from loka.mods.packed_lora.config import LoraJobConfig, PackedLoraConfig
-from loka.mods.packed_lora.runner import StepProfile, profile_pack
+from loka.plora.config import LoraJobConfig, PackedLoraConfig
+from loka.plora.plan.throughput import ThroughputModel
+from loka.plora.runner import StepProfile, profile_pack
 
 
 def profiling_packs(

@@ -21,9 +21,9 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from loka.dispatch.lora_plan.memory import MemoryModel
-from loka.dispatch.lora_plan.throughput import ThroughputModel
-from loka.mods.packed_lora.config import LoraJobConfig
+from loka.plora.config import LoraJobConfig
+from loka.plora.plan.memory import MemoryModel
+from loka.plora.plan.throughput import ThroughputModel
 
 Pack = tuple[int, ...]  # sorted job indices
 

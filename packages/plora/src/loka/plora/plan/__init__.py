@@ -4,20 +4,20 @@ Given LoRA job configurations, the GPUs (count, memory) and two models of the pa
 training step (`MemoryModel`: base weights, adapter states, activations; `ThroughputModel`:
 fit from profiled steps or a recorded table), `plan_lora_jobs` packs the jobs to minimize
 the makespan with an ILP (scipy's milp) or a greedy fallback, and returns the schedule as
-a polars table; `LoraPlan.packs()` feeds `loka.mods.packed_lora.train_packs`.
+a polars table; `LoraPlan.packs()` feeds `loka.plora.train_packs`.
 """
 
-from loka.dispatch.lora_plan.configs import read_job_configs
-from loka.dispatch.lora_plan.memory import MemoryModel
-from loka.dispatch.lora_plan.profile import profile_throughput, profiling_packs
-from loka.dispatch.lora_plan.schedule import (
+from loka.plora.plan.configs import read_job_configs
+from loka.plora.plan.memory import MemoryModel
+from loka.plora.plan.profile import profile_throughput, profiling_packs
+from loka.plora.plan.schedule import (
     SCHEDULE_SCHEMA,
     LoraPlan,
     plan_lora_jobs,
     simulate_makespan,
 )
-from loka.dispatch.lora_plan.shape import ModelShape
-from loka.dispatch.lora_plan.throughput import ThroughputModel
+from loka.plora.plan.shape import ModelShape
+from loka.plora.plan.throughput import ThroughputModel
 
 __all__ = [
     "SCHEDULE_SCHEMA",

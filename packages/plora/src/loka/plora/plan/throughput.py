@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from loka.dispatch.lora_plan.shape import ModelShape
-from loka.mods.packed_lora.config import LoraJobConfig
+from loka.plora.config import LoraJobConfig
+from loka.plora.plan.shape import ModelShape
 
 FEATURES = ("n_adapters", "tokens", "rank_tokens")
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from loka.dispatch.lora_plan.shape import ModelShape
-from loka.mods.packed_lora.config import LoraJobConfig
+from loka.plora.config import LoraJobConfig
+from loka.plora.plan.shape import ModelShape
 
 GIB = 1024**3
 
@@ -89,7 +89,7 @@ class MemoryModel:
         """A copy whose per-token activation bytes come from measured peaks.
 
         profiles: records with `tokens` and `peak_memory_bytes` (see
-        `loka.mods.packed_lora.StepProfile`); jobs_of: the jobs of each profiled pack. The
+        `loka.plora.StepProfile`); jobs_of: the jobs of each profiled pack. The
         largest per-token figure is kept, so the model errs on the side of fitting.
         """
         if len(profiles) != len(jobs_of) or not profiles:

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from loka.kernels.multi_lora import MultiLoraLayout
-from loka.mods.packed_lora.config import LoraJobConfig, PackedLoraConfig
-from loka.mods.packed_lora.layer import PackedBatch, PackedLoraLinear
+from loka.plora.config import LoraJobConfig, PackedLoraConfig
+from loka.plora.kernels import MultiLoraLayout
+from loka.plora.layer import PackedBatch, PackedLoraLinear
 
 # peft's key prefix for a model wrapped by PeftModel (saved without the adapter name).
 PEFT_PREFIX = "base_model.model."

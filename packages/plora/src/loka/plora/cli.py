@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the heavy imports wait until the command runs: `loka --help
     import polars as pl
     from rich.console import Console
 
-    from loka.dispatch.lora_plan import LoraPlan
+    from loka.plora.plan import LoraPlan
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
-    from loka.dispatch.lora_plan import (
+    from loka.plora.plan import (
         MemoryModel,
         ModelShape,
         ThroughputModel,
@@ -196,7 +196,7 @@ def _profile(args, jobs, memory, console):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from loka.dispatch.lora_plan import profile_throughput
+    from loka.plora.plan import profile_throughput
 
     if not torch.cuda.is_available():
         raise ValueError("--profile needs a CUDA GPU; use --throughput with a recorded table")
@@ -217,7 +217,7 @@ def _print_plan(console: Console, plan: LoraPlan) -> None:
     import polars as pl
     from rich.table import Table
 
-    from loka.dispatch.lora_plan.memory import GIB
+    from loka.plora.plan.memory import GIB
 
     planned = plan.schedule.filter(pl.col("status") == "planned")
     table = Table(title="LoRA packs", title_justify="left")

@@ -11,24 +11,23 @@ import pytest
 import torch
 from torch import nn
 
-from loka.kernels.multi_lora import multi_lora_kernels_available
-from loka.mods.packed_lora import (
+from loka.plora import (
     LoraJobConfig,
     PackedLoraConfig,
     PerAdapterOptimizer,
     RunnerConfig,
     convert_to_packed_lora,
     load_adapter,
-    packed_train_step,
-    profile_pack,
     save_adapter,
     train_packs,
 )
+from loka.plora.kernels import multi_lora_kernels_available
+from loka.plora.runner import packed_train_step, profile_pack
 
 VOCAB, SEQ = 61, 8
 needs_kernels = pytest.mark.skipif(
     not multi_lora_kernels_available("cpu"),
-    reason="loka.kernels.multi_lora was imported without TRITON_INTERPRET=1 in this process",
+    reason="loka.plora.kernels was imported without TRITON_INTERPRET=1 in this process",
 )
 
 

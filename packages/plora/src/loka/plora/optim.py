@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loka.mods.packed_lora.model import PackedLora
+from loka.plora.model import PackedLora
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from loka.mods.packed_lora.model import PackedLora
-from loka.mods.packed_lora.optim import PerAdapterOptimizer
+from loka.plora.model import PackedLora
+from loka.plora.optim import PerAdapterOptimizer
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"

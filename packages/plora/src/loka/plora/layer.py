@@ -9,13 +9,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from loka.kernels.multi_lora import (
+from loka.plora.config import LoraJobConfig
+from loka.plora.kernels import (
     MultiLoraLayout,
     multi_lora_kernels_available,
     multi_lora_linear,
     multi_lora_linear_reference,
 )
-from loka.mods.packed_lora.config import LoraJobConfig
 
 
 class PackedBatch:

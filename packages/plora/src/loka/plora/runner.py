@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loka.mods.packed_lora.checkpoint import save_adapter
-from loka.mods.packed_lora.config import LoraJobConfig, PackedLoraConfig
-from loka.mods.packed_lora.data import JobSampler, TokenBlocks, read_texts
-from loka.mods.packed_lora.model import PackedLora, convert_to_packed_lora
-from loka.mods.packed_lora.optim import AdapterStep, PerAdapterOptimizer
+from loka.plora.checkpoint import save_adapter
+from loka.plora.config import LoraJobConfig, PackedLoraConfig
+from loka.plora.data import JobSampler, TokenBlocks, read_texts
+from loka.plora.model import PackedLora, convert_to_packed_lora
+from loka.plora.optim import AdapterStep, PerAdapterOptimizer
 
 
 @dataclass(frozen=True)

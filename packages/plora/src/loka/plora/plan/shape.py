@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loka.mods.packed_lora.config import LLAMA_TARGET_MODULES
+from loka.plora.config import LLAMA_TARGET_MODULES
 
 # A GEMM size no backend takes (cuBLAS's sizes are 32-bit ints): no real model has one.
 _MAX = 2**31 - 1

@@ -1,0 +1,7 @@
+"""The kernels run on CPU through Triton's interpreter: TRITON_INTERPRET must be set before any
+`@triton.jit` function is created, so it is set here, before the test modules import
+loka.plora.kernels (bench/plora.py exercises the compiled kernels on a GPU)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
