@@ -23,6 +23,13 @@ from loka.zoo.models import (
     Wukong,
     WukongConfig,
 )
+from loka.zoo.optim import (
+    HybridOptimizer,
+    OptimizerConfig,
+    RowWiseAdagrad,
+    embedding_update,
+    make_optimizer,
+)
 from loka.zoo.registry import PRESETS, SPECS, SequenceDataConfig, ZooSetup, create
 from loka.zoo.train import train, training_step
 
@@ -37,10 +44,13 @@ __all__ = [
     "DHENConfig",
     "DLRMConfig",
     "HSTUConfig",
+    "HybridOptimizer",
     "InterFormer",
     "InterFormerConfig",
+    "OptimizerConfig",
     "PopularityModel",
     "RMSNorm",
+    "RowWiseAdagrad",
     "SASRec",
     "SASRecConfig",
     "SequenceDataConfig",
@@ -50,6 +60,8 @@ __all__ = [
     "binary_auc",
     "create",
     "ctr_metrics",
+    "embedding_update",
+    "make_optimizer",
     "ranking_metrics",
     "train",
     "training_step",

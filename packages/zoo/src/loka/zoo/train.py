@@ -1,4 +1,5 @@
-"""The minimal training loop: AdamW, optional bf16 autocast, a per-step callback.
+"""The minimal training loop: `make_optimizer`'s optimizer (AdamW, plus row-wise Adagrad on
+sparse tables), optional bf16 autocast, a per-step callback.
 
 It is plain PyTorch on purpose: it is the baseline that LoKA's trainer integration must stay
 compatible with, and what the benchmarks time.
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from loka.zoo.optim import OptimizerConfig, OptimizerLike, make_optimizer
 
 if TYPE_CHECKING:
     from loka.zoo.registry import ZooSetup
@@ -29,7 +32,7 @@ def _check_autocast(autocast_dtype: torch.dtype | None) -> None:
 def training_step(
     setup: ZooSetup,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: OptimizerLike,
     batch: Batch,
     *,
     autocast_dtype: torch.dtype | None = None,
@@ -60,7 +63,7 @@ def train(
     setup: ZooSetup,
     steps: int,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: OptimizerLike | None = None,
     lr: float = 1e-3,
     autocast_dtype: torch.dtype | None = None,
     on_step: Callable[[int, float], None] | None = None,
@@ -69,6 +72,8 @@ def train(
     """Train `setup.model` (or `model`, e.g. a compiled or converted version of it) for
     `steps` fresh batches of `setup.train_batches()`; returns the loss of every step.
 
+    Without `optimizer`, `make_optimizer(model, OptimizerConfig(lr=lr))`: AdamW, and
+    row-wise Adagrad on tables built with `sparse_embeddings=True`.
     `on_step(step, loss)` gets the loss as a float, which syncs with the device each step.
     """
     if steps < 0:
@@ -76,9 +81,7 @@ def train(
     _check_autocast(autocast_dtype)
     model = setup.model if model is None else model
     if optimizer is None:
-        # The fused kernel is several times faster than foreach on CUDA and unavailable on CPU.
-        fused = next(model.parameters()).is_cuda
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=fused)
+        optimizer = make_optimizer(model, OptimizerConfig(lr=lr))
     model.train()
     losses: list[torch.Tensor] = []
     batches = setup.train_batches()

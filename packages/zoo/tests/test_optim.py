@@ -1,0 +1,184 @@
+"""The sparse path: row-wise Adagrad on sparse table gradients beside AdamW on the rest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import loka.zoo as zoo
+from loka.zoo.layers import global_rows
+from loka.zoo.optim import (
+    DENSE_EMBEDDINGS,
+    SPARSE_EMBEDDINGS,
+    HybridOptimizer,
+    OptimizerConfig,
+    RowWiseAdagrad,
+    embedding_update,
+    make_optimizer,
+)
+
+LR, EPS = 0.1, 1e-8
+
+
+def _reference(weight, state, lookups, lr=LR, eps=EPS):
+    """Row-wise Adagrad by hand: sum each row's gradients, one accumulator per row."""
+    weight, state = weight.clone(), state.clone()
+    summed: dict[int, torch.Tensor] = {}
+    for row, grad in lookups:
+        summed[row] = summed.get(row, torch.zeros_like(grad)) + grad
+    for row, grad in summed.items():
+        state[row] += float((grad * grad).mean())
+        weight[row] -= lr * grad / (state[row].sqrt() + eps)
+    return weight, state
+
+
+def _sparse_grad(lookups, shape):
+    rows = torch.tensor([[row for row, _ in lookups]])
+    values = torch.stack([grad for _, grad in lookups])
+    return torch.sparse_coo_tensor(rows, values, shape, check_invariants=True)
+
+
+def test_update_matches_a_hand_written_reference_over_steps() -> None:
+    g = torch.Generator().manual_seed(0)
+    table = nn.Parameter(torch.randn(10, 4, generator=g))
+    optimizer = RowWiseAdagrad([table], lr=LR, eps=EPS)
+    weight, state = table.detach().clone(), torch.zeros(10)
+    for rows in ([1, 4, 4, 7], [4, 2], [9, 1, 1, 1]):
+        lookups = [(row, torch.randn(4, generator=g)) for row in rows]
+        table.grad = _sparse_grad(lookups, table.shape)
+        optimizer.step()
+        weight, state = _reference(weight, state, lookups)
+        torch.testing.assert_close(table.detach(), weight)
+        torch.testing.assert_close(optimizer.state[table]["sum"], state)
+
+
+def test_only_touched_rows_change_and_duplicates_are_coalesced() -> None:
+    g = torch.Generator().manual_seed(1)
+    start = torch.randn(8, 3, generator=g)
+    a, b = torch.randn(3, generator=g), torch.randn(3, generator=g)
+    twice, once = nn.Parameter(start.clone()), nn.Parameter(start.clone())
+    twice.grad = _sparse_grad([(5, a), (2, b), (5, b)], twice.shape)
+    once.grad = _sparse_grad([(2, b), (5, a + b)], once.shape)
+    for table in (twice, once):
+        RowWiseAdagrad([table], lr=LR).step()
+    # A row looked up twice gets one update with its summed gradient.
+    torch.testing.assert_close(twice.detach(), once.detach())
+    changed = (twice.detach() != start).any(1)
+    assert changed.nonzero().flatten().tolist() == [2, 5]
+    # Not two sequential updates of the same row:
+    sequential = nn.Parameter(start.clone())
+    optimizer = RowWiseAdagrad([sequential], lr=LR)
+    for grad in (a, b):
+        sequential.grad = _sparse_grad([(5, grad)], sequential.shape)
+        optimizer.step()
+    assert not torch.allclose(sequential.detach()[5], twice.detach()[5])
+
+
+def test_rejects_dense_gradients_and_bad_settings() -> None:
+    table = nn.Parameter(torch.zeros(4, 2))
+    table.grad = torch.ones(4, 2)
+    with pytest.raises(ValueError, match="sparse_embeddings=True"):
+        RowWiseAdagrad([table]).step()
+    with pytest.raises(ValueError, match="lr > 0"):
+        RowWiseAdagrad([table], lr=0.0)
+    with pytest.raises(ValueError, match="2-D tables"):
+        RowWiseAdagrad([nn.Parameter(torch.zeros(4))])
+    with pytest.raises(ValueError, match="embedding_lr"):
+        OptimizerConfig(embedding_lr=-1.0)
+
+
+def test_make_optimizer_splits_tables_from_dense_parameters() -> None:
+    dense = zoo.create("dhen")
+    optimizer = make_optimizer(dense.model)
+    assert (
+        isinstance(optimizer, torch.optim.AdamW)
+        and embedding_update(dense.model) == DENSE_EMBEDDINGS
+    )
+    assert len(optimizer.param_groups[0]["params"]) == len(list(dense.model.parameters()))
+
+    sparse = zoo.create("interformer", sparse_embeddings=True)
+    optimizer = make_optimizer(sparse.model, OptimizerConfig(lr=2e-3, embedding_lr=0.1))
+    assert isinstance(optimizer, HybridOptimizer)
+    assert embedding_update(sparse.model) == SPARSE_EMBEDDINGS
+    tables = {id(sparse.model.inputs.embeddings.bags.weight), id(sparse.model.items.weight)}
+    assert {id(p) for p in optimizer.sparse.param_groups[0]["params"]} == tables
+    dense_ids = {id(p) for p in optimizer.dense.param_groups[0]["params"]}
+    assert not dense_ids & tables
+    assert dense_ids | tables == {id(p) for p in sparse.model.parameters()}
+    assert [group["lr"] for group in optimizer.param_groups] == [2e-3, 0.1]
+
+
+@pytest.mark.parametrize("name", ["dhen", "hstu"])
+def test_training_with_sparse_tables_lowers_the_loss(name: str) -> None:
+    setup = zoo.create(name, sparse_embeddings=True)
+    table = (
+        setup.model.inputs.embeddings.bags.weight
+        if name == "dhen"
+        else setup.model.item_embeddings.weight
+    )
+    before = table.detach().clone()
+    losses = zoo.train(setup, 40, lr=3e-3)
+    first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
+    assert last < 0.97 * first, f"loss {first:.4f} -> {last:.4f}"
+    # The tables moved only where batches looked them up; the padding row never.
+    assert (table.detach() != before).any(1).sum() > 0
+    torch.testing.assert_close(table.detach()[0], before[0])
+
+
+def test_untouched_rows_stay_bit_identical_through_training() -> None:
+    setup = zoo.create("dlrm", sparse_embeddings=True, batch_size=32)
+    model = setup.model
+    table = model.inputs.embeddings.bags.weight
+    before = table.detach().clone()
+    optimizer = make_optimizer(model)
+    batches = setup.train_batches()
+    seen = torch.zeros(table.size(0), dtype=torch.bool)
+    for _ in range(3):
+        batch = next(batches)
+        rows = global_rows(batch["sparse"], model.inputs.embeddings.row_offsets)
+        seen[rows.flatten()] = True
+        zoo.training_step(setup, model, optimizer, batch)
+        assert table.grad is None or table.grad.is_sparse
+    changed = (table.detach() != before).any(1)
+    seen[0] = False  # padding
+    assert torch.equal(changed, seen)
+    # AdamW holds no state for the table: the sparse path's memory win.
+    assert all(p is not table for p in optimizer.dense.state)
+
+
+def test_state_dict_round_trip_resumes_identically() -> None:
+    def run(resume: bool) -> torch.Tensor:
+        setup = zoo.create("dlrm", sparse_embeddings=True, batch_size=32)
+        optimizer = make_optimizer(setup.model)
+        batches = [b for b, _ in zip(setup.train_batches(), range(4), strict=False)]
+        for batch in batches[:2]:
+            zoo.training_step(setup, setup.model, optimizer, batch)
+        if resume:
+            saved = (
+                optimizer.state_dict(),
+                {k: v.clone() for k, v in setup.model.state_dict().items()},
+            )
+            optimizer = make_optimizer(setup.model)
+            setup.model.load_state_dict(saved[1])
+            optimizer.load_state_dict(saved[0])
+        for batch in batches[2:]:
+            zoo.training_step(setup, setup.model, optimizer, batch)
+        return setup.model.inputs.embeddings.bags.weight.detach().clone()
+
+    torch.testing.assert_close(run(resume=True), run(resume=False), rtol=0, atol=0)
+
+
+def test_sparse_tables_train_under_torch_compile() -> None:
+    """One graph, no break: the sparse table gradient comes out of the compiled backward and
+    the row-wise update runs after it, in `step()`."""
+    eager = zoo.create("dlrm", sparse_embeddings=True, batch_size=32)
+    compiled = zoo.create("dlrm", sparse_embeddings=True, batch_size=32)
+    torch._dynamo.reset()
+    model = torch.compile(compiled.model, fullgraph=True, backend="aot_eager")
+    want = zoo.train(eager, 3, lr=3e-3)
+    got = zoo.train(compiled, 3, lr=3e-3, model=model)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        compiled.model.inputs.embeddings.bags.weight, eager.model.inputs.embeddings.bags.weight
+    )
