@@ -86,14 +86,14 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 from torch import nn  # noqa: E402
 
-from loka.kernels.sign_gemm import sign_down, sign_up  # noqa: E402
-from loka.mods.lordba import (  # noqa: E402
+from loka.lordba import (  # noqa: E402
     LoRDBAConfig,
     LoRDBALinear,
     fit_lora,
     lordba_footprint,
     save_lordba,
 )
+from loka.lordba.kernels import sign_down, sign_up  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CUDA = DEVICE.type == "cuda"

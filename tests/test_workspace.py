@@ -16,6 +16,7 @@ PACKAGES = {
     "loka-mods": "loka.mods",
     "loka-dispatch": "loka.dispatch",
     "loka-plora": "loka.plora",
+    "loka-lordba": "loka.lordba",
 }
 
 

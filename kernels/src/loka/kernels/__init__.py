@@ -17,13 +17,6 @@ from loka.kernels.registry import (
     gemm_dims,
     registry,
 )
-from loka.kernels.sign_gemm import (  # importing it registers the "sign_*" backends
-    pack_signs,
-    sign_down,
-    sign_up,
-    sign_wgrad,
-    unpack_signs,
-)
 from loka.kernels.transpose_quantization import quantize_transpose, quantize_transpose_with
 
 __all__ = [
@@ -46,15 +39,10 @@ __all__ = [
     "grouped_mm",
     "norm_backward",
     "norm_quantize",
-    "pack_signs",
     "quantize",
     "quantize_reference",
     "quantize_transpose",
     "quantize_transpose_with",
     "quantize_with",
     "registry",
-    "sign_down",
-    "sign_up",
-    "sign_wgrad",
-    "unpack_signs",
 ]

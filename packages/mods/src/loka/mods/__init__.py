@@ -4,15 +4,6 @@ from loka.mods.apply import Change, ModsError, Report, apply, undo
 from loka.mods.config import Fp8LinearConfig, PassConfig
 from loka.mods.fp8_linear import Fp8Linear, convert_to_fp8_linear, convert_to_linear
 from loka.mods.grouped import GroupedLinear, GroupLayout
-from loka.mods.lordba import (
-    LoRDBAConfig,
-    LoRDBALinear,
-    convert_peft_checkpoint,
-    convert_to_lordba,
-    load_lordba,
-    lordba_footprint,
-    save_lordba,
-)
 from loka.mods.norm_linear import FusedNorm, NormLinear
 from loka.mods.recipe import Fp8Recipe, parse_recipe
 from loka.mods.reference import fp8_linear_reference
@@ -29,8 +20,6 @@ __all__: list[str] = [
     "GroupLayout",
     "GroupMods",
     "GroupedLinear",
-    "LoRDBAConfig",
-    "LoRDBALinear",
     "ModSpec",
     "ModsError",
     "NormLinear",
@@ -38,17 +27,12 @@ __all__: list[str] = [
     "Report",
     "SiteMods",
     "apply",
-    "convert_peft_checkpoint",
     "convert_to_fp8_linear",
     "convert_to_linear",
-    "convert_to_lordba",
     "fold_norm_bias",
     "fp8_linear_reference",
     "invalidate_weight_caches",
-    "load_lordba",
-    "lordba_footprint",
     "parse_recipe",
-    "save_lordba",
     "smooth",
     "undo",
 ]

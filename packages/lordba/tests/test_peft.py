@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-peft = pytest.importorskip("peft", reason="peft is the optional 'hf' extra of loka-mods")
+peft = pytest.importorskip("peft", reason="the tests write their LoRA checkpoints with peft")
 
-from loka.mods.lordba import LoRDBAConfig, convert_peft_checkpoint, load_lordba, read_lordba  # noqa: E402
+from loka.lordba import LoRDBAConfig, convert_peft_checkpoint, load_lordba, read_lordba  # noqa: E402
 
 
 class TinyBlock(nn.Module):
@@ -102,7 +102,7 @@ def test_unsupported_checkpoints_are_refused(tmp_path):
 
 
 def test_scaling_follows_peft_rules():
-    from loka.mods.lordba.peft import _pattern_value
+    from loka.lordba.peft import _pattern_value
 
     assert _pattern_value({"up": 16}, "layers.0.up", 8) == 16
     assert _pattern_value({"up": 16}, "layers.0.setup", 8) == 8  # dot boundary only

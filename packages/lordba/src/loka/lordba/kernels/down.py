@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 
 from loka.kernels.runtime import cdiv
-from loka.kernels.sign_gemm import _launch
-from loka.kernels.sign_gemm._tiles import mma, unpack_sign_tile
-from loka.kernels.sign_gemm.packing import unpack_signs
+from loka.lordba.kernels import _launch
+from loka.lordba.kernels._tiles import mma, unpack_sign_tile
+from loka.lordba.kernels.packing import unpack_signs
 
 
 @triton.jit

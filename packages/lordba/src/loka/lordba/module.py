@@ -7,7 +7,7 @@ their signs; ``q: [K]`` (optional, off by default: ``LoRDBAConfig.input_scale``)
 and ``p: [N]`` are channel scales; ``s`` is a fixed multiplier. The effective update
 ``diag(p) sign(B) diag(m) sign(A) diag(q)`` equals the LoRA update ``B A`` whenever ``|B|``
 has rank one and ``|A|`` has rank one (with ``q``) or is constant along each row (without
-``q``); see :mod:`loka.mods.lordba.fit`.
+``q``); see :mod:`loka.lordba.fit`.
 
 Training: the sign's gradient goes straight through to its latent, gated off where the
 latent has saturated (``|latent| > ste_clip * rms at init``); scales get exact gradients.
@@ -22,9 +22,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from loka.mods.lordba.config import LoRDBAConfig
-from loka.mods.lordba.fit import LoRDBAFit, fit_lora
-from loka.mods.lordba.function import (
+from loka.lordba.config import LoRDBAConfig
+from loka.lordba.fit import LoRDBAFit, fit_lora
+from loka.lordba.function import (
     LoRDBAFunction,
     PackedSigns,
     pack_factor_signs,

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from loka.kernels.sign_gemm import (
+from loka.lordba.kernels import (
     pack_signs,
     sign_down,
     sign_down_reference,

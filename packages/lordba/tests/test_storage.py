@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from loka.mods.lordba import (
+from loka.lordba import (
     LoRDBAConfig,
     LoRDBALinear,
     load_lordba,

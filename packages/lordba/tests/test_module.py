@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from loka.kernels.sign_gemm import down as sign_down_module
-from loka.mods.lordba import LoRDBAConfig, LoRDBALinear, convert_to_lordba
+from loka.lordba import LoRDBAConfig, LoRDBALinear, convert_to_lordba
+from loka.lordba.kernels import down as sign_down_module
 
 
 def _ste_sign(latent, clip):
@@ -114,7 +114,7 @@ def _interpreted() -> bool:
 
 @pytest.mark.skipif(
     not (_interpreted() or torch.cuda.is_available()),
-    reason="loka.kernels was imported before TRITON_INTERPRET=1 was set and there is no GPU",
+    reason="loka.lordba.kernels was imported before TRITON_INTERPRET=1 was set and there is no GPU",
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_kernels_path_matches_torch_path(dtype):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from loka.mods.lordba import fit_lora
+from loka.lordba import fit_lora
 
 
 def _factor(rows, cols, noise, gen, column_profile=True):

@@ -29,17 +29,17 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from loka.kernels.sign_gemm import (
+from loka.lordba.config import LoRDBAConfig
+from loka.lordba.convert import replace_modules
+from loka.lordba.fit import LoRDBAFit
+from loka.lordba.function import pack_factor_signs
+from loka.lordba.kernels import (
     check_packed_signs,
     check_padding_bits,
     packed_length,
     unpack_signs,
 )
-from loka.mods.lordba.config import LoRDBAConfig
-from loka.mods.lordba.convert import replace_modules
-from loka.mods.lordba.fit import LoRDBAFit
-from loka.mods.lordba.function import pack_factor_signs
-from loka.mods.lordba.module import LoRDBALinear, base_features, latent_rms
+from loka.lordba.module import LoRDBALinear, base_features, latent_rms
 
 FORMAT_NAME = "loka-lordba"
 FORMAT_VERSION = 1

@@ -6,7 +6,7 @@ import torch
 import triton
 
 from loka.kernels.runtime import autotuning, next_pow2, require_triton_device
-from loka.kernels.sign_gemm.packing import check_packed_signs
+from loka.lordba.kernels.packing import check_packed_signs
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

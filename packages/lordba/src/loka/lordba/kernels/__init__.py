@@ -4,8 +4,8 @@ The building blocks of binary-sign adapters (LoRDBA): signs stay packed 8 per by
 and are unpacked in registers; every kernel has a pure-torch ``*_reference`` beside it.
 """
 
-from loka.kernels.sign_gemm.down import sign_down, sign_down_reference
-from loka.kernels.sign_gemm.packing import (
+from loka.lordba.kernels.down import sign_down, sign_down_reference
+from loka.lordba.kernels.packing import (
     SIGNS_PER_BYTE,
     check_packed_signs,
     check_padding_bits,
@@ -13,8 +13,8 @@ from loka.kernels.sign_gemm.packing import (
     packed_length,
     unpack_signs,
 )
-from loka.kernels.sign_gemm.up import sign_up, sign_up_reference
-from loka.kernels.sign_gemm.wgrad import sign_wgrad, sign_wgrad_reference
+from loka.lordba.kernels.up import sign_up, sign_up_reference
+from loka.lordba.kernels.wgrad import sign_wgrad, sign_wgrad_reference
 
 __all__ = [
     "SIGNS_PER_BYTE",

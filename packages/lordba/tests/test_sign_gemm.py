@@ -8,7 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton creates the kern
 import pytest
 import torch
 
-from loka.kernels.sign_gemm import (
+from loka.lordba.kernels import (
     check_packed_signs,
     check_padding_bits,
     pack_signs,

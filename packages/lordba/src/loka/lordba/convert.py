@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from loka.mods.lordba.config import LoRDBAConfig
-from loka.mods.lordba.module import LoRDBALinear
+from loka.lordba.config import LoRDBAConfig
+from loka.lordba.module import LoRDBALinear
 
 
 def replace_modules(model: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from loka.kernels.runtime import cdiv
-from loka.kernels.sign_gemm import _launch
-from loka.kernels.sign_gemm._tiles import mma
+from loka.lordba.kernels import _launch
+from loka.lordba.kernels._tiles import mma
 
 
 @triton.jit

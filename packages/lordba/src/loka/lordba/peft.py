@@ -1,7 +1,7 @@
 """Conversion of a ``peft`` LoRA checkpoint (a directory from ``save_pretrained``) to LoRDBA.
 
 Reads ``adapter_config.json`` and ``adapter_model.safetensors`` (or ``adapter_model.bin``),
-fits every ``lora_A``/``lora_B`` pair (:func:`loka.mods.lordba.fit.fit_lora`, with peft's
+fits every ``lora_A``/``lora_B`` pair (:func:`loka.lordba.fit.fit_lora`, with peft's
 scaling ``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA, per-module patterns included) and
 writes one LoRDBA file whose module names are the base model's (peft's
 ``base_model.model.`` prefix removed), so :func:`load_lordba` attaches it to the plain model.
@@ -21,8 +21,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from loka.mods.lordba.fit import LoRDBAFit, fit_lora
-from loka.mods.lordba.storage import Footprint, pack_fit, save_lordba
+from loka.lordba.fit import LoRDBAFit, fit_lora
+from loka.lordba.storage import Footprint, pack_fit, save_lordba
 
 _PREFIX = "base_model.model."
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>A|B)(?:\.[^.]+)?\.weight$")
