@@ -86,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="train fresh bf16 seeds and LoKA's final plan this long, then eval",
     )
+    p.add_argument(
+        "--dynamic", default="auto",
+        help="comma list: auto (torch.compile's default: a shape that changes makes the graph "
+             "dynamic) and/or static (dynamic=False: one specialized graph per shape); every "
+             "variant of a run is compiled alike",
+    )  # fmt: skip
     p.add_argument("--device", default=None, help="cuda (default where present) or cpu")
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
@@ -239,16 +245,23 @@ def main(argv: list[str] | None = None) -> None:
             if left() < 45:
                 rows.append({"model": name, "mode": mode, "skipped": "over the time budget"})
                 continue
-            try:
-                rows += run_mode(args, name, mode, variants, tables, plans, left)
-            except Exception as exc:
-                rows.append({"model": name, "mode": mode, "error": f"{type(exc).__name__}: "
-                             f"{exc}", "traceback": traceback.format_exc()[-3000:]})  # fmt: skip
-                print(rows[-1]["traceback"])
-            gc.collect()
-            if gpu:
-                torch.cuda.empty_cache()
-            torch._dynamo.reset()
+            for dynamic in args.dynamic.split(",") if mode != "eager" else ["auto"]:
+                if left() < 45:
+                    rows.append({"model": name, "mode": mode, "dynamic": dynamic,
+                                 "skipped": "over the time budget"})  # fmt: skip
+                    continue
+                try:
+                    new = run_mode(args, name, mode, variants, tables, plans, left, dynamic)
+                    rows += [r | {"dynamic": dynamic} for r in new]
+                except Exception as exc:
+                    rows.append({"model": name, "mode": mode, "dynamic": dynamic,
+                                 "error": f"{type(exc).__name__}: {exc}",
+                                 "traceback": traceback.format_exc()[-3000:]})  # fmt: skip
+                    print(rows[-1]["traceback"])
+                gc.collect()
+                if gpu:
+                    torch.cuda.empty_cache()
+                torch._dynamo.reset()
 
     stamp = meta["date_utc"]
     path = out / f"realized_{stamp}.json"
@@ -275,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path} ({time.monotonic() - start:.0f} s)")
 
 
-def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
+def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") -> list[dict]:
     import torch
 
     import loka.zoo as zoo
@@ -300,7 +313,7 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
         f"{bench.estimated} estimated")  # fmt: skip
     plan = make_plan(sites, tables["site_errors"], bench.table, PlanConfig(mode=mode))
     s = plan.summary
-    plans[f"{name}/{mode}"] = {"summary": s.__dict__, "bench_notes": bench.notes,
+    plans[f"{name}/{mode}/{dynamic}"] = {"summary": s.__dict__, "bench_notes": bench.notes,
                                "fp8_sites": plan.fp8_sites(),
                                "table": plan.table.to_dicts()}  # fmt: skip
     log(f"{name}/{mode}: plan {s.sites_fp8} sites / {s.passes_fp8} passes, predicted "
@@ -338,10 +351,8 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
                     "passes_fp8": s.passes_fp8, "demoted": {}}  # fmt: skip
             made_applied = applied
         model = setup.model
-        if mode == "compiled":
-            model = torch.compile(setup.model)
-        elif mode == "cudagraphs":
-            model = torch.compile(setup.model, mode="reduce-overhead")
+        if mode != "eager":
+            model = torch.compile(setup.model, **compile_kwargs(mode, dynamic))
         opt = torch.optim.AdamW(setup.model.parameters(), lr=1e-3, fused=gpu)
         made[variant] = {"setup": setup, "model": model, "opt": opt, "row": row}
     batches = [b for b, _ in zip(made["bf16"]["setup"].train_batches(), range(args.batches),
@@ -355,9 +366,12 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
         return zoo.training_step(v["setup"], v["model"], v["opt"], batches[i % len(batches)],
                                  autocast_dtype=autocast, check_finite=False)  # fmt: skip
 
+    from torch._dynamo.utils import counters
+
     for v in made.values():
         if "skipped" in v["row"]:
             continue
+        graphs = counters["stats"]["unique_graphs"]
         t0 = time.monotonic()
         try:
             for i in range(args.warmup_steps):
@@ -368,6 +382,9 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
             v["row"]["traceback"] = traceback.format_exc()[-3000:]
             print(v["row"]["traceback"])
         v["row"]["warmup_s"] = time.monotonic() - t0
+        # Graphs dynamo built while warming up (every input shape of the cycled batches):
+        # more than one means recompiles (a dynamic graph, or one graph per shape).
+        v["row"]["graphs"] = counters["stats"]["unique_graphs"] - graphs
         log(f"{name}/{mode}/{v['row']['variant']}: warmed up in {v['row']['warmup_s']:.0f} s")
     live = [k for k, v in made.items() if "error" not in v["row"] and "skipped" not in v["row"]]
     if args.verify and "loka" in live:
@@ -396,7 +413,8 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
         demoted = made["loka"]["row"].get("demoted", {}) if "loka" in made else {}
         for r in rows:
             if r["variant"] in QUALITY_SEEDS or (r["variant"] == "loka" and "error" not in r):
-                r["eval"] = train_and_evaluate(args, name, mode, r["variant"], plan, demoted)
+                r["eval"] = train_and_evaluate(args, name, mode, r["variant"], plan, demoted,
+                                               dynamic)  # fmt: skip
                 r["quality"] = r["eval"].get(key)
                 r["quality_steps"] = args.quality_steps
         quality_rows(rows, key)
@@ -407,7 +425,7 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
         log(f"{name}/{mode}: inference")
         try:
             rows += inference_rows(args, name, mode, made["bf16"]["setup"], tables, bench,
-                                   batches[0], clock, left)  # fmt: skip
+                                   batches[0], clock, left, dynamic)  # fmt: skip
         except Exception as exc:
             rows.append({"model": name, "mode": mode, "variant": "infer",
                          "error": f"{type(exc).__name__}: {exc}"[:2000],
@@ -419,7 +437,17 @@ def run_mode(args, name, mode, variants, tables, plans, left) -> list[dict]:
 QUALITY_SEEDS = {"bf16": 0, "bf16-seed1": 1, "bf16-seed2": 2}
 
 
-def train_and_evaluate(args, name, mode, variant, plan, demoted) -> dict[str, float]:
+def compile_kwargs(mode: str, dynamic: str) -> dict:
+    """torch.compile's arguments for a compiled `mode` and a `--dynamic` setting."""
+    kw: dict = {"mode": "reduce-overhead"} if mode == "cudagraphs" else {}
+    if dynamic == "static":
+        kw["dynamic"] = False
+    elif dynamic != "auto":
+        raise ValueError(f"--dynamic: {dynamic!r} is neither auto nor static")
+    return kw
+
+
+def train_and_evaluate(args, name, mode, variant, plan, demoted, dynamic) -> dict[str, float]:
     """A fresh model of `variant` trained `args.quality_steps` steps in `mode` on fresh
     batches, then its eval metrics."""
     import torch
@@ -436,8 +464,7 @@ def train_and_evaluate(args, name, mode, variant, plan, demoted) -> dict[str, fl
             applied.demote(site, reason)
     model = setup.model
     if mode != "eager":
-        kw = {"mode": "reduce-overhead"} if mode == "cudagraphs" else {}
-        model = torch.compile(setup.model, **kw)
+        model = torch.compile(setup.model, **compile_kwargs(mode, dynamic))
     opt = torch.optim.AdamW(setup.model.parameters(), lr=1e-3, fused=gpu)
     for _, batch in zip(range(args.quality_steps), setup.train_batches(), strict=False):
         if mode == "cudagraphs":
@@ -459,7 +486,9 @@ def evaluate(setup, autocast) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
-def inference_rows(args, name, mode, setup, tables, bench, batch, clock, left) -> list[dict]:
+def inference_rows(
+    args, name, mode, setup, tables, bench, batch, clock, left, dynamic
+) -> list[dict]:
     """Forward-only serving of the bf16 seed-0 weights, in `mode`, interleaved blocks."""
     import copy
 
@@ -497,8 +526,7 @@ def inference_rows(args, name, mode, setup, tables, bench, batch, clock, left) -
     if mode != "eager":
         # Frozen weights: inductor folds their quantization into constants (pre-quantized).
         torch._inductor.config.freezing = True
-        kw = {"mode": "reduce-overhead"} if mode == "cudagraphs" else {}
-        models = {k: torch.compile(m, **kw) for k, m in models.items()}
+        models = {k: torch.compile(m, **compile_kwargs(mode, dynamic)) for k, m in models.items()}
     autocast = torch.bfloat16 if gpu else None
 
     def forward(model):
