@@ -8,7 +8,7 @@ warm 21+ interactions), and the training time per epoch of REPREC and LoRA.
 
 No pretrained LLM is available offline, so the backbone is a small Llama built here and
 pretrained on the training split's histories as text (with membership questions, see
-loka.zoo.reprec.backbone); give --backbone for a local Hugging Face checkpoint instead.
+loka.reprec.backbone); give --backbone for a local Hugging Face checkpoint instead.
 
     python bench/reprec.py --smoke   # CPU, a generated tiny dataset, < 1 min: proves it runs
     python bench/reprec.py --cpu     # CPU, Beauty at reduced scale (~15 min on 2 cores)
@@ -62,7 +62,7 @@ import torch  # noqa: E402
 if MODE == "gpu" and not torch.cuda.is_available():
     raise SystemExit("bench/reprec.py needs a CUDA GPU; use --cpu (reduced) or --smoke")
 
-from loka.zoo.reprec import (  # noqa: E402
+from loka.reprec import (  # noqa: E402
     BackboneConfig,
     PretrainConfig,
     RepRecConfig,

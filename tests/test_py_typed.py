@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.parametrize(
     "name",
     ["loka.schema", "loka.stats", "loka.zoo", "loka.kernels", "loka.probe", "loka.mods",
-     "loka.dispatch", "loka.plora", "loka.lordba"],
+     "loka.dispatch", "loka.plora", "loka.lordba", "loka.reprec"],
 )  # fmt: skip
 def test_package_has_py_typed(name: str) -> None:
     module = importlib.import_module(name)

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 READMES = ["rust", "packages/schema", "kernels", "packages/mods", "packages/probe",
-           "packages/plora", "packages/lordba"]  # fmt: skip
+           "packages/plora", "packages/lordba", "packages/reprec"]  # fmt: skip
 # Larger examples (zoo: 40 s, dispatch: 90 s of CPU training): a smaller smoke instead.
 SMOKE = textwrap.dedent(
     """
@@ -65,7 +65,7 @@ def test_wheels_install_and_run_outside_the_repo(tmp_path):
     wheels = sorted(dist.glob("*.whl"))
     names = {w.name.split("-")[0] for w in wheels}
     assert names == {f"loka_{n}" for n in ("schema", "stats", "zoo", "kernels", "probe", "mods",
-                                            "dispatch", "plora", "lordba")}  # fmt: skip
+                                            "dispatch", "plora", "lordba", "reprec")}  # fmt: skip
     stats = next(w for w in wheels if w.name.startswith("loka_stats"))
     assert "abi3-manylinux" in stats.name, stats.name
 
@@ -82,7 +82,7 @@ def test_wheels_install_and_run_outside_the_repo(tmp_path):
     constraints.write_text("torch==2.11.0\ntriton==3.6.0\n")
     _run(
         [*_uv(), "pip", "install", "--quiet", "--python", str(python), "-c", str(constraints),
-         "--find-links", str(dist), *map(str, wheels), "loka-dispatch[demo]", "loka-plora[yaml,hf]", "loka-lordba"],
+         "--find-links", str(dist), *map(str, wheels), "loka-dispatch[demo]", "loka-plora[yaml,hf]", "loka-lordba", "loka-reprec"],
         cwd=outside, env=env, timeout=600,
     )  # fmt: skip
 
@@ -101,4 +101,5 @@ def test_wheels_install_and_run_outside_the_repo(tmp_path):
     assert "smoke ok" in proc.stdout
     _run([str(venv / "bin" / "loka"), "--help"], cwd=outside, env=env, timeout=120)
     # Subcommands of the other packages, found through their installed entry points.
-    _run([str(venv / "bin" / "loka"), "lora-plan", "--help"], cwd=outside, env=env, timeout=120)
+    for command in ("lora-plan", "reprec"):
+        _run([str(venv / "bin" / "loka"), command, "--help"], cwd=outside, env=env, timeout=120)

@@ -17,6 +17,7 @@ PACKAGES = {
     "loka-dispatch": "loka.dispatch",
     "loka-plora": "loka.plora",
     "loka-lordba": "loka.lordba",
+    "loka-reprec": "loka.reprec",
 }
 
 

@@ -22,7 +22,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "loka.dispatch.cli.bench",
     "loka.dispatch.cli.plan",
     "loka.dispatch.cli.report",
-    "loka.dispatch.cli.reprec",
 )
 
 # The extra that brings everything a command needs, where it is not the missing module's own.

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from loka.reprec.examples import ACTIVITY_GROUPS, EvalSet, activity_group
 from loka.zoo.metrics import ranking_metrics
-from loka.zoo.reprec.examples import ACTIVITY_GROUPS, EvalSet, activity_group
 
 Scorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (history, candidates) -> scores
 

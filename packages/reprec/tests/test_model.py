@@ -17,21 +17,18 @@ transformers = pytest.importorskip("transformers", reason="REPREC needs transfor
 pytest.importorskip("peft", reason="REPREC's LoRA baseline needs peft")
 
 import loka.zoo as zoo  # noqa: E402
-from loka.mods.reprec import InjectorConfig, UserEmbeddingInjector  # noqa: E402
-from loka.zoo.reprec import (  # noqa: E402
-    BackboneConfig,
-    PretrainConfig,
-    PromptEncoder,
-    PromptScorer,
-    PromptTemplate,
+from loka.reprec import BackboneConfig, PretrainConfig, PromptScorer  # noqa: E402
+from loka.reprec.backbone import (  # noqa: E402
     build_backbone,
-    build_item_tokenizer,
     load_backbone,
     pretrain_backbone,
     pretraining_stream,
     save_backbone,
-    with_lora,
 )
+from loka.reprec.injector import InjectorConfig, UserEmbeddingInjector  # noqa: E402
+from loka.reprec.lora import with_lora  # noqa: E402
+from loka.reprec.prompts import PromptEncoder, PromptTemplate  # noqa: E402
+from loka.reprec.tokenizer import build_item_tokenizer  # noqa: E402
 
 NUM_ITEMS = 40
 

@@ -21,12 +21,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from loka.reprec.examples import membership_questions
+from loka.reprec.prompts import PromptEncoder
+from loka.reprec.train import optimizer_step
 from loka.zoo.data.amazon import AmazonSequences, left_padded, split_prefix
 from loka.zoo.data.seeding import stream_seed
-from loka.zoo.reprec._deps import require
-from loka.zoo.reprec.examples import membership_questions
-from loka.zoo.reprec.prompts import PromptEncoder
-from loka.zoo.reprec.train import optimizer_step
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,8 @@ class PretrainConfig:
 
 def build_backbone(config: BackboneConfig, tokenizer: Any, *, seed: int = 0) -> nn.Module:
     """A randomly initialized `LlamaForCausalLM` over `tokenizer`'s vocabulary."""
-    transformers = require("transformers")
+    import transformers
+
     llama = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
@@ -216,7 +216,8 @@ def load_backbone(
     path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[nn.Module, Any]:
     """A causal LM and its tokenizer from a local Hugging Face folder (ours or a real one)."""
-    transformers = require("transformers")
+    import transformers
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loka.zoo.reprec._deps import require
-from loka.zoo.reprec.prompts import PromptEncoder, position_ids
+from loka.reprec.injector import check_backbone, prepend_soft_tokens
+from loka.reprec.prompts import PromptEncoder, position_ids
 
 
 class PromptScorer(nn.Module):
@@ -44,8 +44,7 @@ class PromptScorer(nn.Module):
                 "tokenizer and the backbone do not belong together"
             )
         if injector is not None:
-            mods = require("loka.mods.reprec")
-            mods.check_backbone(injector, llm)
+            check_backbone(injector, llm)
             width = getattr(getattr(user_encoder, "config", None), "embedding_dim", None)
             if width is not None and width != injector.config.user_dim:
                 raise ValueError(
@@ -86,11 +85,10 @@ class PromptScorer(nn.Module):
         if self.injector is not None:
             if soft_tokens is None:
                 soft_tokens = self.soft_tokens(history)
-            mods = require("loka.mods.reprec")
             # After the leading special tokens (BOS): a model pretrained on packed documents
             # learns to disregard what comes before a BOS.
             start = self.prompts.prefix_length
-            text, text_mask, _ = mods.prepend_soft_tokens(
+            text, text_mask, _ = prepend_soft_tokens(
                 soft_tokens, embeds[:, start:], mask[:, start:]
             )
             embeds = torch.cat([embeds[:, :start], text], dim=1)

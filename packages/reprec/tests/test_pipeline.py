@@ -14,14 +14,8 @@ import torch
 pytest.importorskip("transformers", reason="REPREC needs transformers")
 pytest.importorskip("peft", reason="REPREC's LoRA baseline needs peft")
 
-from loka.zoo.reprec import (
-    METHODS,
-    BackboneConfig,
-    PretrainConfig,
-    RepRecConfig,
-    TrainConfig,
-    run_reprec,
-)
+from loka.reprec import BackboneConfig, PretrainConfig, RepRecConfig, TrainConfig, run_reprec
+from loka.reprec.pipeline import METHODS
 
 TINY_BACKBONE = BackboneConfig(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32)
 
@@ -105,6 +99,14 @@ def test_bad_configs_and_data_get_clear_errors(tmp_path: Path) -> None:
         RepRecConfig(eval_sampling=("random",))
     with pytest.raises(FileNotFoundError, match=r"Beauty\.txt"):
         run_reprec(_config(tmp_path))
+
+
+def test_the_subcommand_comes_from_this_package() -> None:
+    pytest.importorskip("loka.dispatch", reason="the `loka` command lives in loka-dispatch")
+    from loka.dispatch.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert commands["reprec"].get_default("loka_package") == "loka-reprec"
 
 
 def test_cli_runs_the_pipeline_and_writes_the_table(tmp_path: Path, capsys) -> None:

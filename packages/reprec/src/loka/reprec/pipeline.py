@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 import loka.zoo as zoo
-from loka.zoo.reprec._deps import require
-from loka.zoo.reprec.backbone import (
+from loka.reprec.backbone import (
     BackboneConfig,
     PretrainConfig,
     build_backbone,
@@ -39,13 +38,14 @@ from loka.zoo.reprec.backbone import (
     pretrain_backbone,
     save_backbone,
 )
-from loka.zoo.reprec.evaluate import grouped_metrics, score_eval_set
-from loka.zoo.reprec.examples import ACTIVITY_GROUPS, eval_set, sample_users
-from loka.zoo.reprec.lora import with_lora
-from loka.zoo.reprec.model import PromptScorer
-from loka.zoo.reprec.prompts import PromptEncoder
-from loka.zoo.reprec.tokenizer import build_item_tokenizer
-from loka.zoo.reprec.train import TrainConfig, train_scorer
+from loka.reprec.evaluate import grouped_metrics, score_eval_set
+from loka.reprec.examples import ACTIVITY_GROUPS, eval_set, sample_users
+from loka.reprec.injector import InjectorConfig, UserEmbeddingInjector, parameter_share
+from loka.reprec.lora import with_lora
+from loka.reprec.model import PromptScorer
+from loka.reprec.prompts import PromptEncoder
+from loka.reprec.tokenizer import build_item_tokenizer
+from loka.reprec.train import TrainConfig, train_scorer
 
 METHODS = ("sasrec", "zero_shot", "reprec", "lora", "reprec_cheap")
 GROUPS = ("all", *ACTIVITY_GROUPS)
@@ -227,7 +227,6 @@ def _training_summary(log: Any) -> dict[str, Any]:
 
 def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> RepRecReport:
     """Run every method of `config.methods` and return the report (nothing is written)."""
-    mods = require("loka.mods.reprec")
     progress = on_progress or (lambda phase, done, total: None)
     device = torch.device(config.device)
     autocast = torch.bfloat16 if config.bf16 else None
@@ -345,7 +344,7 @@ def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> Rep
 
     def injector() -> nn.Module:
         scale = llm.get_input_embeddings().weight.float().pow(2).mean().sqrt().item()
-        injector_config = mods.InjectorConfig(
+        injector_config = InjectorConfig(
             user_dim=sasrec.config.embedding_dim,
             hidden_size=llm.get_input_embeddings().weight.shape[1],
             num_tokens=config.num_soft_tokens,
@@ -355,7 +354,7 @@ def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> Rep
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
-            return mods.UserEmbeddingInjector(injector_config).to(device)
+            return UserEmbeddingInjector(injector_config).to(device)
 
     for method in config.methods:
         if method == "sasrec":
@@ -369,7 +368,7 @@ def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> Rep
             if method == "reprec_cheap":
                 train_config = dataclasses.replace(train_config, history_items=config.cheap_history)
             report.parameters[f"{method}_injector"] = _count(module)
-            report.parameters[f"{method}_share"] = mods.parameter_share(module, llm)
+            report.parameters[f"{method}_share"] = parameter_share(module, llm)
             train(method, scorer, train_config)
             evaluate(method, scorer)
         elif method == "lora":

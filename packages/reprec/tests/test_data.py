@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from loka.zoo.data.amazon import AmazonSequences, parse_sequences, split_prefix
-from loka.zoo.reprec.backbone import training_texts
-from loka.zoo.reprec.evaluate import grouped_metrics
-from loka.zoo.reprec.examples import (
+from loka.reprec.backbone import training_texts
+from loka.reprec.evaluate import grouped_metrics
+from loka.reprec.examples import (
     activity_group,
     eval_set,
     membership_questions,
@@ -20,6 +19,7 @@ from loka.zoo.reprec.examples import (
     training_examples,
     training_negatives,
 )
+from loka.zoo.data.amazon import AmazonSequences, parse_sequences, split_prefix
 
 NUM_USERS, SHARED_ITEMS = 30, 40
 

@@ -1,6 +1,9 @@
-"""`loka reprec`: the REPREC pipeline (loka.zoo.reprec) with its baselines on an Amazon
+"""`loka reprec`: the REPREC pipeline (loka.reprec) with its baselines on an Amazon
 dataset: train SASRec, pretrain a small backbone unless one is given, train the injector and
-LoRA, evaluate, write the results table."""
+LoRA, evaluate, write the results table.
+
+The `loka` command (loka-dispatch) finds it through this package's `loka.commands` entry
+point; bad input is raised as `ValueError` / `OSError`, which it prints as one line."""
 
 from __future__ import annotations
 
@@ -8,10 +11,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loka.dispatch.cli._common import fail, use_interpreter_without_gpu
-
 if TYPE_CHECKING:  # the heavy imports wait until the command runs: `loka --help` stays fast
-    from loka.zoo.reprec import RepRecConfig, RepRecReport
+    from loka.reprec import RepRecConfig, RepRecReport
 
 _METHODS = ("sasrec", "zero_shot", "reprec", "lora", "reprec_cheap")
 
@@ -92,7 +93,9 @@ def build_config(args: argparse.Namespace) -> RepRecConfig:
 
     import torch
 
-    from loka.zoo.reprec import BackboneConfig, PretrainConfig, RepRecConfig, TrainConfig
+    from loka.reprec.backbone import BackboneConfig, PretrainConfig
+    from loka.reprec.pipeline import RepRecConfig
+    from loka.reprec.train import TrainConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     train = TrainConfig(
@@ -135,25 +138,20 @@ def build_config(args: argparse.Namespace) -> RepRecConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    use_interpreter_without_gpu()
-    try:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from loka.dispatch.console import console
-        from loka.zoo.reprec import run_reprec
-    except ImportError as exc:
-        return fail(f"loka reprec needs loka-zoo, transformers and peft: {exc}")
-    try:
-        config = build_config(args)
-    except ValueError as exc:
-        return fail(str(exc))
+    from loka.reprec.pipeline import run_reprec
+
+    console = Console(highlight=False)
+    config = build_config(args)
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console) as progress:
+    with Progress(*columns, console=console) as progress:  # stopped before an error prints
         tasks: dict[str, int] = {}
 
         def on_progress(phase: str, done: int, total: int) -> None:
@@ -161,11 +159,7 @@ def run(args: argparse.Namespace) -> int:
                 tasks[phase] = progress.add_task(phase, total=total)
             progress.update(tasks[phase], completed=done, total=total)
 
-        try:
-            report = run_reprec(config, on_progress)
-        except (ValueError, FileNotFoundError, ImportError) as exc:
-            progress.stop()
-            return fail(str(exc))
+        report = run_reprec(config, on_progress)
     json_path, csv_path = report.write(args.out)
     print_report(console, report)
     console.print(f"results written to {json_path} and {csv_path}")
@@ -175,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 def print_report(console, report: RepRecReport) -> None:
     from rich.table import Table
 
-    from loka.zoo.reprec.pipeline import GROUPS
+    from loka.reprec.pipeline import GROUPS
 
     for negatives in dict.fromkeys(row["negatives"] for row in report.rows):
         table = Table(title=f"test ranking vs {negatives} negatives", title_justify="left")

@@ -9,8 +9,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from loka.zoo.reprec._deps import require
-
 
 def with_lora(
     llm: nn.Module,
@@ -22,7 +20,8 @@ def with_lora(
     seed: int = 0,
 ) -> nn.Module:
     """A peft model around a deep copy of `llm` (left untouched): only the adapters train."""
-    peft = require("peft")
+    import peft
+
     config = peft.LoraConfig(
         r=rank,
         lora_alpha=alpha,

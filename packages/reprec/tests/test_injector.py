@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from loka.mods.reprec import (
+from loka.reprec.injector import (
     IGNORE_INDEX,
     InjectorConfig,
     UserEmbeddingInjector,

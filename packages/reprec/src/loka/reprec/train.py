@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from loka.reprec.examples import Cut, training_examples
+from loka.reprec.model import PromptScorer
 from loka.zoo.data.amazon import AmazonSequences, NegativeSampling
-from loka.zoo.reprec.examples import Cut, training_examples
-from loka.zoo.reprec.model import PromptScorer
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loka.zoo.reprec._deps import require
-from loka.zoo.reprec.prompts import PromptTemplate
+from loka.reprec.prompts import PromptTemplate
 
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "bos": "[BOS]", "eos": "[EOS]"}
 
@@ -18,8 +17,9 @@ def build_item_tokenizer(num_items: int, template: PromptTemplate | None = None)
     encoding of a text starts with [BOS] when special tokens are asked for."""
     if num_items < 1:
         raise ValueError(f"num_items must be positive, got {num_items}")
-    tokenizers = require("tokenizers")
-    transformers = require("transformers")
+    import tokenizers
+    import transformers
+
     template = template or PromptTemplate()
     words = [*SPECIAL_TOKENS.values(), *template.words()]
     words += [template.item_text(i) for i in range(1, num_items + 1)]
