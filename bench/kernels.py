@@ -79,8 +79,6 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from loka.kernels import (  # noqa: E402
-    KernelRecipe,
-    QuantConfig,
     fp8_gemm,
     fp8_gemm_tma,
     grouped_gemm,
@@ -97,6 +95,7 @@ from loka.kernels.fp8_gemm_tma import triton_fp8_mm_tma  # noqa: E402
 from loka.kernels.grouped_gemm import loop_grouped_mm, triton_grouped_mm  # noqa: E402
 from loka.kernels.mm import fp8_mm  # noqa: E402
 from loka.kernels.testing import assert_same_fp8  # noqa: E402
+from loka.schema import QuantConfig, Recipe  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU = DEVICE.type == "cuda"
@@ -287,7 +286,7 @@ def bench_fwd_and_gemm(M: int, K: int, N: int, compiled: Callable | None) -> Non
     for gran, ab, _ in FWD_RECIPES:
         cfg = QuantConfig("e4m3", gran, ab)
         qw = q[gran][1]
-        recipe = KernelRecipe("e4m3", "e4m3", gran)
+        recipe = Recipe("e4m3", "e4m3", gran)
         quant = lambda cfg=cfg: quantize_with(x, cfg)  # noqa: E731
         record("fwd", f"quantize x {gran}", quant, backend="loka.quantize",
                recipe=f"e4m3/{gran}", M=M, K=K, N=0)  # fmt: skip
@@ -361,7 +360,7 @@ def bench_ln_linear(M: int, K: int, N: int, compiled: Callable | None) -> None:
             continue
         if (GPU and backend.unavailable_reason(DEVICE)) or (not GPU and not backend.triton):
             continue
-        if backend.supports(KernelRecipe("e4m3", "e4m3", "row"), M, K, N) is not None:
+        if backend.supports(Recipe("e4m3", "e4m3", "row"), M, K, N) is not None:
             continue
         fused = lambda b=backend: b.run(norm_quantize(x, ln_w, ln_b, kind="layernorm").q, qw)  # noqa: E731
         record("lnfwd", f"ours layernorm+quantize + {backend.name} row", fused, backend=backend.name,
@@ -471,7 +470,7 @@ def _bench_bwd_recipe(x, w, dy, gran, act_block, w_block, dgrad_check, wgrad_che
             continue
         if backend.name.endswith(".fast"):  # gradients keep float32 accumulation
             continue
-        spec = KernelRecipe("e5m2", "e4m3", gran)
+        spec = Recipe("e5m2", "e4m3", gran)
         if backend.supports(spec, M, K, N, "dgrad") or backend.supports(spec, M, K, N, "wgrad"):
             continue
         d = lambda b=backend: b.run(qdy, qwt)  # noqa: E731

@@ -5,8 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
-from loka.kernels.formats import FP8_DTYPES, FP8_MAX
 from loka.kernels.fp8_bits import FORMAT_IDS, fp8_decode_tl, fp8_encode_tl
+from loka.schema import FP8_MAX
+from loka.schema.fp8 import FP8_DTYPES
 
 
 @triton.jit

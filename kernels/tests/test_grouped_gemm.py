@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from loka.kernels import QuantConfig, UnsupportedError, grouped_mm, quantize_with, registry
+from loka.kernels import UnsupportedError, grouped_mm, quantize_with, registry
 from loka.kernels.grouped_gemm import grouped_mm_reference, triton_grouped_mm
+from loka.schema import QuantConfig
 
 # Different M, N and K per group, including M=1, K=16 and sizes off every tile.
 SHAPES = [(1, 16, 16), (40, 48, 24), (70, 130, 33), (16, 16, 100)]

@@ -1,10 +1,11 @@
 import pytest
 import torch
 
-from loka.kernels import QuantConfig, norm_backward, norm_quantize
+from loka.kernels import norm_backward, norm_quantize
 from loka.kernels.norm_quantization import norm_quantize_reference, norm_reference
 from loka.kernels.quantization import quantize_reference
 from loka.kernels.testing import assert_same_fp8
+from loka.schema import QuantConfig
 
 
 def inputs(M, N, affine, seed=0, dtype=torch.float32):

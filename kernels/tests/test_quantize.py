@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from loka.kernels import FP8_MAX, QuantConfig, quantize, quantize_reference
+from loka.kernels import quantize, quantize_reference
 from loka.kernels.testing import activation_like as make
 from loka.kernels.testing import assert_same_fp8 as assert_same_quantization
+from loka.schema import FP8_MAX, QuantConfig
 
 SHAPES = [(1, 16), (3, 200), (130, 16), (64, 257)]
 

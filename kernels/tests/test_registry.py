@@ -4,8 +4,6 @@ import torch
 from loka.kernels import (
     Backend,
     GemmSpec,
-    KernelRecipe,
-    QuantConfig,
     Registry,
     UnsupportedError,
     available,
@@ -15,8 +13,9 @@ from loka.kernels import (
     registry,
 )
 from loka.kernels.fp8_gemm import mm_reference
+from loka.schema import BF16, QuantConfig, Recipe
 
-ROW = KernelRecipe("e4m3", "e4m3", "row")
+ROW = Recipe("e4m3", "e4m3", "row")
 
 
 def test_builtin_backends_are_registered():
@@ -53,24 +52,24 @@ def test_scaled_mm_refusals_name_the_reason():
     assert "multiple of 16" in sm.supports(ROW, 4096, 1000, 4096)
     # dgrad contracts over N: N=1000 breaks K alignment of the GEMM.
     assert "k=1000" in sm.supports(ROW, 4096, 1024, 1000, "dgrad")
-    assert "e4m3 second operand" in sm.supports(KernelRecipe("e4m3", "e5m2", "row"), 64, 64, 64)
-    assert "e5m2 by e5m2" in sm.supports(KernelRecipe("e5m2", "e5m2", "tensor"), 64, 64, 64)
-    assert "granularity" in sm.supports(KernelRecipe("e4m3", "e4m3", "block"), 64, 128, 128)
-    assert "formats" in sm.supports(KernelRecipe(), 64, 64, 64)  # bf16 recipe
+    assert "e4m3 second operand" in sm.supports(Recipe("e4m3", "e5m2", "row"), 64, 64, 64)
+    assert "e5m2 by e5m2" in sm.supports(Recipe("e5m2", "e5m2", "tensor"), 64, 64, 64)
+    assert "granularity" in sm.supports(Recipe("e4m3", "e4m3", "block"), 64, 128, 128)
+    assert "formats" in sm.supports(BF16, 64, 64, 64)  # bf16 recipe
 
 
 def test_block_recipe_maps_weight_operands_to_128x128():
-    spec = GemmSpec.for_linear(KernelRecipe("e4m3", "e4m3", "block"), "fwd", 256, 512, 128)
+    spec = GemmSpec.for_linear(Recipe("e4m3", "e4m3", "block"), "fwd", 256, 512, 128)
     assert spec.a.block == (1, 128) and spec.b.block == (128, 128)
-    wgrad = GemmSpec.for_linear(KernelRecipe("e5m2", "e4m3", "block"), "wgrad", 256, 512, 128)
+    wgrad = GemmSpec.for_linear(Recipe("e5m2", "e4m3", "block"), "wgrad", 256, 512, 128)
     assert (wgrad.m, wgrad.k, wgrad.n) == (128, 256, 512) and wgrad.b.block == (1, 128)
     assert registry.get("triton.fp8").refuse(spec) is None
 
 
-def test_schema_recipe_is_accepted_when_installed():
-    schema = pytest.importorskip("loka.schema", reason="loka-schema not installed")
-    recipe = schema.Recipe.parse("e5m2:e4m3/row/dynamic/pow2")
+def test_a_recipe_or_its_string_is_accepted():
+    recipe = Recipe.parse("e5m2:e4m3/row/dynamic/pow2")
     assert registry.get("triton.fp8").supports(recipe, 64, 64, 64, "dgrad") is None
+    assert registry.get("triton.fp8").supports(str(recipe), 64, 64, 64, "dgrad") is None
 
 
 def test_fp8_mm_runs_the_default_backend_on_cpu_under_the_interpreter():
@@ -143,7 +142,7 @@ def test_a_registry_can_be_extended():
     spec = GemmSpec.for_linear(ROW, "fwd", 3, 16, 24)
     assert reg.select(spec, "cpu") is backend
     with pytest.raises(UnsupportedError, match="no mm backend"):
-        reg.select(GemmSpec.for_linear(KernelRecipe(), "fwd", 3, 16, 24), "cpu")
+        reg.select(GemmSpec.for_linear(BF16, "fwd", 3, 16, 24), "cpu")
     with pytest.raises(ValueError, match="unknown format"):
         reg.register(Backend("bad", "mm", run, run, "", frozenset({("fp4", "fp4")}), frozenset()))
 

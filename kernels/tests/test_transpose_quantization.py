@@ -1,10 +1,11 @@
 import pytest
 import torch
 
-from loka.kernels import QuantConfig, quantize_transpose
+from loka.kernels import quantize_transpose
 from loka.kernels.testing import activation_like as make
 from loka.kernels.testing import assert_same_fp8 as assert_same_quantization
 from loka.kernels.transpose_quantization import quantize_transpose_reference
+from loka.schema import QuantConfig
 
 CONFIGS = [
     QuantConfig("e4m3", "tensor"),

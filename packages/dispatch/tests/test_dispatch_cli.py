@@ -15,7 +15,7 @@ import pytest
 from loka.dispatch.cli import main
 from loka.dispatch.report import FIGURES
 from loka.dispatch.tables import read_plan
-from loka.schema import read_table, write_table
+from loka.schema import SCHEMA_VERSION, read_table, write_table
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +71,15 @@ def test_bad_input_is_a_message_not_a_traceback(probed, tmp_path, capsys) -> Non
     kb = tmp_path / "kb.parquet"
     assert main(["bench", "--shapes", "8192x1024x4096", "--out", str(kb)]) == 0
     # (rewritten here by polars, so without loka-schema's checksum of the bytes)
-    footer = {**pl.read_parquet_metadata(kb), "loka.schema_version": "2"}
+    footer = {**pl.read_parquet_metadata(kb), "loka.schema_version": str(SCHEMA_VERSION + 1)}
     footer.pop("loka.checksum")
     pl.read_parquet(kb).write_parquet(kb, metadata=footer)
     capsys.readouterr()
     assert main(["plan", "--tables", str(probed), "--kernel-bench", str(kb)]) == 1
     out = capsys.readouterr().out
-    assert "schema version 2" in out and "reads version 1" in out
+    assert (
+        f"schema version {SCHEMA_VERSION + 1}" in out and f"reads version {SCHEMA_VERSION}" in out
+    )
     # A kernel_bench holding two machines' rows.
     good = read_table(probed / "sites.parquet", "sites")  # any table: wrong kind for plan
     write_table(good, tmp_path / "sites_as_bench.parquet", "sites")

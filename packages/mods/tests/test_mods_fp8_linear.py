@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from loka.kernels import KernelRecipe
 from loka.mods import ops
 from loka.mods.alignment import ShapeError
 from loka.mods.config import Fp8LinearConfig, PassConfig
 from loka.mods.fp8_linear import Fp8Linear, convert_to_fp8_linear, convert_to_linear
 from loka.mods.reference import fp8_linear_reference
+from loka.schema import Recipe
 
 ROW = "e4m3:e4m3/row/dynamic"
 
@@ -94,7 +94,7 @@ def test_passes_match_emulation(name):
 
 def test_recipe_objects_are_accepted():
     x, dy, linear = data(seed=2)
-    config = Fp8LinearConfig(KernelRecipe("e4m3", "e4m3", "row"), "bf16", "bf16")
+    config = Fp8LinearConfig(Recipe("e4m3", "e4m3", "row"), "bf16", "bf16")
     y, *_ = run(Fp8Linear.from_linear(linear, config), x, dy)
     ref = fp8_linear_reference(x, linear.weight.detach(), config)
     torch.testing.assert_close(y, ref.y + linear.bias.detach(), rtol=1e-2, atol=1e-2)

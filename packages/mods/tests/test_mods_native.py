@@ -10,12 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from loka.kernels import QuantConfig, quantize_reference, registry
+from loka.kernels import quantize_reference, registry
 from loka.kernels.native import quantize_native
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.fp8_linear import Fp8Linear
 from loka.mods.native_function import NativePlan
 from loka.mods.reference import fp8_linear_reference
+from loka.schema import QuantConfig
 
 NATIVE = "torch.native"
 

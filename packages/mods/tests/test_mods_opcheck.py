@@ -10,9 +10,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on CPU; before 
 import pytest
 import torch
 
-from loka.kernels import QuantConfig
 from loka.mods import ops
-from loka.mods.ops import encode
+from loka.schema import QuantConfig
 
 OP = torch.ops.loka_mods
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -34,7 +33,7 @@ def bitwise_fp8_allclose(monkeypatch):
 
 
 def cfg(fmt="e4m3", granularity="row", block=None, pow2=False, ub=None) -> str:
-    return encode(QuantConfig(fmt, granularity, block, pow2, ub))
+    return str(QuantConfig(fmt, granularity, block, pow2, ub))
 
 
 def sample(rows, cols, seed=0, requires_grad=False):

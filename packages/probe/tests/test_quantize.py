@@ -1,55 +1,14 @@
-"""FP8 emulation in torch: bit-exact with loka.stats, scales per granularity."""
+"""Quantizing a sampled operand: loka.schema's reference, with the full tensor's amaxes.
+(Bit-exactness against loka.stats and the kernels: tests/test_fp8_reference.py.)"""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from loka.probe.quantize import (
-    FP8_MAX,
-    OperandScaling,
-    block_amax,
-    dequantize,
-    operand_scale,
-    quantize,
-    scale_from_amax,
-)
-from loka.stats import fp8_roundtrip
-
-
-def _hard_values(n: int = 20000) -> torch.Tensor:
-    """Normal values over many binades plus ties, subnormals, the max and beyond."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 12, (n,), generator=g).float())
-    specials = torch.tensor(
-        [
-            0.0,
-            -0.0,
-            448.0,
-            -448.0,
-            464.0,
-            1e6,
-            2.0**-9,
-            2.0**-10,
-            3 * 2.0**-11,
-            57344.0,
-            61440.0,
-            2.0**-16,
-            2.0**-17,
-        ]
-    )
-    return torch.cat([x, specials, 1.0 + torch.arange(64) / 128])  # ties of e4m3 and e5m2
-
-
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("scale", [1.0, 0.375, 2.0**7])
-def test_quantize_matches_loka_stats_bit_for_bit(fmt: str, scale: float) -> None:
-    x = _hard_values()
-    s = torch.tensor(scale)
-    ours = dequantize(quantize(x, s, fmt), s).float().numpy()
-    theirs = fp8_roundtrip(x.numpy(), fmt, scale)
-    np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+from loka.probe.quantize import quantize_operand
+from loka.schema import FP8_MAX, QuantConfig
+from loka.schema.fp8 import dequantize
 
 
 def test_dynamic_scales_map_each_group_amax_to_the_format_max() -> None:
@@ -59,41 +18,31 @@ def test_dynamic_scales_map_each_group_amax_to_the_format_max() -> None:
         ("tensor", x.abs().amax().reshape(1, 1)),
         ("row", x.abs().amax(1, keepdim=True)),
     ):
-        s = operand_scale(x, OperandScaling("e4m3", granularity), weight=False)
-        assert torch.allclose(groups * s, torch.tensor(448.0))
-    s = operand_scale(x, OperandScaling("e4m3", "block"), weight=False)
-    codes = quantize(x, s, "e4m3").float().abs()
+        _, s = quantize_operand(x, QuantConfig("e4m3", granularity))
+        assert torch.allclose(groups * s, torch.tensor(FP8_MAX["e4m3"]))
+    codes, s = quantize_operand(x, QuantConfig("e4m3", "block", (1, 128)))
+    assert s.shape == x.shape
     # every 1x128 tile (the last one is 44 wide) holds a code at the max
     for start in (0, 128, 256):
-        assert torch.all(codes[:, start : start + 128].amax(1) == 448.0)
+        assert torch.all(codes.float().abs()[:, start : start + 128].amax(1) == 448.0)
 
 
 def test_weight_blocks_are_128x128_with_partial_edges() -> None:
     w = torch.ones(300, 200)
     w[0, 0], w[299, 199], w[130, 5] = 8.0, 4.0, 2.0
-    amax = block_amax(w, weight=True)
+    _, s = quantize_operand(w, QuantConfig("e4m3", "block", (128, 128)))
+    amax = 448.0 / s
     assert amax[:128, :128].eq(8.0).all() and amax[256:, 128:].eq(4.0).all()
     assert amax[128:256, :128].eq(2.0).all() and amax[128:256, 128:].eq(1.0).all()
 
 
-def test_pow2_and_upper_bound() -> None:
-    amax = torch.tensor([3.0, 0.01, 0.0, 1e-30])
-    s = scale_from_amax(amax, "e4m3", pow2=True, scale_ub=2.0**20)
-    assert torch.equal(s, torch.exp2(torch.log2(s).round()))  # powers of two
-    assert torch.all(s * amax <= 448.0)
-    assert s[2] == 1.0  # amax 0 gives scale 1
-    assert s[3] <= 2.0**20  # capped
-    dyn = scale_from_amax(amax, "e5m2")
-    assert dyn[0] == pytest.approx(FP8_MAX["e5m2"] / 3.0)
-
-
-def test_delayed_or_full_tensor_amax_saturates_what_exceeds_it() -> None:
-    x = torch.linspace(-4, 4, 101)
-    s = operand_scale(
-        x.reshape(1, -1),
-        OperandScaling("e4m3", "tensor"),
-        weight=False,
-        tensor_amax=torch.tensor(2.0),
-    )
-    back = dequantize(quantize(x, s.reshape(()), "e4m3"), s.reshape(()))
-    assert back.abs().max() == 2.0  # values beyond the stale amax saturate at it
+def test_the_full_tensors_amax_sets_the_scale_and_what_exceeds_it_saturates() -> None:
+    x = torch.linspace(-4, 4, 101).reshape(1, -1)
+    q, s = quantize_operand(x, QuantConfig("e4m3", "tensor"), tensor_amax=torch.tensor(2.0))
+    assert dequantize(q, s).abs().max() == 2.0  # values beyond the stale amax saturate at it
+    rows = torch.tensor([[1.0, -3.0], [0.5, 0.25]])
+    _, s = quantize_operand(rows, QuantConfig("e5m2", "row"), row_amax=torch.tensor([6.0, 1.0]))
+    assert s.flatten().tolist() == pytest.approx([FP8_MAX["e5m2"] / 6.0, FP8_MAX["e5m2"]])
+    # the override applies to its own granularity only
+    _, s = quantize_operand(rows, QuantConfig("e4m3", "row"), tensor_amax=torch.tensor(100.0))
+    assert s.flatten().tolist() == pytest.approx([448.0 / 3.0, 448.0 / 0.5])

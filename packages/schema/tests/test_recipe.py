@@ -1,8 +1,12 @@
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loka.schema import BF16, FP8_FORMATS, GRANULARITIES, Recipe, RecipeError
+from loka.schema import BF16, FP8_FORMATS, GRANULARITIES, QuantConfig, Recipe, RecipeError
+from loka.schema.formats import BLOCK_SHAPES
 
 
 def test_parse_examples():
@@ -61,3 +65,69 @@ def test_non_string_and_bf16_with_options_are_refused():
         Recipe.parse(3)
     with pytest.raises(RecipeError, match="takes no FP8 options"):
         Recipe(pow2=True)
+
+
+def test_fp8_recipes_default_to_dynamic_scaling():
+    assert Recipe("e4m3", "e4m3", "row") == Recipe.parse("e4m3:e4m3/row/dynamic")
+    assert Recipe.of("e4m3:e4m3/row/dynamic") is Recipe.of(Recipe.parse("e4m3:e4m3/row/dynamic"))
+    with pytest.raises(RecipeError, match="got 'none'"):
+        Recipe.parse("e4m3:e4m3/row/none")
+    with pytest.raises(RecipeError, match="Recipe or its string"):
+        Recipe.of(3)
+    with pytest.raises(RecipeError, match="two bf16 operands"):
+        Recipe("e4m3", "bf16")
+
+
+def test_operands_of_each_pass():
+    r = Recipe.parse("e5m2:e4m3/block/dynamic/pow2/ub=64")
+    fwd_a, fwd_w = r.operands("fwd")
+    assert fwd_a == QuantConfig("e5m2", "block", (1, 128), True, 64.0)
+    assert fwd_w == QuantConfig("e4m3", "block", (128, 128), True, 64.0)
+    assert r.operands("dgrad")[1].block == (128, 128)
+    assert r.operands("wgrad")[1].block == (1, 128)  # x^T is an activation
+    assert Recipe.parse("e4m3:e4m3/row/dynamic").operands("fwd")[1].block is None
+    with pytest.raises(RecipeError, match="quantizes no operand"):
+        BF16.operands("fwd")
+
+
+@st.composite
+def operand_configs(draw):
+    gran = draw(st.sampled_from(GRANULARITIES))
+    return QuantConfig(
+        draw(st.sampled_from(FP8_FORMATS)),
+        gran,
+        draw(st.sampled_from(BLOCK_SHAPES)) if gran == "block" else None,
+        draw(st.booleans()),
+        draw(st.none() | st.floats(2.0**-126, 1e30)),
+    )
+
+
+@given(operand_configs())
+def test_operand_config_string_roundtrip(config):
+    assert QuantConfig.parse(str(config)) == config
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: QuantConfig("fp4"), "fmt must be one of"),
+        (lambda: QuantConfig("e4m3", "row", (1, 128)), "only applies to granularity 'block'"),
+        (lambda: QuantConfig("e4m3", "block", (64, 64)), "block must be one of"),
+        (lambda: QuantConfig("e4m3", pow2=1), "pow2 must be a bool"),
+        (lambda: QuantConfig("e4m3", scale_ub=1e-40), "at least 2\\*\\*-126"),
+        (lambda: QuantConfig.parse("e4m3"), "expected 'fmt/granularity"),
+        (lambda: QuantConfig.parse("e4m3/block/3x3"), "block must be one of"),
+    ],
+)
+def test_bad_operand_configs_name_the_problem(make, match):
+    with pytest.raises(RecipeError, match=match):
+        make()
+
+
+def test_the_vocabulary_loads_neither_polars_nor_torch():
+    code = (
+        "import sys; from loka.schema import FP8_MAX, QuantConfig, Recipe; "
+        "Recipe.parse('e4m3:e4m3/row/dynamic').operands('fwd'); "
+        "assert 'polars' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

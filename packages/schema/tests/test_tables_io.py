@@ -184,3 +184,27 @@ def test_failure_during_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch)
         write_table(_sites(time_share=[0.1, 0.2]), path, "sites")
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["sites.parquet"]
+
+
+def test_version_1_files_migrate_and_version_0_is_refused(tmp_path):
+    # A version-1 sites table (no `norm`) and plan (its `fuse_norm` an extra column, no
+    # `norm`) read as version 2: the columns added since take their defaults.
+    path = tmp_path / "sites.parquet"
+    _sites().write_parquet(path, metadata={"loka.table": "sites", "loka.schema_version": "1"})
+    sites = read_table(path, "sites")
+    assert sites.columns == TABLES["sites"].names and sites["norm"].null_count() == 2
+    plan = tmp_path / "plan.parquet"
+    validate(_plan(), "plan").drop("norm").write_parquet(
+        plan, metadata={"loka.table": "plan", "loka.schema_version": "1"}
+    )
+    assert read_table(plan, "plan")["fuse_norm"].to_list() == [False]
+    _sites().write_parquet(path, metadata={"loka.table": "sites", "loka.schema_version": "0"})
+    with pytest.raises(SchemaError, match="schema version 0, this loka-schema reads version 2"):
+        read_table(path, "sites")
+
+
+def test_only_columns_added_after_version_1_may_be_missing():
+    assert [c.name for c in TABLES["sites"].columns if c.optional] == ["norm"]
+    out = validate(_sites(norm=["ln", None]), "sites")
+    assert out["norm"].to_list() == ["ln", None]
+    assert validate(_sites(), "sites")["norm"].to_list() == [None, None]

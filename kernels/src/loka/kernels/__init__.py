@@ -1,7 +1,10 @@
-"""loka.kernels: FP8 quantization and GEMM kernels in Triton, and the backend registry."""
+"""loka.kernels: FP8 quantization and GEMM kernels in Triton, and the backend registry.
+
+The FP8 vocabulary they take (`QuantConfig`, `Recipe`, formats and constants) and the
+pure-torch reference quantization are loka.schema's (`loka.schema`, `loka.schema.fp8`).
+"""
 
 from loka.kernels import backends  # noqa: F401  (importing it registers the built-in backends)
-from loka.kernels.formats import FP8_DTYPES, FP8_MAX, GRANULARITIES, PASSES, QuantConfig
 from loka.kernels.fp8_tensor import Fp8Tensor
 from loka.kernels.mm import fp8_mm, grouped_mm
 from loka.kernels.norm_quantization import NormQuantized, norm_backward, norm_quantize
@@ -9,7 +12,6 @@ from loka.kernels.quantization import quantize, quantize_reference, quantize_wit
 from loka.kernels.registry import (
     Backend,
     GemmSpec,
-    KernelRecipe,
     OperandSpec,
     Registry,
     UnsupportedError,
@@ -20,17 +22,11 @@ from loka.kernels.registry import (
 from loka.kernels.transpose_quantization import quantize_transpose, quantize_transpose_with
 
 __all__ = [
-    "FP8_DTYPES",
-    "FP8_MAX",
-    "GRANULARITIES",
-    "PASSES",
     "Backend",
     "Fp8Tensor",
     "GemmSpec",
-    "KernelRecipe",
     "NormQuantized",
     "OperandSpec",
-    "QuantConfig",
     "Registry",
     "UnsupportedError",
     "available",

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loka.kernels.formats import FP8_DTYPES, scale_grid
+from loka.schema.fp8 import FP8_DTYPES, expand_scale
+from loka.schema.recipe import scale_grid
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,7 @@ class Fp8Tensor:
     def expand_scale(self, scale: torch.Tensor | None = None) -> torch.Tensor:
         """The per-group `scale` (default: ``self.scale``) broadcast to one value per element."""
         s = self.scale if scale is None else scale
-        rows, cols = self.data.shape
-        if self.granularity == "tensor":
-            return s.view(1, 1).expand(rows, cols)
-        if self.granularity == "row":
-            return s.view(rows, 1).expand(rows, cols)
-        br, bc = self.block
-        return s.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        return expand_scale(s, *self.data.shape, self.granularity, self.block)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data / scale`` in `dtype` (computed in float32)."""

@@ -6,7 +6,7 @@ operation, so the amax reduction, the scale, the saturating cast and the transpo
 the backward needs fuse into the elementwise work around them (the activation that feeds a
 linear, the cast of a gradient) instead of costing launches and memory passes of their
 own; and with no Python per call in the graph, ``mode="reduce-overhead"`` (CUDA graphs)
-captures the whole step. The numerics are the reference ones (`loka.kernels.scaling`), bit
+captures the whole step. The numerics are the reference ones (`loka.schema.fp8`), bit
 for bit: the same scale rule, the same saturating round-to-nearest-even cast.
 
 Supported: tensor and row granularity, dynamic scaling (current amax), power-of-two scales
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from loka.kernels.scaling import finite_abs, saturate_cast, scale_from_amax
 from loka.kernels.torch_gemm import scaled_mm_refusal
+from loka.schema.fp8 import finite_abs, saturate_cast, scale_from_amax
 
 NATIVE_BACKEND = "torch.native"
 # The same on the CPU only, at any shape: there the GEMM is emulated, with no _scaled_mm and

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loka.kernels.formats import QuantConfig, check_high_precision_2d
+from loka.kernels.formats import check_high_precision_2d
 from loka.kernels.fp8_bits import FORMAT_IDS
 from loka.kernels.fp8_tensor import Fp8Tensor
 from loka.kernels.launch import Launcher
@@ -28,6 +28,7 @@ from loka.kernels.scaling import (
     scale_from_amax_tl,
     ub_args,
 )
+from loka.schema import QuantConfig
 
 KINDS = ("layernorm", "rmsnorm")
 MAX_ROW = 16384  # a row is normalized from registers

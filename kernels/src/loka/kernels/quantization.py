@@ -4,7 +4,8 @@ Kernels: `_amax_kernel` + `_quantize_tensor_kernel` (two phases: the amax, then 
 that quantizes; with a given amax, the delayed-scaling case, only the second), and
 `_quantize_groups_kernel` for rows and blocks (one read: a row or block is held in registers
 while its amax, scale and FP8 values are computed). `quantize` launches them;
-`quantize_reference` is the pure-torch definition they must match byte for byte.
+`quantize_reference` wraps the pure-torch definition they must match byte for byte
+(`loka.schema.fp8.quantize_reference`).
 """
 
 from __future__ import annotations
@@ -15,21 +16,21 @@ import torch
 import triton
 import triton.language as tl
 
-from loka.kernels.formats import QuantConfig, check_high_precision_2d, scale_grid
+from loka.kernels.formats import check_high_precision_2d
 from loka.kernels.fp8_bits import FORMAT_IDS
 from loka.kernels.fp8_tensor import Fp8Tensor
 from loka.kernels.launch import Launcher
 from loka.kernels.runtime import aligned, cdiv, interpreting, next_pow2, require_triton_device
 from loka.kernels.scaling import (
-    finite_abs,
     finite_abs_tl,
     inverse_tl,
-    saturate_cast,
     saturate_cast_tl,
-    scale_from_amax,
     scale_from_amax_tl,
     ub_args,
 )
+from loka.schema import QuantConfig
+from loka.schema.fp8 import quantize_reference as schema_reference
+from loka.schema.fp8 import scale_from_amax
 
 # Rows up to this many elements are quantized from registers in one read.
 MAX_ROW_IN_REGISTERS = 16384
@@ -408,38 +409,12 @@ def _quantize_empty(x: torch.Tensor, config: QuantConfig, amax_in) -> Fp8Tensor:
     return Fp8Tensor(q, scale, 1.0 / scale, seen, config.fmt, config.granularity, config.block)
 
 
-def group_amax(x: torch.Tensor, granularity: str, block: tuple[int, int] | None) -> torch.Tensor:
-    """Reference: the amax of each scale group of `x` (NaN and Inf ignored), float32."""
-    a = finite_abs(x)
-    R, C = x.shape
-    if granularity == "tensor":
-        return a.amax().reshape(1) if a.numel() else torch.zeros(1, device=x.device)
-    if granularity == "row":
-        return a.amax(dim=1) if C else torch.zeros(R, device=x.device)
-    br, bc = block
-    gr, gc = scale_grid(R, C, granularity, block)
-    padded = torch.zeros(gr * br, gc * bc, device=x.device)
-    padded[:R, :C] = a
-    return padded.view(gr, br, gc, bc).amax(dim=(1, 3))
-
-
 def quantize_reference(
     x: torch.Tensor, config: QuantConfig, amax: torch.Tensor | None = None
 ) -> Fp8Tensor:
-    """Pure-torch `quantize_with`: the definition the kernels are tested against."""
+    """`quantize_with` in pure torch: `loka.schema.fp8.quantize_reference`, the definition
+    the kernels are tested against, as an `Fp8Tensor`."""
     x = check_high_precision_2d(x)
-    fmt, granularity, block = config.fmt, config.granularity, config.block
-    seen = group_amax(x, granularity, block)
-    amax_in = _check_amax(amax, tuple(seen.shape), x.device)
-    scale = scale_from_amax(seen if amax_in is None else amax_in, fmt, config.pow2, config.scale_ub)
-    shell = Fp8Tensor(
-        torch.empty(x.shape, dtype=config.dtype, device=x.device),
-        scale,
-        1.0 / scale,
-        seen,
-        fmt,
-        granularity,
-        block,
-    )
-    q = saturate_cast(x, shell.expand_scale(), fmt)
-    return Fp8Tensor(q, scale, 1.0 / scale, seen, fmt, granularity, block)
+    shape = config.scale_shape(*x.shape)
+    data, scale, seen = schema_reference(x, config, _check_amax(amax, shape, x.device))
+    return Fp8Tensor(data, scale, 1.0 / scale, seen, config.fmt, config.granularity, config.block)

@@ -13,46 +13,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from loka.kernels.formats import FP8_DTYPES, PASSES, check_pass
+from loka.kernels.formats import check_pass
 from loka.kernels.runtime import (
     FP8_MIN_CAPABILITY,
     capability,
     resolve_device,
     triton_unavailable_reason,
 )
+from loka.schema import FP8_FORMATS, PASSES, Recipe
 
 BF16 = "bf16"
-# The weight is the second operand of fwd (W) and dgrad (W^T); it takes 128x128 blocks.
-_WEIGHT_IS_B = {"fwd": True, "dgrad": True, "wgrad": False}
 
 
 class UnsupportedError(RuntimeError):
     """A backend was asked for something it does not support; the message says why."""
-
-
-class RecipeLike(Protocol):
-    """What `Backend.supports` reads from a recipe; `loka.schema.Recipe` has these fields."""
-
-    a_format: str
-    b_format: str
-    granularity: str
-    pow2: bool
-    scale_ub: float | None
-
-
-@dataclass(frozen=True)
-class KernelRecipe:
-    """A minimal recipe with `loka.schema.Recipe`'s field names, for use without loka.schema."""
-
-    a_format: str = BF16
-    b_format: str = BF16
-    granularity: str = "none"
-    pow2: bool = False
-    scale_ub: float | None = None
 
 
 def gemm_dims(pass_: str, M: int, K: int, N: int) -> tuple[int, int, int]:
@@ -96,18 +74,13 @@ class GemmSpec:
     scale_ub: bool = False
 
     @classmethod
-    def for_linear(
-        cls, recipe: RecipeLike, pass_: str, M: int, K: int, N: int, **kw: Any
-    ) -> GemmSpec:
+    def for_linear(cls, recipe: Recipe, pass_: str, M: int, K: int, N: int, **kw: Any) -> GemmSpec:
         """The GEMM of one pass of a linear ``x[M,K] W[N,K]^T`` run with `recipe`."""
         m, k, n = gemm_dims(pass_, M, K, N)
-        if recipe.a_format == BF16:
+        if recipe.is_bf16:
             a = b = OperandSpec(BF16)
         else:
-            g = recipe.granularity
-            a = OperandSpec(recipe.a_format, g, (1, 128) if g == "block" else None)
-            b_block = (128, 128) if _WEIGHT_IS_B[pass_] else (1, 128)
-            b = OperandSpec(recipe.b_format, g, b_block if g == "block" else None)
+            a, b = (OperandSpec(c.fmt, c.granularity, c.block) for c in recipe.operands(pass_))
         return cls(
             m, k, n, a, b, pass_=pass_, pow2=bool(recipe.pow2),
             scale_ub=recipe.scale_ub is not None, **kw,
@@ -172,16 +145,17 @@ class Backend:
                 return f"{self.name}: GEMM dim {dim}={dims[dim]} must be a multiple of {multiple}"
         return self.check(spec) if self.check is not None else None
 
-    def supports(
-        self, recipe: RecipeLike, M: int, K: int, N: int, pass_: str = "fwd"
-    ) -> str | None:
-        """None if this backend can run `pass_` of a linear ``x[M,K] W[N,K]^T`` with `recipe`,
-        else the reason it cannot."""
+    def supports(self, recipe: Recipe, M: int, K: int, N: int, pass_: str = "fwd") -> str | None:
+        """None if this backend can run `pass_` of a linear ``x[M,K] W[N,K]^T`` with `recipe`
+        (a `loka.schema.Recipe` or its string), else the reason it cannot."""
         if self.op != "mm":
             return f"{self.name}: op {self.op!r} is not a linear's GEMM"
-        scaling = getattr(recipe, "scaling", "dynamic")
-        if recipe.a_format != BF16 and scaling not in self.scalings:
-            return f"{self.name}: {scaling} scaling not supported (only {sorted(self.scalings)})"
+        recipe = Recipe.of(recipe)
+        if not recipe.is_bf16 and recipe.scaling not in self.scalings:
+            return (
+                f"{self.name}: {recipe.scaling} scaling not supported "
+                f"(only {sorted(self.scalings)})"
+            )
         return self.refuse(GemmSpec.for_linear(recipe, pass_, M, K, N))
 
     def unavailable_reason(self, device: torch.device | str | None = None) -> str | None:
@@ -229,7 +203,7 @@ class Registry:
             raise ValueError(f"backend {backend.name!r} is already registered (pass replace=True)")
         for fmt_pair in backend.formats:
             for fmt in fmt_pair:
-                if fmt != BF16 and fmt not in FP8_DTYPES:
+                if fmt != BF16 and fmt not in FP8_FORMATS:
                     raise ValueError(f"backend {backend.name!r}: unknown format {fmt!r}")
         self._backends[backend.name] = backend
         self._version += 1

@@ -1,4 +1,4 @@
-"""The scale rule, once in torch and once in Triton, bit-identical.
+"""The scale rule in Triton, bit-identical to its torch definition in `loka.schema.fp8`.
 
 ``scale = fp8_max / max(amax, AMAX_FLOOR)`` for a finite positive amax, else 1 (all-zero
 rows, and amax values that are NaN or Inf); then ``min(scale, scale_ub)``; then, with
@@ -9,44 +9,13 @@ Quantization is ``saturate(x * scale)`` cast with round-to-nearest-even: ±Inf s
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from loka.kernels.formats import AMAX_FLOOR, FP8_MAX, fp8_dtype
 from loka.kernels.fp8_bits import fp8_encode_tl
+from loka.schema.formats import AMAX_FLOOR
 
 AMAX_FLOOR_TL: tl.constexpr = tl.constexpr(AMAX_FLOOR)
-
-
-def scale_from_amax(
-    amax: torch.Tensor, fmt: str, pow2: bool = False, scale_ub: float | None = None
-) -> torch.Tensor:
-    """Reference: float32 scales from amax values (any shape)."""
-    amax = amax.float()
-    valid = (amax > 0) & (amax < float("inf"))
-    fp8_max = torch.tensor(FP8_MAX[fmt], dtype=torch.float32, device=amax.device)
-    scale = torch.where(valid, fp8_max / amax.clamp_min(AMAX_FLOOR), torch.ones_like(amax))
-    if scale_ub is not None:
-        ub = torch.tensor(scale_ub, dtype=torch.float32, device=amax.device)
-        scale = torch.minimum(scale, ub)
-    if pow2:
-        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
-    return scale
-
-
-def finite_abs(x: torch.Tensor) -> torch.Tensor:
-    """|x| in float32 with NaN and Inf replaced by 0: what amax measures."""
-    a = x.float().abs()
-    return torch.where(a < float("inf"), a, torch.zeros_like(a))
-
-
-def saturate_cast(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Reference: ``saturate(x * scale)`` cast to FP8."""
-    m = FP8_MAX[fmt]
-    y = x.float() * scale
-    y = torch.where(y > m, m, torch.where(y < -m, -m, y))
-    return y.to(fp8_dtype(fmt))
 
 
 def ub_args(scale_ub: float | None) -> tuple[bool, float]:
@@ -56,7 +25,7 @@ def ub_args(scale_ub: float | None) -> tuple[bool, float]:
 
 @triton.jit
 def scale_from_amax_tl(amax, FMT: tl.constexpr, POW2: tl.constexpr, HAS_UB: tl.constexpr, scale_ub):
-    """Triton twin of `scale_from_amax`, elementwise on a block of float32 amax values."""
+    """Triton twin of `loka.schema.fp8.scale_from_amax`, elementwise on a block of float32 amax values."""
     FP8_MAX_VALUE: tl.constexpr = 448.0 if FMT == 0 else 57344.0
     valid = (amax > 0.0) & (amax < float("inf"))
     safe = tl.where(valid, tl.maximum(amax, AMAX_FLOOR_TL), 1.0)
@@ -83,7 +52,7 @@ def finite_abs_tl(x):
 
 @triton.jit
 def saturate_cast_tl(x, scale, FMT: tl.constexpr, SOFT_FP8: tl.constexpr, out_dtype: tl.constexpr):
-    """Triton twin of `saturate_cast`: the comparisons are False for NaN, so NaN passes.
+    """Triton twin of `loka.schema.fp8.saturate_cast`: the comparisons are False for NaN, so NaN passes.
 
     With SOFT_FP8 (the interpreter) it returns uint8 codes for a uint8 view of the output.
     """

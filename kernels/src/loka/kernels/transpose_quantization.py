@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loka.kernels.formats import QuantConfig, check_high_precision_2d
+from loka.kernels.formats import check_high_precision_2d
 from loka.kernels.fp8_bits import FORMAT_IDS
 from loka.kernels.fp8_tensor import Fp8Tensor
 from loka.kernels.launch import Launcher
@@ -38,6 +38,7 @@ from loka.kernels.scaling import (
     scale_from_amax_tl,
     ub_args,
 )
+from loka.schema import QuantConfig
 
 MODES = {"tensor": 0, "row": 1, "block1": 2, "block128": 3}
 

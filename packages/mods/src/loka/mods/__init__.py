@@ -5,7 +5,6 @@ from loka.mods.config import Fp8LinearConfig, PassConfig
 from loka.mods.fp8_linear import Fp8Linear, convert_to_fp8_linear, convert_to_linear
 from loka.mods.grouped import GroupedLinear, GroupLayout
 from loka.mods.norm_linear import FusedNorm, NormLinear
-from loka.mods.recipe import Fp8Recipe, parse_recipe
 from loka.mods.reference import fp8_linear_reference
 from loka.mods.smoothing import fold_norm_bias, smooth
 from loka.mods.spec import GroupMods, ModSpec, SiteMods
@@ -15,7 +14,6 @@ __all__: list[str] = [
     "Change",
     "Fp8Linear",
     "Fp8LinearConfig",
-    "Fp8Recipe",
     "FusedNorm",
     "GroupLayout",
     "GroupMods",
@@ -32,7 +30,6 @@ __all__: list[str] = [
     "fold_norm_bias",
     "fp8_linear_reference",
     "invalidate_weight_caches",
-    "parse_recipe",
     "smooth",
     "undo",
 ]

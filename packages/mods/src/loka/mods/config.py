@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
 
-from loka.kernels import PASSES, registry
-from loka.mods.recipe import BF16, BF16_RECIPE, Fp8Recipe, as_recipe
+from loka.kernels import registry
+from loka.schema import BF16, PASSES, Recipe
 
 
 @dataclass(frozen=True)
 class PassConfig:
-    """One pass: its recipe (an `Fp8Recipe`, a recipe-like object or a recipe string) and the
+    """One pass: its recipe (a `loka.schema.Recipe` or its string) and the
     registered backend that runs it: of op ``"mm"`` for a linear, ``"grouped_mm"`` for a
     group of linears (None: the highest-priority backend that supports the GEMM on the
     tensors' device, chosen at each call).
@@ -20,11 +19,11 @@ class PassConfig:
     autocast dtype under autocast, else in the input's dtype (so an fp32 model stays fp32).
     """
 
-    recipe: Fp8Recipe | str | Any = BF16
+    recipe: Recipe | str = BF16
     backend: str | None = None
 
     def __post_init__(self) -> None:
-        recipe = as_recipe(self.recipe)
+        recipe = Recipe.of(self.recipe)
         object.__setattr__(self, "recipe", recipe)
         if self.backend is None:
             return
@@ -39,7 +38,7 @@ class PassConfig:
                 f"backend {self.backend!r} runs op {backend.op!r}, not a GEMM ('mm' for a "
                 "linear, 'grouped_mm' for a group)"
             )
-        formats = (BF16, BF16) if recipe.is_bf16 else (recipe.a_format, recipe.b_format)
+        formats = (recipe.a_format, recipe.b_format)
         if formats not in backend.formats:
             raise ValueError(
                 f"backend {self.backend!r} cannot run recipe {recipe}: it takes operand formats "
@@ -54,7 +53,7 @@ class PassConfig:
         return f"{self.recipe}@{self.backend or 'auto'}"
 
 
-def _as_pass(value: PassConfig | str | Any) -> PassConfig:
+def _as_pass(value: PassConfig | Recipe | str) -> PassConfig:
     return value if isinstance(value, PassConfig) else PassConfig(value)
 
 
@@ -63,7 +62,7 @@ class Fp8LinearConfig:
     """How an `Fp8Linear` computes ``y = x W^T + b`` and its two gradients.
 
     fwd: ``x W^T`` (operands x, W); dgrad: ``dY W`` (operands dY, W^T); wgrad: ``dY^T x``
-    (operands dY^T, x^T). Each field takes a `PassConfig`, or a recipe (string or object) run
+    (operands dY^T, x^T). Each field takes a `PassConfig`, or a recipe (or its string) run
     by the default backend. The default is rowwise dynamic e4m3 in every pass (torchao's
     rowwise recipe); ``Fp8LinearConfig.bf16()`` keeps all three passes in high precision.
 
@@ -73,9 +72,9 @@ class Fp8LinearConfig:
     a 479-wide linear. Without it such shapes fail validation.
     """
 
-    fwd: PassConfig | str | Any = "e4m3:e4m3/row/dynamic"
-    dgrad: PassConfig | str | Any = "e4m3:e4m3/row/dynamic"
-    wgrad: PassConfig | str | Any = "e4m3:e4m3/row/dynamic"
+    fwd: PassConfig | Recipe | str = "e4m3:e4m3/row/dynamic"
+    dgrad: PassConfig | Recipe | str = "e4m3:e4m3/row/dynamic"
+    wgrad: PassConfig | Recipe | str = "e4m3:e4m3/row/dynamic"
     pad: bool = False
 
     def __post_init__(self) -> None:
@@ -87,22 +86,22 @@ class Fp8LinearConfig:
     @classmethod
     def bf16(cls) -> Fp8LinearConfig:
         """Every pass in high precision: the module computes exactly what nn.Linear does."""
-        return cls(BF16_RECIPE, BF16_RECIPE, BF16_RECIPE)
+        return cls(BF16, BF16, BF16)
 
     @classmethod
     def from_recipes(
         cls,
-        fwd: Any = "e4m3:e4m3/row/dynamic",
-        dgrad: Any = "e4m3:e4m3/row/dynamic",
-        wgrad: Any = "e4m3:e4m3/row/dynamic",
+        fwd: Recipe | str = "e4m3:e4m3/row/dynamic",
+        dgrad: Recipe | str = "e4m3:e4m3/row/dynamic",
+        wgrad: Recipe | str = "e4m3:e4m3/row/dynamic",
         *,
         backend: str | None = None,
         pad: bool = False,
     ) -> Fp8LinearConfig:
         """Three recipes with one backend for the FP8 passes (bf16 passes take none)."""
 
-        def make(recipe: Any) -> PassConfig:
-            recipe = as_recipe(recipe)
+        def make(recipe: Recipe | str) -> PassConfig:
+            recipe = Recipe.of(recipe)
             return PassConfig(recipe, None if recipe.is_bf16 else backend)
 
         return cls(make(fwd), make(dgrad), make(wgrad), pad)
@@ -114,7 +113,7 @@ class Fp8LinearConfig:
     def is_bf16(self) -> bool:
         return all(p.is_bf16 for p in self.passes().values())
 
-    def replace(self, **changes: Any) -> Fp8LinearConfig:
+    def replace(self, **changes: object) -> Fp8LinearConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return Fp8LinearConfig(**values)

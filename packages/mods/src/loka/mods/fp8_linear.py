@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loka.kernels.formats import scale_grid
 from loka.mods.alignment import check_shape
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.linear_function import Fp8LinearFunction
@@ -28,6 +27,7 @@ from loka.mods.linear_plan import LinearPlan
 from loka.mods.native_function import NativeFp8LinearFunction, NativePlan
 from loka.mods.ops import call, decode
 from loka.mods.weight_stamp import weight_stamp
+from loka.schema.recipe import scale_grid
 
 HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
 

@@ -2,8 +2,9 @@
 
 Operands per pass (see `loka.kernels.gemm_dims`): fwd ``x[M,K] @ W[N,K]^T``, dgrad
 ``dY[M,N] @ (W^T)[K,N]^T``, wgrad ``(dY^T)[N,M] @ (x^T)[K,M]^T``. The plan turns a
-`Fp8LinearConfig` into one quantization config per operand role and pass (as `ops.encode`
-strings, "" where the pass stays in high precision), decides which quantizations can be
+`Fp8LinearConfig` into one quantization config per operand role and pass (as
+`loka.schema.QuantConfig` strings, what the custom ops take; "" where the pass stays in
+high precision), decides which quantizations can be
 shared (x for fwd and wgrad from one `quantize_transpose`, likewise dY for dgrad and wgrad)
 and how long each role's amax history is. It is immutable and hashable: torch.compile
 treats it as a constant.
@@ -13,29 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loka.kernels import QuantConfig
 from loka.mods.alignment import Multiples, required_multiples
 from loka.mods.config import Fp8LinearConfig, PassConfig
-from loka.mods.ops import encode
-from loka.mods.recipe import Fp8Recipe
-
-ACTIVATION_BLOCK = (1, 128)
-WEIGHT_BLOCK = (128, 128)
-
-
-def operand_config(recipe: Fp8Recipe, side: str, is_weight: bool) -> QuantConfig:
-    """The QuantConfig of operand `side` ("a" or "b") of a pass run with `recipe`."""
-    fmt = recipe.a_format if side == "a" else recipe.b_format
-    block = None
-    if recipe.granularity == "block":
-        block = WEIGHT_BLOCK if is_weight else ACTIVATION_BLOCK
-    return QuantConfig(fmt, recipe.granularity, block, recipe.pow2, recipe.scale_ub)
 
 
 def _encoded(pass_config: PassConfig, side: str, is_weight: bool) -> str:
     if pass_config.is_bf16:
         return ""
-    return encode(operand_config(pass_config.recipe, side, is_weight))
+    return str(pass_config.recipe.operand(side, is_weight))
 
 
 def _window(pass_config: PassConfig) -> int:

@@ -6,14 +6,13 @@ mode the modules call the same Python implementations directly (`call`), skippin
 dispatcher's per-call overhead.
 
 Ops take plain tensors and scalars: an FP8 operand is its data and scales, and a quantization
-config travels as the short string `encode(QuantConfig)`. Every quantizing op can pad its
+config travels as its string (`str(loka.schema.QuantConfig)`, read back by `decode`). Every quantizing op can pad its
 output with zeros to ``[rows, cols]`` (shape alignment, `loka.mods.alignment`): zeros change
 no amax, so padding the FP8 bytes after quantizing equals quantizing the padded tensor.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -21,7 +20,6 @@ import torch.nn.functional as F
 
 from loka.kernels import (
     Fp8Tensor,
-    QuantConfig,
     fp8_mm,
     grouped_mm,
     norm_backward,
@@ -29,9 +27,10 @@ from loka.kernels import (
     quantize_transpose_with,
     quantize_with,
 )
-from loka.kernels.formats import scale_grid
-from loka.kernels.scaling import finite_abs
 from loka.mods.weight_stamp import weight_stamp
+from loka.schema import QuantConfig
+from loka.schema.fp8 import finite_abs
+from loka.schema.recipe import scale_grid
 
 NAMESPACE = "loka_mods"
 _EMPTY_SHAPE = (0,)
@@ -42,18 +41,7 @@ _Seven = tuple[_T, _T, _T, _T, _T, _T, _T]
 _Eight = tuple[_T, _T, _T, _T, _T, _T, _T, _T]
 
 
-def encode(config: QuantConfig) -> str:
-    """``fmt/granularity/block_rows/pow2/scale_ub``: a QuantConfig as a custom-op argument."""
-    block_rows = config.block[0] if config.block is not None else 0
-    ub = "" if config.scale_ub is None else repr(config.scale_ub)
-    return f"{config.fmt}/{config.granularity}/{block_rows}/{int(config.pow2)}/{ub}"
-
-
-@functools.lru_cache(maxsize=256)
-def decode(text: str) -> QuantConfig:
-    fmt, granularity, block_rows, pow2, ub = text.split("/")
-    block = (int(block_rows), 128) if granularity == "block" else None
-    return QuantConfig(fmt, granularity, block, pow2 == "1", float(ub) if ub else None)
+decode = QuantConfig.parse  # the config of a custom op's string argument (cached)
 
 
 def _padded(t: Fp8Tensor, rows: int, cols: int) -> Fp8Tensor:

@@ -13,7 +13,6 @@ import torch
 from loka.kernels import quantize_reference
 from loka.kernels.fp8_gemm import mm_reference
 from loka.mods.config import Fp8LinearConfig, PassConfig
-from loka.mods.linear_plan import operand_config
 
 
 class LinearPasses(NamedTuple):
@@ -32,8 +31,8 @@ def _pass(
     """``a @ b.T`` in float32, quantized as `config` says (or exactly, for bf16 passes)."""
     if config.is_bf16:
         return (a.double() @ b.double().T).float()
-    qa = quantize_reference(a, operand_config(config.recipe, "a", False), amax[0])
-    qb = quantize_reference(b, operand_config(config.recipe, "b", b_is_weight), amax[1])
+    qa = quantize_reference(a, config.recipe.operand("a", False), amax[0])
+    qb = quantize_reference(b, config.recipe.operand("b", b_is_weight), amax[1])
     return mm_reference(qa, qb, out_dtype=torch.float32)
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from loka.kernels import PASSES
 from loka.mods.config import Fp8LinearConfig, PassConfig
 from loka.mods.grouped import BACKENDS, GroupLayout
+from loka.schema import PASSES
 
 
 class SpecError(ValueError):

@@ -30,14 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loka.probe.quantize import (
-    OperandScaling,
-    dequantize,
-    operand_scale,
-    quantize,
-)
+from loka.probe.quantize import quantize_operand
 from loka.probe.scaled_mm import scaled_mm
-from loka.schema import Recipe
+from loka.schema import QuantConfig, Recipe
+from loka.schema.fp8 import dequantize
 
 # Columns of the per-GEMM error sums.
 BAL_NUM, BAL_DEN, ERR_SQ, REF_SQ, MAX_ABS = range(5)
@@ -93,12 +89,6 @@ def bf16_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.bfloat16().double() @ b.bfloat16().double().T).bfloat16()
 
 
-def _scalings(recipe: Recipe) -> tuple[OperandScaling, OperandScaling]:
-    a = OperandScaling(recipe.a_format, recipe.granularity, recipe.pow2, recipe.scale_ub)
-    b = OperandScaling(recipe.b_format, recipe.granularity, recipe.pow2, recipe.scale_ub)
-    return a, b
-
-
 class _Quantized:
     """Quantized operands of one pass, shared between recipes that scale an operand alike."""
 
@@ -106,20 +96,20 @@ class _Quantized:
         self.ops = ops
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, side: str, scaling: OperandScaling, history: int) -> tuple[torch.Tensor, ...]:
-        key = (side, scaling, history)
+    def get(self, side: str, recipe: Recipe, history: int) -> tuple[torch.Tensor, ...]:
+        ops = self.ops
+        config: QuantConfig = recipe.operand(side, ops.a_weight if side == "a" else ops.b_weight)
+        key = (side, config, history)
         if key not in self._cache:
-            ops = self.ops
-            x, weight = (ops.a, ops.a_weight) if side == "a" else (ops.b, ops.b_weight)
+            x = ops.a if side == "a" else ops.b
             if history:
                 tensor_amax = ops.history[history][0 if side == "a" else 1]
             else:
                 tensor_amax = ops.a_amax if side == "a" else ops.b_amax
             row_amax = ops.a_row_amax if side == "a" else ops.b_row_amax
-            scale = operand_scale(
-                x, scaling, weight=weight, tensor_amax=tensor_amax, row_amax=row_amax
+            self._cache[key] = quantize_operand(
+                x, config, tensor_amax=tensor_amax, row_amax=row_amax
             )
-            self._cache[key] = (quantize(x, scale, scaling.format), scale)
         return self._cache[key]
 
 
@@ -146,9 +136,8 @@ def pass_error_sums(
             rows.append(missing_sums(ref))
             emulated.append(True)
             continue
-        sa, sb = _scalings(recipe)
-        a_q, a_scale = quantized.get("a", sa, history)
-        b_q, b_scale = quantized.get("b", sb, history)
+        a_q, a_scale = quantized.get("a", recipe, history)
+        b_q, b_scale = quantized.get("b", recipe, history)
         out = None
         if real_fp8:
             out = scaled_mm(a_q, a_scale, b_q, b_scale, recipe.granularity, out_dtype)

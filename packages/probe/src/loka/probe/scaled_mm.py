@@ -33,7 +33,7 @@ def scaled_mm(
     """`dequant(a_q) @ dequant(b_q).T` on FP8 tensor cores, or None when torch cannot run it.
 
     `a_q [P, R]` and `b_q [Q, R]` are FP8 codes; `a_scale`, `b_scale` are the quantization
-    scales (codes = value * scale) as `loka.probe.quantize.operand_scale` returns them.
+    scales (codes = value * scale) as `loka.probe.quantize.quantize_operand` returns them.
     """
     key = (str(a_q.dtype), str(b_q.dtype), granularity)
     if granularity not in ("tensor", "row") or key in _refused:

@@ -13,6 +13,8 @@ def main(argv: list[str]) -> int:
         print(f"\n{tbl.name}: {tbl.doc}\n  key: {', '.join(tbl.key)}")
         for col in tbl.columns:
             null = "" if not col.nullable else " (nullable)"
+            if col.optional:
+                null += f" (since version {col.since}; missing: {col.default})"
             values = (
                 f" [{col.range.describe(col.dtype.is_integer())}]" if col.range is not None else ""
             )

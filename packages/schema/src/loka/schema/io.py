@@ -11,8 +11,8 @@ import polars as pl
 
 from loka.schema import integrity
 from loka.schema.atomic import atomic_write
-from loka.schema.tables import SCHEMA_VERSION, table
-from loka.schema.validate import SchemaError, validate
+from loka.schema.tables import OLDEST_READABLE_VERSION, SCHEMA_VERSION, table
+from loka.schema.validation import SchemaError, validate
 
 _TABLE_KEY = "loka.table"
 _VERSION_KEY = "loka.schema_version"
@@ -116,8 +116,9 @@ def read_table(path: str | os.PathLike, table_name: str) -> pl.DataFrame:
     """Read and validate a table written by `write_table` (or any parquet file with the
     table's columns and LoKA's footer keys).
 
-    Fails with SchemaError naming the file, the column and both versions when the file is a
-    different table, another schema version, or misses or mistypes a column or holds an
+    A file of an older schema version (from `OLDEST_READABLE_VERSION`) is migrated: the
+    columns added since read as their defaults. Fails with SchemaError naming the file, the
+    column and both versions when the file is a different table, a newer schema version, or misses or mistypes a column or holds an
     impossible value; and with SchemaError naming the file when its bytes do not match the
     checksum written with it or cannot be decoded. A file written before tables carried a
     checksum is read and validated without one.
@@ -135,10 +136,12 @@ def read_table(path: str | os.PathLike, table_name: str) -> pl.DataFrame:
         version = int(kv.get(_VERSION_KEY, ""))
     except ValueError:
         raise SchemaError(f"{path}: unreadable schema version {kv.get(_VERSION_KEY)!r}") from None
-    if version != SCHEMA_VERSION:
+    if not OLDEST_READABLE_VERSION <= version <= SCHEMA_VERSION:
         raise SchemaError(
             f"{path}: table {table_name!r} has schema version {version}, "
-            f"this loka-schema reads version {SCHEMA_VERSION}"
+            f"this loka-schema reads version {SCHEMA_VERSION} (and migrates files from version "
+            f"{OLDEST_READABLE_VERSION} on)"
+            + ("; the file was written by a newer loka-schema" if version > SCHEMA_VERSION else "")
         )
     try:
         df = pl.read_parquet(io.BytesIO(data))

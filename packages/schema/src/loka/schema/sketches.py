@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 import polars as pl
 
-from loka.schema.recipe import FP8_MAX
-from loka.schema.tables import FP8_FORMATS, TENSOR_STATS
-from loka.schema.validate import validate
+from loka.schema.formats import FP8_FORMATS, FP8_MAX
+from loka.schema.tables import TENSOR_STATS
+from loka.schema.validation import validate
 
 
 class SketchLike(Protocol):

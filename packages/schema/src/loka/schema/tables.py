@@ -2,26 +2,32 @@
 
 A table is a fixed set of typed columns. Column order here is the canonical order of every
 table LoKA writes. `SCHEMA_VERSION` changes whenever a column is added, removed, renamed or
-retyped, so that a reader can refuse files it would misread.
+retyped, so that a reader can refuse files it would misread. A column added after version 1
+(`Column.since`) may be missing from a frame or from a file of an older version, which then
+reads with the column's `default`: that is the migration of older files
+(`OLDEST_READABLE_VERSION` onwards); files of a newer version are refused.
+
+Version history: 1, the first; 2, `sites.norm` (the norm each site is fed by, for fusion)
+and `plan.norm`, `plan.fuse_norm`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import polars as pl
 
-SCHEMA_VERSION = 1
+from loka.schema.formats import FP8_FORMATS, GRANULARITIES, PASSES, ROLES
+
+SCHEMA_VERSION = 2
+OLDEST_READABLE_VERSION = 1
 
 # cuBLAS and the Triton launchers take GEMM sizes as 32-bit ints: a larger K, N or M is not
 # a shape any backend could run, so a table holding one is wrong, not merely large.
 MAX_GEMM_DIM = 2**31 - 1
 
-FP8_FORMATS = ("e4m3", "e5m2")
-GRANULARITIES = ("tensor", "row", "block")
-ROLES = ("input", "weight", "grad_output")
-PASSES = ("fwd", "dgrad", "wgrad")
 VERDICTS = ("safe", "unsafe", "undecided")
 SITE_KINDS = ("linear", "grouped", "bmm")
 
@@ -58,6 +64,13 @@ class Column:
     nullable: bool = False
     allowed: tuple[str, ...] | None = None  # closed vocabulary of a string column
     range: Range | None = None  # possible values of a numeric column
+    since: int = 1  # the schema version that added the column
+    default: Any = None  # what a column added after version 1 reads as where it is missing
+
+    @property
+    def optional(self) -> bool:
+        """May be missing (then it reads as `default`): added after version 1."""
+        return self.since > 1
 
 
 @dataclass(frozen=True)
@@ -105,8 +118,10 @@ for _fmt in FP8_FORMATS:
         _RANGES[f"{_fmt}_{_gran}_saturated"] = _FRACTION
 
 
-def _c(name, dtype, doc, nullable=False, allowed=None, range_=None) -> Column:
-    return Column(name, dtype, doc, nullable, allowed, range_ or _RANGES.get(name))
+def _c(
+    name, dtype, doc, nullable=False, allowed=None, range_=None, since=1, default=None
+) -> Column:
+    return Column(name, dtype, doc, nullable, allowed, range_ or _RANGES.get(name), since, default)
 
 
 _I, _F, _S, _B = pl.Int64(), pl.Float64(), pl.String(), pl.Boolean()
@@ -130,6 +145,15 @@ SITES = Table(
         _c("fwd_ms", _F, "measured forward time per call (GPU events)", nullable=True),
         _c("bwd_ms", _F, "measured backward time per call (dgrad + wgrad)", nullable=True),
         _c("time_share", _F, "share of measured step time spent in this site", nullable=True),
+        _c(
+            "norm",
+            _S,
+            "module path of the LayerNorm/RMSNorm whose output is the site's input on every "
+            "call and feeds no other linear: the norm loka.mods can fuse into it (null: none, "
+            "or not traced, as in tables of schema version 1)",
+            nullable=True,
+            since=2,
+        ),
     ),
 )
 
@@ -269,6 +293,14 @@ PLAN = Table(
             "rejected",
             pl.List(pl.Struct({"backend": _S, "recipe": _S, "reason": _S})),
             "every candidate that lost, with the reason",
+        ),
+        _c("norm", _S, "the norm feeding the site (sites.norm); null: none", True, since=2),
+        _c(
+            "fuse_norm",
+            _B,
+            "the forward runs that norm and the quantization of its output as one kernel",
+            since=2,
+            default=False,
         ),
     ),
 )

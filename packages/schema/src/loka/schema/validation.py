@@ -40,8 +40,9 @@ def validate(
 ) -> pl.DataFrame:
     """Return `df` with the table's columns in canonical order and canonical dtypes.
 
-    Raises SchemaError naming the source, the column and both schema versions when a column
-    is missing, has a type that cannot be widened losslessly, holds nulls where none are
+    A column added after schema version 1 that `df` lacks is filled with its default (null
+    unless the column says otherwise). Raises SchemaError naming the source, the column and
+    both schema versions when any other column is missing, has a type that cannot be widened losslessly, holds nulls where none are
     allowed, holds a value outside a closed vocabulary or outside its column's range (a
     negative size, a NaN time, an M no GEMM takes), or when two rows share a key.
     Columns the table does not define are kept, after the defined ones.
@@ -52,9 +53,12 @@ def validate(
     if not isinstance(df, pl.DataFrame):
         raise SchemaError(f"{where}: expected a polars DataFrame, got {type(df).__name__}")
 
-    missing = [c.name for c in tbl.columns if c.name not in df.columns]
+    missing = [c.name for c in tbl.columns if c.name not in df.columns and not c.optional]
     if missing:
         raise SchemaError(f"{where}: missing column(s) {missing} ({versions})")
+    added = [c for c in tbl.columns if c.name not in df.columns]
+    if added:  # columns of a later version than the frame's writer knew: their defaults
+        df = df.with_columns(pl.lit(c.default, dtype=c.dtype).alias(c.name) for c in added)
 
     casts = []
     for col in tbl.columns:
