@@ -6,6 +6,7 @@
     print(setup.metrics(setup.model, setup.eval_batches()))
 """
 
+from loka.zoo.estimate import H200, Device, StepEstimate, estimate_step
 from loka.zoo.layers import RMSNorm
 from loka.zoo.metrics import binary_auc, ctr_metrics, ranking_metrics
 from loka.zoo.models import (
@@ -30,7 +31,7 @@ from loka.zoo.optim import (
     embedding_update,
     make_optimizer,
 )
-from loka.zoo.registry import PRESETS, SPECS, SequenceDataConfig, ZooSetup, create
+from loka.zoo.registry import PRESETS, SPECS, SequenceDataConfig, ZooSetup, create, preset_config
 from loka.zoo.train import train, training_step
 
 MODELS = tuple(SPECS)
@@ -38,11 +39,13 @@ MODELS = tuple(SPECS)
 __all__ = [
     "DHEN",
     "DLRM",
+    "H200",
     "HSTU",
     "MODELS",
     "PRESETS",
     "DHENConfig",
     "DLRMConfig",
+    "Device",
     "HSTUConfig",
     "HybridOptimizer",
     "InterFormer",
@@ -54,6 +57,7 @@ __all__ = [
     "SASRec",
     "SASRecConfig",
     "SequenceDataConfig",
+    "StepEstimate",
     "Wukong",
     "WukongConfig",
     "ZooSetup",
@@ -61,7 +65,9 @@ __all__ = [
     "create",
     "ctr_metrics",
     "embedding_update",
+    "estimate_step",
     "make_optimizer",
+    "preset_config",
     "ranking_metrics",
     "train",
     "training_step",

@@ -18,7 +18,7 @@ from loka.zoo.data.sequences import SyntheticSequences, SyntheticSequencesConfig
 from loka.zoo.tasks import click_loss, click_metrics, next_item_loss, next_item_metrics
 
 Batch = dict[str, torch.Tensor]
-PRESETS = ("tiny", "base", "large")
+PRESETS = ("tiny", "base", "large", "xl")
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,9 @@ class _Spec:
 
 
 _CTR_LARGE_ROWS = 200_000  # caps Criteo's largest tables: ~1.5-1.9M rows x 128 fit easily
+# xl: production-sized dense arches (linears take most of a compiled step; loka.zoo.estimate)
+# with tables of millions of rows, updated row-wise (sparse gradients, row-wise Adagrad).
+_CTR_XL_ROWS = 4_000_000
 
 SPECS: dict[str, _Spec] = {
     "dlrm": _Spec(
@@ -97,6 +100,13 @@ SPECS: dict[str, _Spec] = {
                 {},
                 16384,
             ),
+            "xl": (
+                dict(num_sparse=32, embedding_dim=128, max_table_rows=_CTR_XL_ROWS, width=2048,
+                     hidden=4096, num_layers=8, bottom_widths=(512, 256),
+                     head_widths=(1024, 512), sparse_embeddings=True),
+                {},
+                16384,
+            ),
         },
     ),
     "wukong": _Spec(
@@ -116,6 +126,13 @@ SPECS: dict[str, _Spec] = {
                 dict(embedding_dim=128, max_table_rows=_CTR_LARGE_ROWS, num_layers=4,
                      fm_outputs=16, lcb_outputs=16, fm_rank=32, fm_hidden=2048,
                      bottom_widths=(512, 256), head_widths=(1024, 512)),
+                {},
+                16384,
+            ),
+            "xl": (
+                dict(embedding_dim=128, max_table_rows=_CTR_XL_ROWS, num_layers=8, fm_outputs=32,
+                     lcb_outputs=32, fm_rank=32, fm_hidden=4096, bottom_widths=(512, 256),
+                     head_widths=(4096, 1024), sparse_embeddings=True),
                 {},
                 16384,
             ),
@@ -139,6 +156,12 @@ SPECS: dict[str, _Spec] = {
                            sequence_hidden=512, num_summary=4, num_cls=2, num_pma=2,
                            num_recent=4, bottom_widths=(512, 256), head_widths=(1024, 512)),
                       dict(num_clusters=256, min_seq_len=16), 16384),
+            "xl": (dict(embedding_dim=256, max_table_rows=_CTR_XL_ROWS, num_items=1_000_000,
+                        max_seq_len=16, num_heads=2, num_layers=4, interaction_hidden=4096,
+                        sequence_hidden=1024, num_summary=4, num_cls=2, num_pma=2, num_recent=4,
+                        bottom_widths=(512, 256), head_widths=(1024, 512),
+                        sparse_embeddings=True),
+                   dict(num_clusters=1024), 16384),
         },
     ),
     "hstu": _Spec(
@@ -154,6 +177,9 @@ SPECS: dict[str, _Spec] = {
             "large": (dict(num_items=200_000, max_seq_len=256, embedding_dim=1024, num_heads=8,
                            num_layers=4),
                       dict(layout="jagged", num_negatives=512, num_clusters=512), 256),
+            "xl": (dict(num_items=1_000_000, max_seq_len=256, embedding_dim=3072, num_heads=12,
+                        num_layers=8, sparse_embeddings=True),
+                   dict(layout="jagged", num_negatives=512, num_clusters=1024), 256),
         },
     ),
     "sasrec": _Spec(
@@ -230,6 +256,53 @@ def _split_overrides(spec: _Spec, overrides: dict[str, Any]) -> tuple[dict, dict
     return model, data
 
 
+def _resolve(
+    name: str, preset: str, batch_size: int | None, overrides: dict[str, Any]
+) -> tuple[_Spec, dict[str, Any], Any, int]:
+    """(spec, model config fields, data config, batch size) of a preset with overrides. The
+    synthetic click data's config already follows the model (table sizes, sequence)."""
+    if name not in SPECS:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(SPECS)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
+    spec = SPECS[name]
+    if preset not in spec.presets:
+        raise ValueError(f"{name} has no {preset!r} preset; choose one of {list(spec.presets)}")
+    model_preset, data_preset, preset_batch = spec.presets[preset]
+    model_overrides, data_overrides = _split_overrides(spec, overrides)
+    batch_size = preset_batch if batch_size is None else batch_size
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    model_kwargs = {**model_preset, **model_overrides}
+    if not issubclass(spec.data_config, SyntheticCriteoConfig):
+        data_config = spec.data_config(**{**data_preset, **data_overrides})
+        if data_config.dataset != "synthetic" and "num_items" in model_overrides:
+            raise ValueError(
+                f"num_items comes from the {data_config.dataset!r} data; do not override it"
+            )
+        return spec, model_kwargs, data_config, batch_size
+    if "cardinalities" in data_overrides:
+        raise ValueError("table sizes come from num_sparse and max_table_rows; set those")
+    config = spec.config(**model_kwargs)
+    # The data's shape follows the model: table sizes, and the sequence's vocabulary/width.
+    derived = dict(cardinalities=config.cardinalities, num_dense=config.num_dense)
+    if spec.data_config is SyntheticBehaviourConfig:
+        derived.update(num_items=config.num_items, max_seq_len=config.max_seq_len)
+    data_config = spec.data_config(**{**data_preset, **data_overrides, **derived})
+    return spec, model_kwargs, data_config, batch_size
+
+
+def preset_config(
+    name: str, preset: str = "tiny", *, batch_size: int | None = None, **overrides: Any
+) -> tuple[Any, Any, int]:
+    """`(model config, data config, batch size)` that `create(name, preset, ...)` would use,
+    building nothing. Amazon data sets are refused: their files set `num_items`."""
+    spec, model_kwargs, data_config, batch_size = _resolve(name, preset, batch_size, overrides)
+    if getattr(data_config, "dataset", "synthetic") != "synthetic":
+        raise ValueError(f"the {data_config.dataset!r} data sets num_items: use create()")
+    return spec.config(**model_kwargs), data_config, batch_size
+
+
 def create(
     name: str,
     preset: str = "tiny",
@@ -240,43 +313,27 @@ def create(
     **overrides: Any,
 ) -> ZooSetup:
     """Build model `name` ("dlrm", "dhen", "wukong", "interformer", "hstu", "sasrec") in a
-    preset ("tiny", "base", "large") on `device`, with its data and task.
+    preset ("tiny", "base", "large"; "xl" for dhen, wukong, interformer and hstu) on
+    `device`, with its data and task.
 
     `overrides` replace fields of the model config (e.g. `embedding_dim=32`) or of the data
     config (e.g. `layout="padded"`, `dataset="beauty"`). `seed` sets the model's
     initialization and the order of training data; held-out data depends only on the
     dataset (`teacher_seed`), so runs with different seeds are evaluated alike.
     """
-    if name not in SPECS:
-        raise ValueError(f"unknown model {name!r}; choose one of {sorted(SPECS)}")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
-    spec = SPECS[name]
-    model_preset, data_preset, preset_batch = spec.presets[preset]
-    model_overrides, data_overrides = _split_overrides(spec, overrides)
-    batch_size = preset_batch if batch_size is None else batch_size
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    spec, model_kwargs, data_config, batch_size = _resolve(name, preset, batch_size, overrides)
     device = torch.device(device)
-
-    if issubclass(spec.data_config, SyntheticCriteoConfig):
-        if "cardinalities" in data_overrides:
-            raise ValueError("table sizes come from num_sparse and max_table_rows; set those")
-        config = spec.config(**{**model_preset, **model_overrides})
-        # The data's shape follows the model: table sizes, and the sequence's vocabulary/width.
-        derived = dict(cardinalities=config.cardinalities, num_dense=config.num_dense)
-        if spec.data_config is SyntheticBehaviourConfig:
-            derived.update(num_items=config.num_items, max_seq_len=config.max_seq_len)
-        data_config = spec.data_config(**{**data_preset, **data_overrides, **derived})
+    if isinstance(data_config, SyntheticCriteoConfig):
+        config = spec.config(**model_kwargs)
         stream = (
-            SyntheticBehaviour if spec.data_config is SyntheticBehaviourConfig else SyntheticCriteo
+            SyntheticBehaviour
+            if isinstance(data_config, SyntheticBehaviourConfig)
+            else SyntheticCriteo
         )
         data: Any = stream(data_config, batch_size, device=device, seed=seed)
         loss, metrics = click_loss, click_metrics
     else:
-        data_config = spec.data_config(**{**data_preset, **data_overrides})
-        config, data = _sequence_data(spec, model_preset, model_overrides, data_config,
-                                      batch_size, device, seed)  # fmt: skip
+        config, data = _sequence_data(spec, model_kwargs, data_config, batch_size, device, seed)
         loss, metrics = next_item_loss, next_item_metrics
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -289,15 +346,14 @@ def create(
 
 def _sequence_data(
     spec: _Spec,
-    model_preset: dict[str, Any],
-    model_overrides: dict[str, Any],
+    model_kwargs: dict[str, Any],
     data: SequenceDataConfig,
     batch_size: int,
     device: torch.device,
     seed: int,
 ) -> tuple[Any, Any]:
     if data.dataset == "synthetic":
-        config = spec.config(**{**model_preset, **model_overrides})
+        config = spec.config(**model_kwargs)
         stream = SyntheticSequences(
             SyntheticSequencesConfig(
                 num_items=config.num_items,
@@ -313,10 +369,8 @@ def _sequence_data(
             seed=seed,
         )
         return config, stream
-    if "num_items" in model_overrides:
-        raise ValueError(f"num_items comes from the {data.dataset!r} data; do not override it")
     sequences = amazon.load_amazon(data.dataset, data.data_dir)
-    config = spec.config(**{**model_preset, **model_overrides, "num_items": sequences.num_items})
+    config = spec.config(**{**model_kwargs, "num_items": sequences.num_items})
     stream = amazon.AmazonStream(
         sequences,
         batch_size=batch_size,
