@@ -98,6 +98,14 @@ def coalesce_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return grad.indices()[0], grad.values()
 
 
+def _evaluate(closure: Callable[[], Any] | None) -> Any:
+    """A step's optional closure (it recomputes the loss), run with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class RowWiseAdagrad(torch.optim.Optimizer):
     """Row-wise Adagrad for embedding tables with sparse gradients: one float32 accumulator
     per row, only looked-up rows change, duplicate lookups coalesced."""
@@ -125,10 +133,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             for weight in group["params"]:
                 if weight.grad is None:
@@ -170,10 +175,7 @@ class HybridOptimizer:
             optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for optimizer in self.optimizers:
             optimizer.step()
         return loss
