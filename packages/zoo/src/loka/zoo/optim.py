@@ -10,7 +10,8 @@ its gradients (duplicates are coalesced first). The optimizer state is thus 4 by
 row instead of AdamW's 8 bytes per value, and no step touches the rest of the table.
 
 The update runs in `step()`, outside any compiled region: `torch.compile(model)` still
-compiles the whole forward and backward (embedding bags with `sparse=True` included).
+compiles the whole forward and backward (embedding bags with `sparse=True` included). On
+CUDA it is one Triton kernel (`loka.zoo.rowwise_adagrad`), elsewhere a few torch ops.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from loka.zoo.rowwise_adagrad import rowwise_adagrad_
 
 DENSE_EMBEDDINGS = "dense-adamw"
 SPARSE_EMBEDDINGS = "sparse-rowwise-adagrad"
@@ -67,24 +70,6 @@ def embedding_update(model: nn.Module) -> str:
     """How `make_optimizer` updates the model's tables: `"sparse-rowwise-adagrad"` or
     `"dense-adamw"` (the name benchmark rows carry)."""
     return SPARSE_EMBEDDINGS if sparse_embedding_weights(model) else DENSE_EMBEDDINGS
-
-
-def rowwise_adagrad_(
-    weight: torch.Tensor,
-    state: torch.Tensor,
-    rows: torch.Tensor,
-    grads: torch.Tensor,
-    *,
-    lr: float,
-    eps: float,
-) -> None:
-    """Update `weight [R, D]` and `state [R]` (float32) in place at the distinct `rows [U]`
-    with their summed gradients `grads [U, D]`."""
-    g = grads.float()
-    accumulated = state.index_select(0, rows) + g.square().mean(1)
-    state.index_copy_(0, rows, accumulated)
-    step = g * (-lr / (accumulated.sqrt() + eps)).unsqueeze(1)
-    weight.index_add_(0, rows, step.to(weight.dtype))
 
 
 def coalesce_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
