@@ -8,12 +8,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on CPU; before 
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
 import loka.zoo as zoo
 from loka.mods import ModSpec, SiteMods, apply
-from loka.mods.config import Fp8LinearConfig
+from loka.mods.config import Fp8LinearConfig, PassConfig
 from loka.mods.fp8_linear import Fp8Linear
 from loka.mods.grouped import GroupedLinear, GroupLayout
 from loka.mods.norm_linear import fuse_pair
@@ -145,3 +146,53 @@ def test_no_recompile_after_the_first_training_step():
         torch._dynamo.config.error_on_recompile = False
     assert dict(counters["stats"])["unique_graphs"] == before["unique_graphs"]
     assert float(model.fc3.amax_history_grad_output[1]) > 0  # the delayed path did run
+
+
+def _native(*recipes: str) -> Fp8LinearConfig:
+    return Fp8LinearConfig(
+        *(PassConfig(r, "torch.native.cpu") if r != "bf16" else PassConfig(r) for r in recipes)
+    )
+
+
+class UpstreamThen(nn.Module):
+    """An nn.Linear and SiLU feeding `inner`: gradients must reach the upstream weight."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        torch.manual_seed(1)
+        self.up = nn.Linear(32, 32)
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(nn.functional.silu(self.up(x)))
+
+
+AUTOCAST_MODELS = {
+    "custom ops (norm-fused, tensor, delayed, grouped)": SteadyModel,
+    "native, forward only": lambda: nn.Sequential(
+        Fp8Linear(32, 32, config=_native(ROW, "bf16", "bf16")),
+        nn.GELU(),
+        Fp8Linear(32, 16, config=_native(ROW, "e5m2:e4m3/row/dynamic", ROW)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(AUTOCAST_MODELS))
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_gradients_under_autocast_match_eager(name, backend):
+    """Under torch.compile with bf16 autocast (how users train), every parameter, upstream
+    ones included, gets the gradient eager mode gives. Regression: a no-op ``.to(dtype)`` on
+    a function's output made torch 2.11 return zero gradients there, silently, and the
+    'faster' compiled plans measured on the H200 were skipping backward work."""
+    torch._dynamo.reset()
+    eager = UpstreamThen(AUTOCAST_MODELS[name]())
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend=backend)
+    x = torch.randn(24, 32, generator=torch.Generator().manual_seed(3))
+    for module in (eager, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x)
+        out.float().square().mean().backward()
+    for (pname, a), b in zip(eager.named_parameters(), compiled_model.parameters(), strict=True):
+        assert a.grad is not None and a.grad.abs().sum() > 0, pname
+        torch.testing.assert_close(b.grad, a.grad, rtol=2e-2, atol=1e-5, msg=pname)

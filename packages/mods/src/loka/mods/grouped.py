@@ -27,6 +27,7 @@ from torch import nn
 
 from loka.kernels import registry
 from loka.mods.config import Fp8LinearConfig
+from loka.mods.dtypes import cast
 from loka.mods.fp8_linear import compute_dtype
 from loka.mods.linear_function import GEMM_OUT_DTYPE
 from loka.mods.linear_plan import LinearPlan
@@ -258,9 +259,10 @@ class GroupedFp8Function(torch.autograd.Function):
             y = call(
                 "grouped_mm", xd, xi, plan.fwd_x, wd, wi, plan.fwd_w, G, bias, plan.fwd_backend,
                 GEMM_OUT_DTYPE,
-            ).to(compute_dtype)  # fmt: skip
+            )  # fmt: skip
+            y = cast(y, compute_dtype)
         else:
-            y = _bmm(x.to(compute_dtype), weight.to(compute_dtype), bias)
+            y = _bmm(cast(x, compute_dtype), cast(weight, compute_dtype), bias)
         ctx.plan, ctx.compute_dtype = plan, compute_dtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(x, weight)
@@ -283,8 +285,8 @@ class GroupedFp8Function(torch.autograd.Function):
                     plan.dgrad_backend, GEMM_OUT_DTYPE,
                 )  # fmt: skip
             else:
-                dx = torch.bmm(dy.to(cdt), weight.to(cdt))
-            dx = dx.to(x_dtype)
+                dx = torch.bmm(cast(dy, cdt), cast(weight, cdt))
+            dx = cast(dx, x_dtype)
         if ctx.needs_input_grad[1]:
             if plan.wgrad_dyt:
                 dytd, dyti = _quantize_rows(dy.transpose(1, 2), plan.wgrad_dyt)
@@ -294,10 +296,10 @@ class GroupedFp8Function(torch.autograd.Function):
                     plan.wgrad_backend, GEMM_OUT_DTYPE,
                 )  # fmt: skip
             else:
-                dw = torch.bmm(dy.to(cdt).transpose(1, 2), x.to(cdt))
-            dw = dw.to(w_dtype)
+                dw = torch.bmm(cast(dy, cdt).transpose(1, 2), cast(x, cdt))
+            dw = cast(dw, w_dtype)
         if ctx.needs_input_grad[2]:
-            db = dy.sum(1).to(b_dtype)
+            db = cast(dy.sum(1), b_dtype)
         return dx, dw, db, None, None
 
 

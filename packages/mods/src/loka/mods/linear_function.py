@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from loka.mods.dtypes import cast
 from loka.mods.linear_plan import LinearPlan
 from loka.mods.ops import call
 
@@ -52,7 +53,7 @@ def pad_vector(v: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def high_precision_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return a.to(dtype) @ b.to(dtype)
+    return cast(a, dtype) @ cast(b, dtype)
 
 
 class Quantized(NamedTuple):
@@ -185,10 +186,10 @@ class Fp8LinearFunction(torch.autograd.Function):
             )  # fmt: skip
             b = None if bias is None else pad_vector(bias, Np)
             y = gemm(quantized, plan.fwd_x, cache[0], cache[1], plan.fwd_w, b, plan.fwd_backend)
-            y = unpad(y, M, N).to(compute_dtype)
+            y = cast(unpad(y, M, N), compute_dtype)
         else:
-            b = None if bias is None else bias.to(compute_dtype)
-            y = F.linear(x.to(compute_dtype), weight.to(compute_dtype), b)
+            b = None if bias is None else cast(bias, compute_dtype)
+            y = F.linear(cast(x, compute_dtype), cast(weight, compute_dtype), b)
         if keep_wgrad and plan.wgrad_xt and (quantized is None or quantized.t_data is None):
             # x^T for wgrad, quantized its own way (the fwd quantization recorded the amax).
             recorded = bool(plan.fwd_x) and bool(plan.fwd_x_window)
@@ -221,7 +222,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             ctx.plan, dy, SavedForBackward(*ctx.saved_tensors), ctx.shape, ctx.compute_dtype,
             ctx.grad_history, need_dx, need_dw,
         )  # fmt: skip
-        dx = None if dx is None else dx.to(x_dtype)
-        dw = None if dw is None else dw.to(w_dtype)
-        db = dy.sum(0).to(b_dtype) if need_db else None
+        dx = None if dx is None else cast(dx, x_dtype)
+        dw = None if dw is None else cast(dw, w_dtype)
+        db = cast(dy.sum(0), b_dtype) if need_db else None
         return dx, dw, db, None, None, None, None, None, *([None] * 4)

@@ -30,6 +30,7 @@ from loka.kernels.native import (
     quantize_native,
 )
 from loka.mods.config import Fp8LinearConfig, PassConfig
+from loka.mods.dtypes import cast
 
 
 @dataclass(frozen=True)
@@ -121,10 +122,10 @@ class NativeFp8LinearFunction(torch.autograd.Function):
             xq, x_inv = fwd.quantize(x, "a")
             wq, w_inv = fwd.quantize(weight, "b")
             # Every FP8 GEMM writes bf16 (rowwise _scaled_mm writes nothing else); cast after.
-            y = native_mm(xq, x_inv, wq, w_inv, bias, torch.bfloat16).to(compute_dtype)
+            y = cast(native_mm(xq, x_inv, wq, w_inv, bias, torch.bfloat16), compute_dtype)
         else:
-            b = None if bias is None else bias.to(compute_dtype)
-            y = F.linear(x.to(compute_dtype), weight.to(compute_dtype), b)
+            b = None if bias is None else cast(bias, compute_dtype)
+            y = F.linear(cast(x, compute_dtype), cast(weight, compute_dtype), b)
         wgrad = plan.wgrad if keep_wgrad and _aligned(plan, x, M, K) else None
         if wgrad is not None:
             # x^T quantized now (one pass over x, fused with its producer) and saved in FP8.
@@ -149,16 +150,16 @@ class NativeFp8LinearFunction(torch.autograd.Function):
         if need_dx and dgrad is not None:
             dyq, dy_inv = dgrad.quantize(dy, "a")
             wt, wt_inv = dgrad.quantize(weight, "b", transpose=True)
-            dx = native_mm(dyq, dy_inv, wt, wt_inv).to(x_dtype)
+            dx = cast(native_mm(dyq, dy_inv, wt, wt_inv), x_dtype)
         elif need_dx:
-            dx = (dy.to(compute_dtype) @ weight.to(compute_dtype)).to(x_dtype)
+            dx = cast(cast(dy, compute_dtype) @ cast(weight, compute_dtype), x_dtype)
         if need_dw and ctx.wgrad_fp8:
             xt, xt_inv = saved[1], saved[2]
             dyt, dyt_inv = plan.wgrad.quantize(dy, "a", transpose=True)
-            dw = native_mm(dyt, dyt_inv, xt, xt_inv).to(w_dtype)
+            dw = cast(native_mm(dyt, dyt_inv, xt, xt_inv), w_dtype)
         elif need_dw:
             x = saved[1]
-            dw = (dy.t().to(compute_dtype) @ x.to(compute_dtype)).to(w_dtype)
+            dw = cast(cast(dy.t(), compute_dtype) @ cast(x, compute_dtype), w_dtype)
         if need_db:
-            db = dy.sum(0).to(b_dtype)
+            db = cast(dy.sum(0), b_dtype)
         return dx, dw, db, None, None, None

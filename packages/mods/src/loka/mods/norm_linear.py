@@ -18,6 +18,7 @@ from torch import nn
 
 from loka.kernels.norm_quantization import MAX_ROW
 from loka.mods.config import Fp8LinearConfig
+from loka.mods.dtypes import cast
 from loka.mods.fp8_linear import Fp8Linear, compute_dtype
 from loka.mods.linear_function import (
     Quantized,
@@ -202,7 +203,7 @@ class NormLinearFunction(torch.autograd.Function):
         b = None if bias is None else pad_vector(bias, Np)
         quantized = Quantized(qd, qi, qa, None, None)
         y = gemm(quantized, plan.fwd_x, cache[0], cache[1], plan.fwd_w, b, plan.fwd_backend)
-        y = unpad(y, M, N).to(compute_dtype)
+        y = cast(unpad(y, M, N), compute_dtype)
         if keep_wgrad and plan.wgrad_xt:
             quantized = quantize_operand(
                 normed, plan.wgrad_xt, input_history, plan.wgrad_x_window, Mp, Kp,
@@ -243,8 +244,8 @@ class NormLinearFunction(torch.autograd.Function):
             )  # fmt: skip
             dnw = dnw if need[1] else None
             dnb = dnb if need[2] else None
-        dw = None if dw is None else dw.to(w_dtype)
-        db = dy.sum(0).to(b_dtype) if need[4] else None
+        dw = None if dw is None else cast(dw, w_dtype)
+        db = cast(dy.sum(0), b_dtype) if need[4] else None
         return dx, dnw, dnb, dw, db, None, None, None, None, None, None, *([None] * 4)
 
 
