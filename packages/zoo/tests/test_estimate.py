@@ -99,3 +99,12 @@ def test_xl_is_offered_for_the_production_models_only() -> None:
     # The dense path stays available for xl.
     config, _, _ = preset_config("dhen", "xl", sparse_embeddings=False)
     assert not config.sparse_embeddings
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_every_model_can_be_estimated(name: str) -> None:
+    estimate = estimate_step(name, "tiny")
+    assert estimate.linear_flops > 0 and estimate.step_seconds > 0
+    assert 0 < estimate.linear_time_share_unfused <= estimate.linear_time_share < 1
+    with pytest.raises(ValueError, match="use create"):
+        preset_config("sasrec", dataset="beauty")

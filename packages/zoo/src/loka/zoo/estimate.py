@@ -177,11 +177,11 @@ class _FusedAttention(torch.autograd.Function):
     never reaches memory), costed from its operands; on the meta device nothing runs."""
 
     @staticmethod
-    def forward(ctx, counter, q, k, v, mask):  # type: ignore[override]
-        ctx.counter = counter
+    def forward(ctx, counter, q, k, v, mask, causal):  # type: ignore[override]
+        ctx.counter, ctx.work = counter, 0.5 if causal else 1.0  # causal kernels skip half
         out = q.new_empty(*q.shape[:-1], v.size(-1))
         extra = [mask] if mask is not None else []
-        counter.attention(q, k, v, [q, k, v, *extra], [out], passes=2)
+        counter.attention(q, k, v, [q, k, v, *extra], [out], passes=2 * ctx.work)
         ctx.save_for_backward(q, k, v, out)
         return out
 
@@ -190,8 +190,8 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v, out = ctx.saved_tensors
         grads = [torch.empty_like(t) for t in (q, k, v)]
         # Recompute the scores, then dV, dP, dQ, dK: five GEMMs of the forward's two's size.
-        ctx.counter.attention(q, k, v, [q, k, v, out, grad], grads, passes=5)
-        return None, *grads, None
+        ctx.counter.attention(q, k, v, [q, k, v, out, grad], grads, passes=5 * ctx.work)
+        return None, *grads, None, None
 
 
 class _AttentionAsFused(TorchFunctionMode):
@@ -204,11 +204,14 @@ class _AttentionAsFused(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         q, k, v = args[:3]
-        if set(kwargs) - {"attn_mask"} or len(args) > 3:
+        # Dropout and the scale happen inside the fused kernel: they cost nothing apart.
+        if set(kwargs) - {"attn_mask", "is_causal", "dropout_p", "scale"} or len(args) > 3:
             raise NotImplementedError(
-                "estimate: only scaled_dot_product_attention(q, k, v, attn_mask=)"
+                "estimate: scaled_dot_product_attention(q, k, v) takes only keyword options"
             )
-        return _FusedAttention.apply(self.counter, q, k, v, kwargs.get("attn_mask"))
+        return _FusedAttention.apply(
+            self.counter, q, k, v, kwargs.get("attn_mask"), bool(kwargs.get("is_causal"))
+        )
 
 
 class _Counter(TorchDispatchMode):
@@ -227,9 +230,9 @@ class _Counter(TorchDispatchMode):
             moved / bandwidth, flops / (self.device.bf16_flops * self.device.gemm_efficiency)
         )
 
-    def attention(self, q, k, v, inputs: list, outputs: list, passes: int) -> None:
+    def attention(self, q, k, v, inputs: list, outputs: list, passes: float) -> None:
         """`passes` GEMMs of `q k^T`'s size, reading `inputs` and writing `outputs` once."""
-        flops = passes * 2 * q.size(-2) * k.size(-2) * q.size(-1) * math.prod(q.shape[:-2])
+        flops = round(passes * 2 * q.size(-2) * k.size(-2) * q.size(-1) * math.prod(q.shape[:-2]))
         moved = sum(map(_nbytes, inputs)) + sum(map(_nbytes, outputs))
         self.flops["matmul"] += flops
         self.seconds["matmul"] += self._seconds(moved, flops)
