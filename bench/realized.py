@@ -92,6 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "dynamic) and/or static (dynamic=False: one specialized graph per shape); every "
              "variant of a run is compiled alike",
     )  # fmt: skip
+    p.add_argument(
+        "--no-grad-check", dest="grad_check", action="store_false",
+        help="skip the gradient check (each seed-0 variant's gradients against bf16's)",
+    )  # fmt: skip
     p.add_argument("--device", default=None, help="cuda (default where present) or cpu")
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
@@ -368,6 +372,8 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
 
     from torch._dynamo.utils import counters
 
+    if args.grad_check:
+        gradient_check(made, batches[0], autocast, cudagraphs)
     for v in made.values():
         if "skipped" in v["row"]:
             continue
@@ -435,6 +441,57 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
 
 
 QUALITY_SEEDS = {"bf16": 0, "bf16-seed1": 1, "bf16-seed2": 2}
+GRAD_MIN_COSINE = 0.9
+
+
+def gradient_check(made: dict, batch, autocast, cudagraphs: bool) -> None:
+    """One forward and backward of each seed-0 variant on the same batch, before any
+    optimizer step, so all start from bf16 seed 0's weights: per parameter (by name), the
+    cosine of its gradient with bf16's. A plan that changes what is trained (a zero or
+    missing gradient: compiled LoKA plans did, until the `mods.dtypes.cast` fix) is not a
+    speedup; FP8 rounding keeps cosines near 1. Writes `grad_min_cosine`, `grad_worst`
+    and `grad_ok` (min cosine >= GRAD_MIN_COSINE) into each row."""
+    import torch
+
+    def grads(v) -> dict:
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        model = v["setup"].model
+        device = next(model.parameters()).device.type
+        with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = v["setup"].loss(v["model"], batch)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        out = {
+            n: (p.grad.detach().float().flatten().clone() if p.grad is not None else None)
+            for n, p in model.named_parameters()
+        }
+        model.zero_grad(set_to_none=True)
+        return out
+
+    live = {k: v for k, v in made.items() if "skipped" not in v["row"] and v["row"]["seed"] == 0}
+    if "bf16" not in live:
+        return
+    reference = grads(live["bf16"])
+    for name, v in live.items():
+        if name == "bf16":
+            continue
+        got = grads(v)
+        worst, worst_name = 1.0, None
+        for pname, want in reference.items():
+            if want is None or pname not in got or float(want.norm()) == 0.0:
+                continue
+            have = got[pname]
+            cos = (
+                0.0
+                if have is None or float(have.norm()) == 0.0
+                else float(torch.dot(want, have) / (want.norm() * have.norm()))
+            )
+            if cos < worst:
+                worst, worst_name = cos, pname
+        v["row"] |= {"grad_min_cosine": worst, "grad_worst": worst_name,
+                     "grad_ok": worst >= GRAD_MIN_COSINE}  # fmt: skip
+        log(f"gradient check {name}: min cosine with bf16 {worst:.4f} ({worst_name})")
 
 
 def compile_kwargs(mode: str, dynamic: str) -> dict:

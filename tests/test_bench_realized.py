@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 _PATH = Path(__file__).parents[1] / "bench" / "realized.py"
 _SPEC = importlib.util.spec_from_file_location("bench_realized", _PATH)
@@ -64,3 +65,42 @@ def test_quality_ok_is_not_worse_than_the_bf16_band():
     rows = [{"variant": "bf16", "quality": 0.5}, {"variant": "loka", "quality": 0.4}]
     realized.quality_rows(rows, "ndcg@10")  # higher is better
     assert rows[1]["quality_ok"] is False
+
+
+class _Setup:
+    def __init__(self, model):
+        self.model = model
+
+    def loss(self, model, batch):
+        return model(batch).square().mean()
+
+
+class _DetachedHead(torch.nn.Module):
+    """A model whose first layer gets no gradient: what the compiled FP8 bug did."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, x):
+        return self.inner[1](self.inner[0](x).detach())
+
+
+def test_gradient_check_flags_a_variant_that_trains_something_else():
+    import copy
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    same, broken = copy.deepcopy(base), copy.deepcopy(base)
+    made = {
+        "bf16": {"setup": _Setup(base), "model": base, "row": {"seed": 0}},
+        "bf16-seed1": {"setup": _Setup(same), "model": same, "row": {"seed": 1}},
+        "loka": {"setup": _Setup(same), "model": same, "row": {"seed": 0}},
+        "broken": {"setup": _Setup(broken), "model": _DetachedHead(broken), "row": {"seed": 0}},
+    }
+    realized.gradient_check(made, torch.randn(16, 8), None, cudagraphs=False)
+    assert made["loka"]["row"]["grad_ok"] and made["loka"]["row"]["grad_min_cosine"] > 0.999
+    assert not made["broken"]["row"]["grad_ok"]
+    assert made["broken"]["row"]["grad_worst"].startswith("0.")  # the first layer's
+    assert "grad_ok" not in made["bf16-seed1"]["row"]  # other seeds start elsewhere
+    assert all(p.grad is None for p in base.parameters())  # left as found
