@@ -223,9 +223,10 @@ def tiny_plan(model: nn.Module, fuse: bool = False):
     sites = pl.DataFrame(
         [{"site": n, "kind": "linear", "K": m.in_features, "N": m.out_features, "M_min": 32,
           "M_p50": 32, "M_max": 32, "calls": 1, "groups": 1, "has_bias": True,
-          "dtype": "float32", "fwd_ms": None, "bwd_ms": None, "time_share": 0.2}
+          "dtype": "float32", "fwd_ms": None, "bwd_ms": None, "time_share": 0.2,
+          "norm": "norm" if fuse and n == "fc1" else None}
          for n, m in linears],
-        schema_overrides={"fwd_ms": pl.Float64, "bwd_ms": pl.Float64},
+        schema_overrides={"fwd_ms": pl.Float64, "bwd_ms": pl.Float64, "norm": pl.String},
     )  # fmt: skip
     errors = pl.DataFrame(
         [{"site": n, "recipe": ROW, "pass": p, "n": 8, "mean_rel_err": 0.035, "std_rel_err": 0.001,
@@ -238,8 +239,7 @@ def tiny_plan(model: nn.Module, fuse: bool = False):
         [(32, 32, 64), (32, 64, 32)], fp8_ms=0.97 if fuse else 0.5,
         norm_shapes=[(32, 32)] if fuse else (),
     )  # fmt: skip
-    return make_plan(validate(sites, "sites"), validate(errors, "site_errors"), bench,
-                     norm_fed=["fc1"] if fuse else ())  # fmt: skip
+    return make_plan(validate(sites, "sites"), validate(errors, "site_errors"), bench)
 
 
 def test_switching_keeps_parameters_and_gives_back_the_original_modules() -> None:
@@ -366,3 +366,37 @@ def test_session_verifies_after_applying_and_settles_on_the_verified_sites(tmp_p
     session.close()
     # The default verifies GPU models only.
     assert SessionConfig().verify == VerifyConfig() and not VerifyConfig().on_cpu
+
+
+class FakeGradients:
+    """Named parameters whose gradients the active set decides: a site in `breaks` leaves
+    `victim` with a zero gradient (the compiled zero-gradient bug), others train all."""
+
+    def __init__(self, fake: FakeStep, breaks: set[str], victim: str = "up.weight") -> None:
+        self.fake, self.breaks, self.victim = fake, breaks, victim
+        self.params = {n: torch.nn.Parameter(torch.ones(3)) for n in ("up.weight", "fc.weight")}
+
+    def __call__(self):
+        for name, p in self.params.items():
+            broken = name == self.victim and self.fake.active & self.breaks
+            p.grad = torch.zeros(3) if broken else torch.ones(3)
+        return self.params.items()
+
+
+def test_a_faster_set_that_loses_gradients_is_refused_and_its_site_demoted() -> None:
+    fake = FakeStep({"good": 0.95, "bad": 0.8}, noise=0.005)
+    verifier = run(fake, parameters=FakeGradients(fake, {"bad"}))
+    result = verifier.result
+    assert result.kept == ["good"] and list(result.demoted) == ["bad"]
+    assert "changes the gradients: 1 parameter(s) get none (up.weight)" in result.demoted["bad"]
+    first = result.rounds[0]
+    assert not first.accepted and first.lost_gradients == ("up.weight",)
+    assert first.speedup > 1.2  # faster, and refused all the same
+    assert first.as_dict()["lost_gradients"] == ["up.weight"]
+
+
+def test_gradients_cleared_after_the_step_are_not_mistaken_for_lost_ones() -> None:
+    fake = FakeStep({"a": 0.9}, noise=0.005)
+    params = {"w": torch.nn.Parameter(torch.ones(2))}  # grad None: zeroed after each step
+    result = run(fake, parameters=lambda: params.items()).result
+    assert result.kept == ["a"] and not result.rounds[0].lost_gradients

@@ -20,6 +20,13 @@ have measured 0.82-1.05x bf16. So after `apply`, the step itself is measured:
   gain first), and a failing single site is demoted. At most `max_rounds` rounds.
 - The outcome is the fastest measured set that was not slower than bf16 with confidence
   (every other site demoted, each with its reason), or bf16 everywhere when none was.
+- Speed is not the only check. With `parameters` (`verifier_for` passes the model's), the
+  last step of every block also says which parameters got a non-zero gradient: a set under
+  which a parameter that every bf16 block of the round trains gets none (zero or missing)
+  fails, whatever its speed ("changes the gradients"), and the search demotes the sites
+  that cause it. A step that skips backward work is faster for the wrong reason: compiled
+  FP8 linears once did exactly that under autocast (zero gradients upstream, see
+  `loka.mods.dtypes`), and measured 1.01-1.18x "faster".
 
 `Verifier` is the state machine (call `step()` after every training step: `Session` does);
 `verify(step_fn, applied)` drives it by calling `step_fn()` itself.
@@ -104,9 +111,10 @@ class Round:
     predicted: float | None  # what the plan predicts for this set
     planned_ms: tuple[float, ...]  # block medians, in order
     bf16_ms: tuple[float, ...]
-    accepted: bool  # not slower than bf16 with confidence
+    accepted: bool  # not slower than bf16 with confidence (and no gradient lost)
     verdict: str
     steps: int
+    lost_gradients: tuple[str, ...] = ()  # trained in every bf16 block, in no planned one
 
     def describe(self) -> str:
         predicted = f", predicted {self.predicted:.3f}x" if self.predicted is not None else ""
@@ -120,6 +128,7 @@ class Round:
             "round": self.index, "sites": len(self.active), "speedup": self.speedup,
             "low": self.low, "high": self.high, "predicted": self.predicted,
             "verdict": self.verdict, "steps": self.steps,
+            "lost_gradients": list(self.lost_gradients),
         }  # fmt: skip
 
 
@@ -186,8 +195,9 @@ class Verifier:
     the bisection; with `predicted` (the speedup predicted with every site of `gains` in
     FP8), the prediction for a subset S is 1 / (1 - (1 - 1/predicted) * gain(S) / gain(all)).
     `reduce(block_median)` makes the times agree across ranks (torch.distributed), so that
-    every rank decides the same. When `done`, the switch holds the outcome and `result` is
-    the `Verification`.
+    every rank decides the same. `parameters()` (named parameters, e.g. the model's
+    `named_parameters`) turns on the gradient check. When `done`, the switch holds the
+    outcome and `result` is the `Verification`.
     """
 
     def __init__(
@@ -202,8 +212,11 @@ class Verifier:
         reduce: Callable[[float], float] | None = None,
         on_event: Callable[[str], None] | None = None,
         method: str | None = None,
+        parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
     ) -> None:
         self.config = config or VerifyConfig()
+        self._parameters = parameters
+        self._trained: list[frozenset[str]] = []  # per block of the round, as the medians
         self.gains = dict(gains or {})
         names = list(dict.fromkeys(sites))
         self.sites = sorted(names, key=lambda s: (-self.gains.get(s, 0.0), names.index(s)))
@@ -259,6 +272,8 @@ class Verifier:
         if self._in_block < self.config.steps_per_block:
             return
         times = self._timer.collect()[self.config.drop :]
+        if self._parameters is not None:
+            self._trained.append(trained(self._parameters()))
         median = statistics.median(times)
         self._medians.append(self._reduce(median) if self._reduce is not None else median)
         if len(self._medians) < 2 * self.config.blocks:
@@ -277,6 +292,7 @@ class Verifier:
         self._active = tuple(s for s in self.sites if s in set(active))
         self._group = group
         self._medians = []
+        self._trained = []
         self._round_start = self.steps
         self._start_block()
 
@@ -290,8 +306,16 @@ class Verifier:
         cfg = self.config
         cmp = compare(self._medians[0::2], self._medians[1::2], cfg.confidence)
         predicted = self.predicted_for(self._active)
-        accepted = cmp.speedup >= 1.0 and cmp.low >= 1.0 - cfg.tolerance
-        if cmp.high < 1.0:
+        lost: tuple[str, ...] = ()
+        if self._trained:
+            always = frozenset.intersection(*self._trained[1::2])
+            ever = frozenset().union(*self._trained[0::2])
+            lost = tuple(sorted(always - ever))
+        accepted = cmp.speedup >= 1.0 and cmp.low >= 1.0 - cfg.tolerance and not lost
+        if lost:
+            shown = ", ".join(lost[:3]) + (f" and {len(lost) - 3} more" if len(lost) > 3 else "")
+            verdict = f"changes the gradients: {len(lost)} parameter(s) get none ({shown})"
+        elif cmp.high < 1.0:
             verdict = "slower than bf16"
         elif not accepted:
             verdict = "not shown to be as fast as bf16"
@@ -305,6 +329,7 @@ class Verifier:
             planned_ms=tuple(1e3 * t for t in self._medians[0::2]),
             bf16_ms=tuple(1e3 * t for t in self._medians[1::2]),
             accepted=accepted, verdict=verdict, steps=self.steps - self._round_start,
+            lost_gradients=lost,
         )  # fmt: skip
 
     def _end_round(self) -> None:
@@ -373,6 +398,20 @@ class Verifier:
             self._event(line)
 
 
+def trained(parameters: Iterable[tuple[str, torch.Tensor]]) -> frozenset[str]:
+    """Names of the parameters holding a non-zero dense gradient (one device sync)."""
+    named = [
+        (name, p.grad)
+        for name, p in parameters
+        if p.grad is not None and p.grad.layout == torch.strided and p.grad.numel() > 0
+    ]
+    if not named:
+        return frozenset()
+    norms = torch._foreach_norm([g for _, g in named])
+    flags = (torch.stack([n.float().to(norms[0].device) for n in norms]) != 0).tolist()
+    return frozenset(name for (name, _), flag in zip(named, flags, strict=True) if flag)
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
@@ -384,13 +423,15 @@ def verifier_for(
     **kwargs,
 ) -> Verifier:
     """A `Verifier` over the live FP8 sites of an `Applied` (`loka.dispatch.apply`'s result),
-    switching them with `Applied.use`; predictions from its plan. `timer` defaults to CUDA
-    events on a GPU model, the wall clock elsewhere."""
+    switching them with `Applied.use`; predictions from its plan; the gradient check on the
+    model's parameters. `timer` defaults to CUDA events on a GPU model, the wall clock
+    elsewhere."""
     live = [s for s in applied.sites if s not in applied.demoted]
     timer = timer if timer is not None else default_timer(_model_device(applied.model))
     return Verifier(
         live, applied.use, config, timer, gains=site_gains(applied.plan.table),
-        predicted=applied.plan.summary.predicted_speedup, **kwargs,
+        predicted=applied.plan.summary.predicted_speedup,
+        parameters=kwargs.pop("parameters", applied.model.named_parameters), **kwargs,
     )  # fmt: skip
 
 
