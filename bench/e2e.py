@@ -209,7 +209,7 @@ def train_run(name: str, variant: str) -> dict:
             "guard_events": [e.__dict__ for e in session.guard.events] if session.guard else [],
             "session_events": session.events,
         }  # fmt: skip
-        row["_tables"] = (session.tables, session.kernel_bench, session.norm_fed)
+        row["_tables"] = (session.tables, session.kernel_bench)
     row["_setup"] = setup
     return row
 
@@ -261,9 +261,8 @@ def inference_runs(name: str, bf16_row: dict, loka_row: dict | None) -> list[dic
         except Exception as exc:
             rows.append({"model": name, "variant": "infer-torchao-rowwise", "error": repr(exc)})
     if loka_row is not None and "_tables" in loka_row:
-        tables, bench, norm_fed = loka_row["_tables"]
-        plan = make_plan(tables["sites"], tables["site_errors"], bench, PlanConfig(inference=True),
-                         norm_fed=norm_fed)  # fmt: skip
+        tables, bench = loka_row["_tables"]
+        plan = make_plan(tables["sites"], tables["site_errors"], bench, PlanConfig(inference=True))
         model = copy.deepcopy(served)
         applied = apply(model, plan, sample=batch)
         s = plan.summary

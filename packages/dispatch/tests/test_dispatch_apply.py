@@ -199,7 +199,9 @@ def test_a_plan_that_fuses_a_norm_needs_the_sample_and_gets_the_fused_module(dhe
     sites, errors = probe_like_tables(dhen.model)
     bench = synthetic_kernel_bench([(32, 32, 64)], fp8_ms=0.97, norm_shapes=[(32, 32)])
     config = PlanConfig(exclude=("blocks.1.*",))
-    plan = make_plan(sites, errors, bench, config, norm_fed=["blocks.0.fc1", "blocks.1.fc1"])
+    norms = {"blocks.0.fc1": "blocks.0.norm", "blocks.1.fc1": "blocks.1.norm"}  # as Probe finds
+    sites = sites.with_columns(pl.col("site").replace_strict(norms, default=None).alias("norm"))
+    plan = make_plan(sites, errors, bench, config)
     assert plan.table.filter(pl.col("fuse_norm"))["site"].to_list() == ["blocks.0.fc1"]
     with pytest.warns(PlanFallbackWarning, match="pass sample="):
         skipped = apply(dhen.model, plan)
@@ -274,3 +276,87 @@ def test_guard_watches_gradients_without_torchs_full_backward_hook_warning() -> 
     assert flags[("2", "grad_output")]
     guard.disarm()
     applied.undo()
+
+
+def test_probe_tables_alone_plan_and_apply_a_fused_norm_with_no_trace(monkeypatch) -> None:
+    """Probe writes the norm feeding fc1 into `sites`; the plan weighs fusing it from the
+    tables alone, and apply fuses it without tracing the model (loka.mods checks the fused
+    model's outputs on the sample instead)."""
+    import importlib
+
+    from test_dispatch_verify import Tiny  # norm -> fc1 -> relu -> fc2
+
+    from loka.dispatch.bench import site_norm_shapes
+    from loka.mods.norm_linear import NormLinear
+    from loka.probe import Probe, ProbeConfig
+
+    torch.manual_seed(0)
+    model, x = Tiny(), torch.randn(32, 32)
+    with Probe(model, ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None)) as probe:
+        model(x).sum().backward()
+        probe.step()
+        sites = probe.tables()["sites"]
+    assert dict(zip(sites["site"], sites["norm"], strict=True)) == {"fc1": "norm", "fc2": None}
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("the model was traced again")
+
+    monkeypatch.setattr(
+        importlib.import_module("loka.mods.apply"), "trace_norm_consumers", no_trace
+    )
+    _, errors = probe_like_tables(model)
+    assert site_norm_shapes(sites) == [(32, 32)]
+    bench = synthetic_kernel_bench(
+        [(32, 32, 64), (32, 64, 32)], fp8_ms=0.97, norm_shapes=site_norm_shapes(sites)
+    )
+    plan = make_plan(sites, errors, bench)
+    fwd = plan.table.filter((pl.col("site") == "fc1") & (pl.col("pass") == "fwd")).row(
+        0, named=True
+    )
+    assert fwd["fuse_norm"] and fwd["norm"] == "norm"
+    applied = apply(model, plan, sample=x)
+    assert applied.sites == ["fc1"] and type(model.fc1) is NormLinear
+    applied.undo()
+
+
+def test_a_site_loka_mods_refuses_stays_bf16_and_the_rest_is_applied_in_one_retry(
+    monkeypatch,
+) -> None:
+    """loka.mods names the site it refuses (here: fusing a norm whose output also feeds a
+    residual), so apply keeps it in bf16 and applies the rest, without trying site by site."""
+    import loka.dispatch.apply_plan as apply_plan
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.fc1, self.fc2 = nn.LayerNorm(32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(x)
+            return self.fc2(self.fc1(h) + h)
+
+    torch.manual_seed(0)
+    model, x = Residual(), torch.randn(32, 32)
+    sites, errors = probe_like_tables(model)
+    sites = sites.with_columns(  # a table that missed the residual (hooks cannot see it)
+        pl.when(pl.col("site") == "fc1").then(pl.lit("norm")).otherwise(None).alias("norm")
+    )
+    bench = synthetic_kernel_bench([(32, 32, 32)], fp8_ms=0.97, norm_shapes=[(32, 32)])
+    plan = make_plan(sites, errors, bench, PlanConfig(min_speedup=1.0))
+    assert plan.table.filter(pl.col("fuse_norm"))["site"].to_list() == ["fc1"]
+    assert set(plan.fp8_sites()) == {"fc1", "fc2"}
+    calls = []
+    real = apply_plan.mods_apply
+
+    def counted(model, spec, sample):
+        calls.append(sorted(spec.sites))
+        return real(model, spec, sample)
+
+    monkeypatch.setattr(apply_plan, "mods_apply", counted)
+    with pytest.warns(PlanFallbackWarning, match="also feeds something other than the linear"):
+        applied = apply(model, plan, sample=x)
+    assert calls == [["fc1", "fc2"], ["fc2"]]
+    assert applied.sites == ["fc2"] and "fc1" in applied.fallbacks
+    assert type(model.fc1) is nn.Linear and isinstance(model.fc2, Fp8Linear)
+    with pytest.raises(PlanMismatchError, match=r"loka\.mods refused the plan"):
+        apply(Residual(), plan, ApplyConfig(strict=True), sample=x)

@@ -254,9 +254,11 @@ def test_a_norm_fed_site_weighs_fusing_its_norm() -> None:
     # FP8 at 0.97 ms (0.776 GEMM + 0.194 quantization) is not 5% faster than bf16 (1 ms)...
     bench = synthetic_kernel_bench([(8192, 1024, 4096)], fp8_ms=0.97, norm_shapes=[(8192, 1024)])
     assert all(r["recipe"] == "bf16" for r in plan_rows(make_plan(sites, errors, bench)).values())
-    # ...but with the norm fused the forward pays 0.776 + (0.16 - 0.2) ms.
-    fused = plan_rows(make_plan(sites, errors, bench, norm_fed=["fc"]))["fwd"]
-    assert fused["recipe"] == ROW and fused["fuse_norm"]
+    # ...but with the norm fused the forward pays 0.776 + (0.16 - 0.2) ms. Probe found that
+    # norm "ln" feeds fc alone (sites.norm).
+    fed = sites.with_columns(pl.lit("ln").alias("norm"))
+    fused = plan_rows(make_plan(fed, errors, bench))["fwd"]
+    assert fused["recipe"] == ROW and fused["fuse_norm"] and fused["norm"] == "ln"
     assert fused["predicted_ms"] == pytest.approx(0.97 * 0.8 - 0.04)
     assert "norm feeding it is fused" in fused["reason"]
     assert not plan_rows(make_plan(sites, errors, bench))["fwd"]["fuse_norm"]

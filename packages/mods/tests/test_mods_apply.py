@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels on CPU; before loka.kernels
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -330,3 +331,70 @@ def test_a_served_bf16_model_fed_float32_features_is_checked_under_autocast():
     # An fp32 model is run as called: no autocast is imposed on it.
     fp32 = nn.Linear(16, 8)
     assert run_model(fp32, features).dtype == torch.float32
+
+
+def test_a_named_norm_is_fused_without_tracing_and_still_checked(monkeypatch):
+    mods_apply = importlib.import_module("loka.mods.apply")  # (loka.mods.apply is the function)
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("a named norm needs no trace")
+
+    monkeypatch.setattr(mods_apply, "trace_norm_consumers", no_trace)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 8))
+    x = torch.randn(4, 16)
+    reference = run_model(model, x)
+    report = apply(model, ModSpec(sites={"1": SiteMods(fuse_norm=True, norm="0")}), x)
+    assert isinstance(model[1], NormLinear) and isinstance(model[0], FusedNorm)
+    assert outputs_match(run_model(model, x), reference) is None
+    report.undo()
+    # The outputs check catches what no table can say: the norm's output also feeds a residual.
+    residual = ResidualNorm()
+    with pytest.raises(ModsError) as refused:
+        apply(residual, ModSpec(sites={"linear": SiteMods(fuse_norm=True, norm="norm")}), x)
+    assert refused.value.problems.keys() == {"linear"}
+    with pytest.raises(ModsError, match=r"not an nn\.LayerNorm or nn\.RMSNorm") as refused:
+        apply(model, ModSpec(sites={"1": SiteMods(fuse_norm=True, norm="1")}), x)
+    assert refused.value.problems.keys() == {"1"}
+
+
+def test_errors_name_the_sites_at_fault():
+    s, batch = setup("dhen")
+    before = snapshot(s.model)
+    block = Fp8LinearConfig.from_recipes("e4m3:e4m3/block/dynamic", "bf16", "bf16")
+    spec = ModSpec(
+        sites={
+            "blocks.0.fc2": SiteMods(fp8=Fp8LinearConfig()),  # fine
+            "blocks.7.fc1": SiteMods(fp8=BF16),  # no such module
+            "blocks.0.fc1": SiteMods(fuse_norm=True, fp8=block),  # not a fusable recipe
+        }
+    )
+    with pytest.raises(ModsError) as refused:
+        apply(s.model, spec, batch)
+    assert refused.value.problems.keys() == {"blocks.7.fc1", "blocks.0.fc1"}
+    assert "no such module" in refused.value.problems["blocks.7.fc1"]
+    assert_unchanged(s.model, before)
+
+
+def test_site_mods_from_plan_reads_fusion_and_names_bad_sites():
+    from loka.mods.spec import site_mods_from_plan
+
+    def rows(site, recipes, **extra):
+        return [
+            {"site": site, "pass": p, "backend": None, "recipe": r, **(extra if p == "fwd" else {})}
+            for p, r in zip(("fwd", "dgrad", "wgrad"), recipes, strict=True)
+        ]
+
+    plan = [
+        *rows("a", (ROW, ROW, "bf16"), fuse_norm=True, norm="ln"),
+        *rows("b", ("bf16",) * 3),  # all bf16: left alone
+        *rows("c", (ROW, "e4m3:e4m3/row/lazy", ROW)),  # a bad recipe
+        *rows("d", (ROW, ROW, ROW))[:2],  # no wgrad
+    ]
+    sites, problems = site_mods_from_plan(plan)
+    assert set(sites) == {"a"} and sites["a"].fuse_norm and sites["a"].norm == "ln"
+    assert not sites["a"].needs_trace
+    assert set(problems) == {"c", "d"} and "no row for ['wgrad']" in problems["d"]
+    with pytest.raises(SpecError) as refused:
+        ModSpec.from_plan(plan)
+    assert refused.value.problems == problems

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "loka.dispatch.apply_plan": ("Applied", "ApplyConfig", "PlanFallbackWarning",
-                                 "PlanMismatchError", "apply", "norm_fed_sites"),
+                                 "PlanMismatchError", "apply"),
     "loka.dispatch.bench": ("BenchCache", "BenchResult", "CacheMismatchError", "CostModel",
                             "Shape", "benchmark", "site_shapes"),
     "loka.dispatch.device": ("DeviceInfo",),
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
         PlanFallbackWarning,
         PlanMismatchError,
         apply,
-        norm_fed_sites,
     )
     from loka.dispatch.bench import (
         BenchCache,
@@ -94,7 +93,6 @@ __all__: list[str] = [
     "benchmark",
     "load_probe_tables",
     "make_plan",
-    "norm_fed_sites",
     "read_plan",
     "site_shapes",
     "write_report",

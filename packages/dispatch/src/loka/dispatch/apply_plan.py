@@ -6,12 +6,17 @@ a file), that its sites are this model's (names, in/out features, the model fing
 recorded with the plan), that each planned backend can run on the model's device. A site
 that does not match falls back to bf16 with a warning, or, with ``strict=True``, the call
 fails naming every problem; a plan that matches almost nothing of the model is refused in
-either mode. The swap itself is `loka.mods.apply`, which is all or nothing; `Applied.undo`
-restores the original modules (holding the same, possibly trained, Parameters).
+either mode. The plan's rows become typed `loka.mods` site mods once
+(`loka.mods.spec.site_mods_from_plan`); the swap itself is `loka.mods.apply`, which is all
+or nothing and names the sites it refuses, so that those fall back to bf16 and the rest is
+applied. Nothing is traced: the norm a site fuses is the plan's `norm` (Probe's
+`sites.norm`). `Applied.undo` restores the original modules (holding the same, possibly
+trained, Parameters).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -26,7 +31,11 @@ from torch import nn
 
 from loka.dispatch.planner import Plan, PlanSummary, sites_fingerprint
 from loka.kernels import registry
-from loka.schema import PASSES, validate
+from loka.mods.apply import ModsError
+from loka.mods.apply import apply as mods_apply
+from loka.mods.config import PassConfig
+from loka.mods.spec import ModSpec, SiteMods, site_mods_from_plan
+from loka.schema import validate
 
 log = logging.getLogger("loka.dispatch")
 
@@ -45,8 +54,9 @@ class ApplyConfig:
 
     strict: any mismatch raises `PlanMismatchError` (else: that site stays bf16, warned).
     module_filter_fn: ``fn(module, name) -> bool``; sites it rejects stay bf16.
-    fuse_norm: also fuse the norm that feeds each FP8 site (needs `sample`); sites whose
-        norm cannot be fused keep it separate.
+    fuse_norm: also fuse the norm that feeds each FP8 site alone (the plan's `norm` column)
+        when its forward recipe runs on the fused kernel; needs `sample`, on which the fused
+        model is checked against the original.
     replace_unrunnable_backends: a planned backend that cannot run on the model's device
         (e.g. a GPU-only backend on the CPU) is replaced by the default backend of the same
         recipe (identical numerics; speed not what was planned); False: the site stays bf16.
@@ -223,68 +233,77 @@ def _check_site(
     return None
 
 
-def _runnable_backend(backend: str, recipe: str, device: torch.device, K: int, N: int,
-                      pass_: str, replace: bool) -> tuple[str | None, str | None]:  # fmt: skip
+def _runnable_backend(
+    pass_config: PassConfig, device: torch.device, K: int, N: int, pass_: str, replace: bool
+) -> tuple[str | None, str | None]:
     """(backend to use, note) for one FP8 pass on `device`; (None, reason) when none runs."""
-    from loka.schema import Recipe
-
+    backend = pass_config.backend
     reason = registry.get(backend).runnable_reason(device)
     if reason is None:
         return backend, None
     if not replace:
         return None, reason
-    parsed = Recipe.parse(recipe)
     for other in registry.backends("mm"):
         if other.name.endswith(".fast") or ("bf16", "bf16") in other.formats:
             continue
         if (
             other.runnable_reason(device) is None
-            and other.supports(parsed, 128, K, N, pass_) is None
+            and other.supports(pass_config.recipe, 128, K, N, pass_) is None
         ):
             return other.name, f"{backend} cannot run here ({reason}); using {other.name}"
     return None, reason
 
 
-def _emulates_on_cpu(rows: list[dict], device: torch.device, config: ApplyConfig) -> bool:
+def _emulates_on_cpu(mods: SiteMods, device: torch.device, config: ApplyConfig) -> bool:
     """Whether a site's FP8 passes run on ``torch.native`` here instead of their planned
     backends (`ApplyConfig.emulate_on_cpu`): every FP8 pass must be one it runs."""
     from loka.kernels.native import native_refusal
-    from loka.schema import Recipe
 
-    if device.type != "cpu" or not config.emulate_on_cpu or config.fuse_norm:
+    if device.type != "cpu" or not config.emulate_on_cpu or config.fuse_norm or mods.fuse_norm:
         return False
-    fp8 = [r for r in rows if r["recipe"] != "bf16"]
     # The recipe alone: torch.native.cpu emulates the GEMM and takes any shape.
-    recipes = [Recipe.parse(r["recipe"]) for r in fp8]
-    refusals = [native_refusal(x.a_format, x.b_format, x.granularity, x.scaling) for x in recipes]
-    return (
-        bool(fp8) and not any(r.get("fuse_norm") for r in fp8) and refusals.count(None) == len(fp8)
+    fp8 = [p.recipe for p in mods.fp8.passes().values() if not p.is_bf16]
+    return bool(fp8) and all(
+        native_refusal(r.a_format, r.b_format, r.granularity, r.scaling) is None for r in fp8
     )
 
 
-def norm_fed_sites(model: nn.Module, sample: Any) -> set[str]:
-    """Linears whose input is the output of a norm that feeds nothing else (traced on
-    `sample`, one model input): the sites whose norm `loka.mods` can fuse."""
-    from loka.mods.trace import trace_norm_consumers
+def _on_device(
+    name: str, mods: SiteMods, device: torch.device, K: int, N: int, config: ApplyConfig
+) -> tuple[SiteMods | None, bool, str | None]:
+    """(the site's mods with backends that run on `device`, whether torch.native emulates
+    it, the reason when none runs)."""
+    from loka.kernels.native import NATIVE_CPU_BACKEND
 
-    trace = trace_norm_consumers(model, sample)
-    consumers: dict[str, set[str]] = {}
-    for norm, linear in trace.consumed:
-        consumers.setdefault(norm, set()).add(linear)
-    return {next(iter(lins)) for lins in consumers.values() if len(lins) == 1}
+    if _emulates_on_cpu(mods, device, config):
+        passes = {
+            p: c if c.is_bf16 else PassConfig(c.recipe, NATIVE_CPU_BACKEND)
+            for p, c in mods.fp8.passes().items()
+        }
+        return dataclasses.replace(mods, fp8=mods.fp8.replace(**passes)), True, None
+    passes = {}
+    for pass_, pass_config in mods.fp8.passes().items():
+        if pass_config.is_bf16 or pass_config.backend is None:
+            passes[pass_] = pass_config
+            continue
+        backend, note = _runnable_backend(
+            pass_config, device, K, N, pass_, config.replace_unrunnable_backends
+        )
+        if backend is None:
+            return None, False, f"{name!r} {pass_}: {note}"
+        if note:
+            warnings.warn(f"loka: {name} {pass_}: {note}", PlanFallbackWarning, stacklevel=4)
+        passes[pass_] = PassConfig(pass_config.recipe, backend)
+    return dataclasses.replace(mods, fp8=mods.fp8.replace(**passes)), False, None
 
 
-def _fusable_sites(model: nn.Module, rows: list[dict], sample: Any) -> set[str]:
-    """FP8 sites fed by their own norm whose forward recipe the fused norm+quantize kernel
-    runs (rowwise, dynamic)."""
+def _fusable(rows: list[dict]) -> bool:
+    """A site the plan names a norm for, whose forward recipe the fused norm+quantize kernel
+    runs (rowwise, dynamic): what `ApplyConfig.fuse_norm` fuses."""
     from loka.dispatch.bench.candidates import fusable
 
-    if sample is None:
-        raise ValueError("ApplyConfig.fuse_norm traces the model: pass a sample batch")
-    fed = norm_fed_sites(model, sample)
-    return {
-        r["site"] for r in rows if r["pass"] == "fwd" and r["site"] in fed and fusable(r["recipe"])
-    }
+    fwd = next(r for r in rows if r["pass"] == "fwd")
+    return fwd.get("norm") is not None and fusable(fwd["recipe"])
 
 
 def _warn_if_timed_elsewhere(plan: Plan, device: torch.device) -> None:
@@ -316,12 +335,9 @@ def apply(
 
     Returns an `Applied` (undo with `.undo()`). Raises `PlanMismatchError` with the model
     unchanged when the plan does not fit (any site with ``strict=True``; most sites always).
-    `sample` is one model input, needed for norm fusion (``config.fuse_norm``).
+    `sample` is one model input: a fused norm (the plan's, or ``config.fuse_norm``) is kept
+    only if the fused model matches the original on it, so fusion needs it.
     """
-    from loka.mods.apply import ModsError
-    from loka.mods.apply import apply as mods_apply
-    from loka.mods.spec import ModSpec
-
     config = config or ApplyConfig()
     plan = _as_plan(plan)
     table = plan.table
@@ -350,8 +366,7 @@ def apply(
     _warn_if_timed_elsewhere(plan, device)
     fp8_rows = {n: r for n, r in rows_by_site.items() if any(x["recipe"] != "bf16" for x in r)}
     notes: dict[str, str] = {}
-    spec_rows = []
-    emulated: list[str] = []  # sites run on torch.native on the CPU (ApplyConfig.emulate_on_cpu)
+    wanted: dict[str, list[dict]] = {}
     for name, rows in fp8_rows.items():
         if name in problems:
             continue
@@ -359,85 +374,70 @@ def apply(
         if config.module_filter_fn is not None and not config.module_filter_fn(module, name):
             notes[name] = "excluded by module_filter_fn"
             continue
-        if {r["pass"] for r in rows} != set(PASSES):
-            problems[name] = f"{name!r}: the plan does not give all three passes"
+        wanted[name] = rows
+    # Plan rows become typed site mods here, once; a site whose rows are refused stays bf16.
+    also_fused = [n for n, rows in wanted.items() if _fusable(rows)] if config.fuse_norm else []
+    site_mods, refused = site_mods_from_plan(
+        [r for rows in wanted.values() for r in rows], fuse_norm=also_fused
+    )
+    problems.update(refused)
+    sites: dict[str, SiteMods] = {}
+    emulated: list[str] = []  # sites run on torch.native on the CPU (ApplyConfig.emulate_on_cpu)
+    for name, mods in site_mods.items():
+        module = linears[name]
+        mods, emulates, reason = _on_device(
+            name, mods, device, module.in_features, module.out_features, config
+        )
+        if mods is None:
+            problems[name] = reason
             continue
-        site_rows = []
-        if _emulates_on_cpu(rows, device, config):
-            from loka.kernels.native import NATIVE_CPU_BACKEND
-
+        sites[name] = mods
+        if emulates:
             emulated.append(name)
-            spec_rows += [
-                {**r, "backend": None if r["recipe"] == "bf16" else NATIVE_CPU_BACKEND}
-                for r in rows
-            ]
-            continue
-        for r in rows:
-            if r["recipe"] == "bf16":
-                site_rows.append({**r, "backend": None})
-                continue
-            backend, note = _runnable_backend(r["backend"], r["recipe"], device, r["K"], r["N"],
-                                              r["pass"], config.replace_unrunnable_backends)  # fmt: skip
-            if backend is None:
-                problems[name] = f"{name!r} {r['pass']}: {note}"
-                break
-            if note:
-                warnings.warn(
-                    f"loka: {name} {r['pass']}: {note}", PlanFallbackWarning, stacklevel=2
-                )
-            site_rows.append({**r, "backend": backend})
-        else:
-            spec_rows += site_rows
     relevant = {n: p for n, p in problems.items() if n in fp8_rows or config.strict}
     if relevant and config.strict:
         raise PlanMismatchError("plan does not fit this model: " + "; ".join(relevant.values()))
     for reason in relevant.values():
         warnings.warn(f"loka: {reason}; the site stays bf16", PlanFallbackWarning, stacklevel=2)
-    spec_sites = {r["site"] for r in spec_rows}
-    fused = _fusable_sites(model, spec_rows, sample) if config.fuse_norm else set()
-    # Sites the plan costed with their norm fused: without the fusion their FP8 forward
-    # pays a quantization the plan did not count, so they need the sample to trace it.
-    planned_fused = {r["site"] for r in spec_rows if r["pass"] == "fwd" and r.get("fuse_norm")}
-    if planned_fused and sample is None:
+    fused = sorted(n for n, m in sites.items() if m.fuse_norm)
+    if fused and sample is None:
+        if config.fuse_norm:
+            raise ValueError(
+                "ApplyConfig.fuse_norm checks each fused model on a batch: pass a sample batch"
+            )
+        # A fusion is checked on a sample batch (the norm's output may feed something no
+        # table records, a residual say); without it the plan's costing does not hold either.
         message = (
-            f"the plan fuses the norm feeding {sorted(planned_fused)}; pass sample= (one model "
-            "input) to apply so the norms can be traced"
+            f"the plan fuses the norm feeding {fused}; pass sample= (one model input) to apply "
+            "so the fused model can be checked against the original"
         )
         if config.strict:
             raise PlanMismatchError(message)
         warnings.warn(f"loka: {message}; those sites stay bf16", PlanFallbackWarning, stacklevel=2)
-        for site in planned_fused:
+        for site in fused:
             relevant[site] = "the plan fuses its norm and no sample was given"
-        spec_rows = [r for r in spec_rows if r["site"] not in planned_fused]
-        spec_sites -= planned_fused
-    else:
-        fused |= planned_fused
+            del sites[site]
     report = None
     before = dict(model.named_modules())
-    if spec_rows:
+    while sites:
         try:
-            report = mods_apply(model, ModSpec.from_plan(spec_rows, fuse_norm=fused), sample)
+            report = mods_apply(model, ModSpec(sites=sites), sample)
+            break
         except ModsError as exc:
-            if config.strict:
+            at_fault = set(exc.problems) & set(sites)
+            if config.strict or not at_fault:
                 raise PlanMismatchError(f"loka.mods refused the plan: {exc}") from exc
-            # Find the sites that fail on their own, keep them in bf16, apply the rest.
-            for site in sorted(spec_sites):
-                rows = [r for r in spec_rows if r["site"] == site]
-                try:
-                    mods_apply(
-                        model, ModSpec.from_plan(rows, fuse_norm=fused & {site}), sample
-                    ).undo()
-                except ModsError as one:
-                    relevant[site] = str(one)
-                    warnings.warn(f"loka: {one}; the site stays bf16", PlanFallbackWarning,
-                                  stacklevel=2)  # fmt: skip
-            spec_rows = [r for r in spec_rows if r["site"] not in relevant]
-            spec_sites -= set(relevant)
-            if spec_rows:
-                report = mods_apply(model, ModSpec.from_plan(spec_rows, fuse_norm=fused), sample)
+            # loka.mods names the sites it refuses: those stay bf16, the rest is applied.
+            for site in sorted(at_fault):
+                relevant[site] = exc.problems[site]
+                warnings.warn(
+                    f"loka: {exc.problems[site]}; the site stays bf16", PlanFallbackWarning,
+                    stacklevel=2,
+                )  # fmt: skip
+                del sites[site]
     fallbacks = {**{n: relevant[n] for n in relevant}, **notes}
-    applied = Applied(model, plan, sorted(spec_sites), fallbacks, report,
-                      emulated=sorted(set(emulated) & spec_sites))  # fmt: skip
-    applied.variants = _variants(before, model, spec_sites)
+    applied = Applied(model, plan, sorted(sites), fallbacks, report,
+                      emulated=sorted(set(emulated) & set(sites)))  # fmt: skip
+    applied.variants = _variants(before, model, set(sites))
     log.info("loka: plan applied: %s", applied.summary())
     return applied

@@ -48,7 +48,6 @@ def zoo_shapes(
     preset's batch (exact for the CTR models, whose rows per sample are fixed; approximate
     for jagged sequences)."""
     import loka.zoo as zoo
-    from loka.dispatch.apply_plan import norm_fed_sites
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = {}
@@ -58,7 +57,7 @@ def zoo_shapes(
         setup = zoo.create(name, preset, device=device, batch_size=batch)
         sample = next(setup.train_batches())
         scale = preset_batch / batch
-        fed = norm_fed_sites(setup.model, sample)
+        fed = _norm_fed(setup.model, sample)
         out[name] = [
             (s, max(1, round(m * scale)), k, n, s in fed)
             for s, m, k, n in linear_shapes(setup, sample)
@@ -67,6 +66,14 @@ def zoo_shapes(
         if device != "cpu":
             torch.cuda.empty_cache()
     return out
+
+
+def _norm_fed(model: nn.Module, sample: object) -> set[str]:
+    """Linears fed by a norm that feeds nothing else. A workload for the bench, not a plan:
+    plans read this from Probe's `sites.norm`."""
+    from loka.mods.trace import trace_norm_consumers
+
+    return {linear for _, linear in trace_norm_consumers(model, sample).exclusive_pairs()}
 
 
 def shapes_of(site_shapes: dict[str, list[tuple]]) -> list[Shape]:

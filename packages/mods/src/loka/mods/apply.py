@@ -1,18 +1,20 @@
 """`apply(model, spec, sample) -> Report`: make every mod of a `ModSpec`, all or nothing, and
 record each change so that `Report.undo()` restores the original modules.
 
-Order: validate everything (names, module types, shapes against the backends, the traced
-norm of every site that needs one, group layouts) before touching the model; then group,
+Order: validate everything (names, module types, shapes against the backends, the norm of
+every site that needs one: named by the spec, as a plan from Probe's tables does, or else
+traced on the sample batch; group layouts) before touching the model; then group,
 smooth, fold norm biases, fuse norms, each change checked on the sample batch against the
 original outputs while every pass is still in high precision (a fusion whose norm output
 feeds something else, say a residual, shows up here); then give the modules their FP8
 configs. A failure at any point undoes what was done and re-raises: the model is left as it
-was. Modules are swapped, never rebuilt: replacements hold the original Parameter objects,
+was, and `ModsError.problems` names the sites (or groups) at fault. Modules are swapped, never rebuilt: replacements hold the original Parameter objects,
 so an optimizer built before `apply` (or after `undo`) keeps working.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +26,13 @@ from loka.mods.alignment import ShapeError, check_shape
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.fp8_linear import Fp8Linear
 from loka.mods.grouped import GroupedLinear, GroupingError, detect_group_layout, group_candidates
-from loka.mods.norm_linear import FusionError, NormLinear, fusable_recipe_reason, fuse_pair
+from loka.mods.norm_linear import (
+    NORM_TYPES,
+    FusionError,
+    NormLinear,
+    fusable_recipe_reason,
+    fuse_pair,
+)
 from loka.mods.smoothing import SmoothingError, fold_norm_bias, scale_channels, smooth
 from loka.mods.spec import GroupMods, ModSpec, SiteMods, SpecError
 from loka.mods.trace import (
@@ -96,7 +104,15 @@ def undo(model: nn.Module, report: Report) -> None:
 
 
 class ModsError(SpecError):
-    """`apply` refused a spec; the model is unchanged. The message lists every problem."""
+    """`apply` refused a spec; the model is unchanged. The message lists every problem and
+    `problems` maps each site or group at fault to its reasons (empty: the spec itself)."""
+
+
+def _refuse(problems: dict[str, list[str]]) -> ModsError:
+    reasons = [r for rs in problems.values() for r in rs]
+    return ModsError(
+        "cannot apply mods: " + "; ".join(reasons), {k: "; ".join(v) for k, v in problems.items()}
+    )
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -136,7 +152,7 @@ class _SitePlan:
 def _validate(
     model: nn.Module, spec: ModSpec, sample: Any
 ) -> tuple[list[_SitePlan], dict[str, GroupMods], ConsumerTrace | None, list[tuple[str, str, str]]]:
-    problems: list[str] = []
+    problems: defaultdict[str, list[str]] = defaultdict(list)  # site or group -> reasons
     skipped: list[tuple[str, str, str]] = []
     if not isinstance(spec, ModSpec):
         raise ModsError(f"spec must be a ModSpec, got {type(spec).__name__}")
@@ -149,10 +165,10 @@ def _validate(
     for name, mods in spec.sites.items():
         module = _find(model, name)
         if module is None:
-            problems.append(f"{name!r}: no such module")
+            problems[name].append(f"{name!r}: no such module")
             continue
         if type(module) is not nn.Linear:
-            problems.append(
+            problems[name].append(
                 f"{name!r} is a {type(module).__name__}, not an nn.Linear (already modified, "
                 "or not a linear)"
             )
@@ -161,25 +177,28 @@ def _validate(
         try:
             check_shape(config, module.in_features, module.out_features, name)
         except ShapeError as exc:
-            problems.append(str(exc))
+            problems[name].append(str(exc))
         if mods.fuse_norm and (reason := fusable_recipe_reason(config)):
-            problems.append(f"{name!r}: cannot fuse its norm: {reason}")
+            problems[name].append(f"{name!r}: cannot fuse its norm: {reason}")
         sites.append(_SitePlan(name, mods, module))
     groups = dict(spec.groups)
-    group_problems = _validate_groups(model, spec, groups, sample, skipped)
-    problems += group_problems
+    _validate_groups(model, spec, groups, sample, skipped, problems)
     for name in spec.sites:
         inside = [g for g in groups if name.startswith(g + ".")]
         if inside:
-            problems.append(f"{name!r} is inside group {inside[0]!r}")
+            problems[name].append(f"{name!r} is inside group {inside[0]!r}")
+    # Only what must be traced is: a norm the spec names (a plan's, found by Probe) is not.
     trace = None
-    if sample is not None and (spec.auto_fuse or any(s.mods.needs_norm for s in sites)):
+    if sample is not None and (spec.auto_fuse or any(s.mods.needs_trace for s in sites)):
         trace = trace_norm_consumers(model, sample)
-        for site in sites:
-            if site.mods.needs_norm:
-                problems += _resolve_norm(model, site, trace)
-    if problems:
-        raise ModsError("cannot apply mods: " + "; ".join(problems))
+    for site in sites:
+        if site.mods.needs_norm:
+            resolved = (
+                _resolve_norm(model, site, trace) if trace is not None else _named_norm(model, site)
+            )
+            problems[site.name] += resolved
+    if any(problems.values()):
+        raise _refuse({k: v for k, v in problems.items() if v})
     return sites, groups, trace, skipped
 
 
@@ -189,8 +208,8 @@ def _validate_groups(
     groups: dict[str, GroupMods],
     sample: Any,
     skipped: list[tuple[str, str, str]],
-) -> list[str]:
-    problems = []
+    problems: defaultdict[str, list[str]],
+) -> None:
     if spec.auto_group:
         for name in group_candidates(model):
             if any(site.startswith(name + ".") for site in spec.sites):
@@ -200,7 +219,7 @@ def _validate_groups(
     for name, mods in list(groups.items()):
         module = _find(model, name)
         if module is None:
-            problems.append(f"group {name!r}: no such module")
+            problems[name].append(f"group {name!r}: no such module")
             continue
         try:
             layout = mods.layout or detect_group_layout(model, name, sample)
@@ -209,13 +228,28 @@ def _validate_groups(
             GroupedLinear(module, layout, backend=mods.backend, config=mods.fp8)
         except GroupingError as exc:
             if name in spec.groups:
-                problems.append(f"group {name!r}: {exc}")
+                problems[name].append(f"group {name!r}: {exc}")
             else:
                 skipped.append(("group", name, str(exc)))
             del groups[name]
             continue
         groups[name] = GroupMods(mods.backend, mods.fp8, layout)
-    return problems
+
+
+def _named_norm(model: nn.Module, site: _SitePlan) -> list[str]:
+    """A fusion's norm as the spec names it (what Probe traced): checked to be a norm that
+    can fuse; whether its output feeds only this linear is checked on the sample batch."""
+    norm = _find(model, site.mods.norm)
+    if norm is None:
+        return [f"{site.name!r}: no norm module {site.mods.norm!r} (the spec names it)"]
+    if not isinstance(norm, NORM_TYPES):
+        return [
+            f"{site.name!r}: {site.mods.norm!r} is a {type(norm).__name__}, not an "
+            "nn.LayerNorm or nn.RMSNorm"
+        ]
+    site.norm_name = site.mods.norm
+    site.consumers = [site.name]
+    return []
 
 
 def _resolve_norm(model: nn.Module, site: _SitePlan, trace: ConsumerTrace) -> list[str]:
@@ -295,8 +329,8 @@ def _apply_groups(model, groups, report, sample, reference, spec) -> None:
             grouped.restore(container)
             _swap(model, name, container)
             if name in spec.groups:
-                raise ModsError(
-                    f"group {name!r}: the grouped model differs on the sample: {differs}"
+                raise _refuse(
+                    {name: [f"group {name!r}: the grouped model differs on the sample: {differs}"]}
                 )
             report.skipped.append(("group", name, f"outputs differ: {differs}"))
             del groups[name]
@@ -335,7 +369,7 @@ def _apply_smoothing(model, spec, sites, report, sample, reference, calibration)
         try:
             factors = smooth(norm, linears, amax, site.mods.smooth)
         except SmoothingError as exc:
-            raise ModsError(f"smoothing {site.name!r}: {exc}") from None
+            raise _refuse({site.name: [f"smoothing {site.name!r}: {exc}"]}) from None
 
         def restore(exact: bool, params=params, saved=saved, norm=norm, linears=linears, factors=factors) -> None:  # fmt: skip
             with torch.no_grad():
@@ -354,7 +388,7 @@ def _apply_smoothing(model, spec, sites, report, sample, reference, calibration)
         )  # fmt: skip
         differs = _check(model, sample, reference)
         if differs is not None:
-            raise ModsError(f"smoothing {norm_name!r} changed the outputs: {differs}")
+            raise _refuse({site.name: [f"smoothing {norm_name!r} changed the outputs: {differs}"]})
 
 
 def _apply_bias_folding(model, sites, report, sample, reference) -> None:
@@ -366,7 +400,7 @@ def _apply_bias_folding(model, sites, report, sample, reference) -> None:
         try:
             moved = fold_norm_bias(norm, linears)
         except SmoothingError as exc:
-            raise ModsError(f"folding the bias of {norm_name!r}: {exc}") from None
+            raise _refuse({site.name: [f"folding the bias of {norm_name!r}: {exc}"]}) from None
         params = [norm.bias, *biases]
 
         def restore(exact: bool, norm=norm, linears=linears, moved=moved, saved=saved) -> None:
@@ -388,7 +422,8 @@ def _apply_bias_folding(model, sites, report, sample, reference) -> None:
         )
         differs = _check(model, sample, reference)
         if differs is not None:
-            raise ModsError(f"folding the bias of {norm_name!r} changed the outputs: {differs}")
+            reason = f"folding the bias of {norm_name!r} changed the outputs: {differs}"
+            raise _refuse({site.name: [reason]})
 
 
 def _apply_fusions(model, spec, sites, trace, report, sample, reference) -> dict[str, NormLinear]:
@@ -414,7 +449,8 @@ def _apply_fusions(model, spec, sites, trace, report, sample, reference) -> dict
             fused_norm, norm_linear = fuse_pair(norm, linear, Fp8LinearConfig.bf16())
         except FusionError as exc:
             if explicit:
-                raise ModsError(f"fusing {norm_name!r} into {linear_name!r}: {exc}") from None
+                reason = f"fusing {norm_name!r} into {linear_name!r}: {exc}"
+                raise _refuse({linear_name: [reason]}) from None
             report.skipped.append(("fuse_norm", linear_name, str(exc)))
             continue
         _swap(model, norm_name, fused_norm)
@@ -424,10 +460,11 @@ def _apply_fusions(model, spec, sites, trace, report, sample, reference) -> dict
             _swap(model, norm_name, norm)
             _swap(model, linear_name, linear)
             if explicit:
-                raise ModsError(
+                reason = (
                     f"fusing {norm_name!r} into {linear_name!r} changes the outputs ({differs}): "
                     "the norm's output also feeds something other than the linear"
                 )
+                raise _refuse({linear_name: [reason]})
             report.skipped.append(("fuse_norm", linear_name, f"outputs differ: {differs}"))
             continue
 

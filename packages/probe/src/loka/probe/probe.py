@@ -20,6 +20,7 @@ from loka.probe.analyze import Analyzer, StepJob
 from loka.probe.capture import AmaxCapture, StepCapture
 from loka.probe.config import ProbeConfig
 from loka.probe.distributed import merged_states, world_size
+from loka.probe.norms import NormTrace
 from loka.probe.report import render_summary
 from loka.probe.sites import SiteSpec, find_sites
 from loka.probe.state import SiteState
@@ -87,6 +88,8 @@ class Probe:
         self._planned_at: dict[str, int] = {}
         self._capture: StepCapture | None = None
         self._amax_capture: AmaxCapture | None = None
+        self._norm_trace: NormTrace | None = None
+        self._norms_traced = False  # the norms feeding the sites are found on one sampled step
         self._step_start: Any = None
         self._attached = True
         self._arm()
@@ -110,10 +113,10 @@ class Probe:
         The model is left exactly as it was; the tables stay available."""
         if not self._attached:
             return
-        for capture in (self._capture, self._amax_capture):
+        for capture in (self._capture, self._amax_capture, self._norm_trace):
             if capture is not None:
                 capture.remove()
-        self._capture = self._amax_capture = None
+        self._capture = self._amax_capture = self._norm_trace = None
         self._amax_history.clear()
         self._worker.close()
         self._attached = False
@@ -252,6 +255,17 @@ class Probe:
             self._planned_at[spec.name] = step
         return chosen
 
+    def _record_norms(self, trace: NormTrace) -> None:
+        trace.remove()
+        if not trace.saw_a_forward:  # a step that ran no forward: trace the next one
+            return
+        fed = trace.feeding_norms()
+        with self._lock:
+            for spec in self._specs:
+                state = self._states[spec.name]
+                state.norm, state.norm_traced = fed.get(spec.name), True
+        self._norms_traced = True
+
     def _arm(self) -> None:
         step = self._step
         if self.config.is_sampled(step):
@@ -265,6 +279,8 @@ class Probe:
                 on_error=self._record_error,
                 on_amax=self._on_amax,
             )
+            if not self._norms_traced:
+                self._norm_trace = NormTrace(self.model, self._specs, on_error=self._record_error)
             if self.config.timing and self._device.type == "cuda":
                 self._step_start = torch.cuda.Event(enable_timing=True)
                 self._step_start.record()
@@ -278,6 +294,9 @@ class Probe:
         if self._amax_capture is not None:
             self._amax_capture.remove()
             self._amax_capture = None
+        if self._norm_trace is not None:
+            self._record_norms(self._norm_trace)
+            self._norm_trace = None
         capture = self._capture
         if capture is None:
             return

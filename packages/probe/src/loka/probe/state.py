@@ -99,6 +99,8 @@ class SiteState:
     drift_reason: str | None = None
     drift_checked: int = -1  # last window whose drift check ran
     undecided: bool = True
+    norm: str | None = None  # the norm whose output feeds this site alone (`loka.probe.norms`)
+    norm_traced: bool = False
 
     def window(self, role: str, index: int) -> RoleWindow:
         key = (role, index)
@@ -124,7 +126,7 @@ class SiteState:
             for k in (
                 "name", "kind", "K", "N", "groups", "has_bias", "dtype", "m_seen", "calls",
                 "captured_steps", "last_captured", "timings", "nonfinite_batches",
-                "verify_from", "drift_step", "drift_reason",
+                "verify_from", "drift_step", "drift_reason", "norm", "norm_traced",
             )
         }  # fmt: skip
         plain["windows"] = {
@@ -151,6 +153,10 @@ class SiteState:
             out.timings += p["timings"]
             out.nonfinite_batches += p["nonfinite_batches"]
         out.last_captured = max(p["last_captured"] for p in parts)
+        # Ranks run the same model: they agree on the norm, or the site gets none.
+        norms = {p["norm"] for p in parts if p["norm_traced"]}
+        out.norm_traced = any(p["norm_traced"] for p in parts)
+        out.norm = norms.pop() if len(norms) == 1 else None
         # Re-verification starts where the latest rank started it.
         out.verify_from = max(p["verify_from"] for p in parts)
         drifted = [p for p in parts if p["drift_step"] is not None]

@@ -4,7 +4,14 @@ of measured rows per machine, and the cost model that estimates where the GPU is
 from loka.dispatch.bench.cache import BenchCache, CacheMismatchError, default_cache_dir
 from loka.dispatch.bench.candidates import Candidate, candidates, m_bucket, speed_key
 from loka.dispatch.bench.cost_model import CostModel
-from loka.dispatch.bench.runner import BenchResult, Shape, benchmark, can_measure, site_shapes
+from loka.dispatch.bench.runner import (
+    BenchResult,
+    Shape,
+    benchmark,
+    can_measure,
+    site_norm_shapes,
+    site_shapes,
+)
 from loka.dispatch.bench.timing import PassTimer, PassTiming
 
 __all__ = [
@@ -21,6 +28,7 @@ __all__ = [
     "candidates",
     "default_cache_dir",
     "m_bucket",
+    "site_norm_shapes",
     "site_shapes",
     "speed_key",
 ]

@@ -60,6 +60,16 @@ def site_shapes(sites: pl.DataFrame) -> list[Shape]:
     return sorted(weight, key=lambda s: -weight[s])
 
 
+def site_norm_shapes(sites: pl.DataFrame) -> list[tuple[int, int]]:
+    """(M, K) of the norm feeding each linear site alone (`sites.norm`): the `norm_shapes` of
+    `benchmark`, whose rows cost fusing such a norm into its linear."""
+    fed = sites.filter(
+        (pl.col("kind") == "linear") & (pl.col("groups") == 1) & (pl.col("M_p50") > 0)
+        & pl.col("norm").is_not_null()
+    )  # fmt: skip
+    return [(row["M_p50"], row["K"]) for row in fed.iter_rows(named=True)]
+
+
 @dataclass
 class BenchResult:
     """The kernel_bench rows for the shapes asked, and how each was obtained."""

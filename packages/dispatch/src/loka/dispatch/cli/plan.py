@@ -42,7 +42,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out.is_dir():
         return fail(f"--out {args.out} is a directory; give the plan's file name (plan.parquet)")
     use_interpreter_without_gpu()
-    from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
+    from loka.dispatch.bench import (
+        BenchCache,
+        CostModel,
+        benchmark,
+        site_norm_shapes,
+        site_shapes,
+    )
     from loka.dispatch.console import console, plan_lines, print_lines, print_plan, wrap_lines
     from loka.dispatch.planner import PlanConfig, make_plan
     from loka.dispatch.tables import load_probe_tables
@@ -53,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
         if args.kernel_bench is not None:
             bench = read_table(args.kernel_bench, "kernel_bench")
         else:
-            result = benchmark(site_shapes(tables["sites"]), cache=BenchCache(),
-                               cost_model=CostModel.shipped(), budget_s=args.budget_s)  # fmt: skip
+            sites = tables["sites"]
+            result = benchmark(site_shapes(sites), cache=BenchCache(),
+                               cost_model=CostModel.shipped(), budget_s=args.budget_s,
+                               norm_shapes=site_norm_shapes(sites))  # fmt: skip
             for note in result.notes:
                 console.print(f"bench: {note}")
             bench = result.table

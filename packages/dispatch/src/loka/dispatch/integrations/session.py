@@ -38,8 +38,8 @@ import polars as pl
 import torch
 from torch import nn
 
-from loka.dispatch.apply_plan import Applied, ApplyConfig, apply, norm_fed_sites
-from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
+from loka.dispatch.apply_plan import Applied, ApplyConfig, apply
+from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_norm_shapes, site_shapes
 from loka.dispatch.bench.runner import mode_backends
 from loka.dispatch.integrations.distributed import is_distributed, plan_once, rank
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
@@ -159,7 +159,6 @@ class Session:
         self._verified_at: int | None = None  # step count when verification ended
         self.tables: dict[str, pl.DataFrame] = {}
         self.kernel_bench: pl.DataFrame | None = None
-        self.norm_fed: set[str] = set()  # sites fed by their own norm (traced with `sample`)
         self.events: list[str] = []
         self.nonfinite_losses = 0
         self.skipped_steps = 0  # optimizer steps skipped for non-finite gradients
@@ -235,11 +234,6 @@ class Session:
         self.tables = self.probe.tables()  # a collective under torch.distributed
         self.probe.detach()
         self.probe = None
-        # With a sample the norms feeding linears are traced (on every rank: the forward may
-        # hold collectives), so that the plan can weigh fusing them.
-        self.norm_fed = (
-            norm_fed_sites(self.model, self.sample) if self.sample is not None else set()
-        )
         self.plan = plan_once(self._make_plan)
         self.applied = apply(self.model, self.plan, self.config.apply, sample=self.sample)
         self.phase = "applied"
@@ -357,13 +351,14 @@ class Session:
         return _probe_module().Probe(self.model, self._probe_config())
 
     def _make_plan(self) -> Plan:
+        # The tables say everything the plan needs, the norm feeding each site included
+        # (Probe traced it): the model is not traced again.
         sites, errors = self.tables["sites"], self.tables["site_errors"]
-        fed = self.norm_fed
-        self.kernel_bench = self._kernel_bench(sites, fed)
+        self.kernel_bench = self._kernel_bench(sites)
         return make_plan(sites, errors, self.kernel_bench, self.config.plan,
-                         gemm_share=self.config.gemm_share, norm_fed=fed)  # fmt: skip
+                         gemm_share=self.config.gemm_share)  # fmt: skip
 
-    def _kernel_bench(self, sites: pl.DataFrame, norm_fed: set[str]) -> pl.DataFrame:
+    def _kernel_bench(self, sites: pl.DataFrame) -> pl.DataFrame:
         given = self.config.kernel_bench
         if isinstance(given, pl.DataFrame):
             return given
@@ -371,10 +366,8 @@ class Session:
             return read_table(given, "kernel_bench")
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         mode = self.config.plan.mode
-        norm_shapes = [
-            (r["M_p50"], r["K"]) for r in sites.iter_rows(named=True)
-            if r["site"] in norm_fed and mode == "eager"
-        ]  # fmt: skip
+        # Fusing a norm is an eager-mode candidate only (compiled graphs fuse it themselves).
+        norm_shapes = site_norm_shapes(sites) if mode == "eager" else []
         result = benchmark(
             site_shapes(sites), device=device, cache=BenchCache(self.config.cache_dir),
             cost_model=CostModel.shipped(), budget_s=self.config.bench_budget_s,

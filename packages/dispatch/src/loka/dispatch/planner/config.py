@@ -1,0 +1,74 @@
+"""`PlanConfig`: how the planner decides."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from loka.schema import PASSES
+
+# How the model will run: eager, torch.compile, or torch.compile(mode="reduce-overhead").
+MODES = ("eager", "compiled", "cudagraphs")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How the planner decides."""
+
+    # Demand this speedup over bf16 from every FP8 pass. The default margin (5%) is above
+    # the run-to-run noise of kernel medians and the cost model's typical error, so that a
+    # pass is not switched to FP8 for a gain nobody could measure.
+    min_speedup: float = 1.05
+    # Fast-accumulation backends (".fast") accumulate a whole K in reduced precision; Probe's
+    # errors do not cover that, so they are candidates only when allowed.
+    allow_fast_accum: bool = False
+    # Undecided verdicts (too few batches to be sure) are rejected unless allowed.
+    allow_undecided: bool = False
+    # Override the budget Probe judged against, per pass (None: use the table's).
+    budgets: Mapping[str, float] | None = None
+    # Sensitivity-weighted sum of error bounds over all FP8 passes that the plan may spend.
+    error_budget_total: float | None = None
+    # Weight of each site's error in that sum (glob pattern -> weight; default 1).
+    sensitivity: Mapping[str, float] = field(default_factory=dict)
+    # Site name patterns never planned for FP8.
+    exclude: tuple[str, ...] = ()
+    # Credit quantizations shared between passes (see `loka.dispatch.planner.sharing`).
+    share_quantization: bool = True
+    # Plan for inference: only the forward pass counts (dgrad and wgrad stay bf16).
+    inference: bool = False
+    # FP8 candidates whose time is an estimate (the cost model's), not a measurement. None:
+    # allowed only when the whole table is estimated (planning for a GPU that is absent);
+    # on a table measured on the GPU, a shape left unmeasured (bench budget spent) stays
+    # bf16, because estimates at skinny shapes can be far off (see the README).
+    allow_estimated: bool | None = None
+    # How the planned model runs ("eager", "compiled", "cudagraphs"). Compiled plans take
+    # only traceable backends (`Backend.traceable`: quantization in torch ops, fused by
+    # inductor, no Python per call, capturable as a CUDA graph); eager plans take the others,
+    # since a traceable backend's quantization runs unfused (and is timed fused) in eager.
+    mode: str = "eager"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not (math.isfinite(self.min_speedup) and self.min_speedup >= 1.0):
+            raise ValueError(f"min_speedup must be >= 1, got {self.min_speedup}")
+        if self.error_budget_total is not None and not self.error_budget_total >= 0:
+            raise ValueError(f"error_budget_total must be >= 0, got {self.error_budget_total}")
+        for pass_, value in (self.budgets or {}).items():
+            if pass_ not in PASSES or not value > 0:
+                raise ValueError(f"budgets: bad entry {pass_!r}: {value!r}")
+        for pattern, weight in self.sensitivity.items():
+            if not (math.isfinite(weight) and weight >= 0):
+                raise ValueError(f"sensitivity[{pattern!r}] must be >= 0, got {weight}")
+
+    def weight(self, site: str) -> float:
+        value = 1.0
+        for pattern, weight in self.sensitivity.items():
+            if fnmatch.fnmatchcase(site, pattern):
+                value = weight
+        return value
+
+    def excluded(self, site: str) -> bool:
+        return any(fnmatch.fnmatchcase(site, p) for p in self.exclude)

@@ -1,0 +1,122 @@
+"""`make_plan`: the `plan` table from the `sites`, `site_errors` and `kernel_bench` tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import polars as pl
+
+from loka.dispatch.bench.cache import table_devices
+from loka.dispatch.planner.budget import spend_error_budget
+from loka.dispatch.planner.candidates import kernel_index, site_candidates
+from loka.dispatch.planner.config import PlanConfig
+from loka.dispatch.planner.rows import PLAN_TYPES, plan_rows
+from loka.dispatch.planner.sharing import combine
+from loka.dispatch.planner.summary import PlanSummary, summarize, undecided_note
+from loka.schema import PASSES, empty, validate
+
+
+@dataclass
+class Plan:
+    """A `plan` table, what it predicts, and the metadata written with it."""
+
+    table: pl.DataFrame
+    summary: PlanSummary
+    metadata: dict[str, str]
+
+    def fp8_sites(self) -> list[str]:
+        return (
+            self.table.filter(pl.col("recipe") != "bf16")["site"]
+            .unique(maintain_order=True)
+            .to_list()
+        )
+
+    def write(self, path) -> object:
+        from loka.schema import write_table
+
+        return write_table(self.table, path, "plan", metadata=self.metadata)
+
+
+def sites_fingerprint(sites: Iterable[tuple[str, int, int]]) -> str:
+    """A hash of a model's linear sites (name, K, N): what a plan was made for."""
+    items = sorted((str(s), int(k), int(n)) for s, k, n in sites)
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def tables_fingerprint(sites: pl.DataFrame) -> str:
+    """`sites_fingerprint` of a `sites` table's plannable sites (linear, one group): the
+    model fingerprint a plan made from that table records."""
+    linear = sites.filter((pl.col("kind") == "linear") & (pl.col("groups") == 1))
+    return sites_fingerprint((r["site"], r["K"], r["N"]) for r in linear.iter_rows(named=True))
+
+
+def make_plan(
+    sites: pl.DataFrame,
+    site_errors: pl.DataFrame,
+    kernel_bench: pl.DataFrame,
+    config: PlanConfig | None = None,
+    *,
+    gemm_share: float | None = None,
+) -> Plan:
+    """Plan every linear site of `sites` from `site_errors` and `kernel_bench`: tables only,
+    so a plan can be made from saved files with no model, Probe or GPU at hand.
+
+    `gemm_share` overrides g (the share of step time in these GEMMs) when `sites` has no
+    measured `time_share` (Probe measures it on CUDA only). A site whose `norm` column names
+    the norm feeding it alone also weighs fusing that norm with the forward's quantization
+    (column `fuse_norm`), costed from the kernel_bench norm rows (N = 0).
+    """
+    config = config or PlanConfig()
+    sites = validate(sites, "sites")
+    site_errors = validate(site_errors, "site_errors")
+    kernel_bench = validate(kernel_bench, "kernel_bench")
+    devices = table_devices(kernel_bench)
+    if len(devices) > 1:
+        raise ValueError(
+            "kernel_bench holds rows of several machines: "
+            + "; ".join(d.describe() for d in devices)
+            + ". Plan for one: filter the table by device first"
+        )
+    if gemm_share is not None and not 0 <= gemm_share <= 1:
+        raise ValueError(f"gemm_share must be in [0, 1], got {gemm_share}")
+    kernels = kernel_index(kernel_bench)
+    if config.allow_estimated is None:
+        measured_here = bool((~kernel_bench["estimated"]).any())
+        config = dataclasses.replace(config, allow_estimated=not measured_here)
+    errors: dict[str, dict[str, list[dict]]] = {}
+    for row in site_errors.iter_rows(named=True):
+        errors.setdefault(row["site"], {}).setdefault(row["pass"], []).append(row)
+    linear = sites.filter((pl.col("kind") == "linear") & (pl.col("groups") == 1))
+    choices = []
+    for site in linear.iter_rows(named=True):
+        choice = site_candidates(site, errors.get(site["site"], {}), kernels, config)
+        if choice.note is None:
+            choice.combos = combine(choice, config)
+        choices.append(choice)
+    notes = spend_error_budget(choices, config)
+    skipped = sites.height - linear.height
+    if skipped:
+        notes.append(f"{skipped} grouped/bmm site(s) not planned (linear sites only)")
+    rows = [r for c in choices for r in plan_rows(c, config)]
+    if rows:
+        table = validate(pl.DataFrame(rows, schema_overrides=PLAN_TYPES), "plan")
+    else:  # no linear site to plan: an empty plan, not a frame without columns
+        notes.append("no linear site with a known shape: nothing to plan")
+        table = empty("plan")
+    passes = ("fwd",) if config.inference else PASSES
+    summary = summarize(choices, table, devices, gemm_share, notes, passes)
+    summary.undecided = undecided_note([e for c in choices for e in c.undecided])
+    metadata = {
+        "producer": "loka-dispatch planner",
+        "model_fingerprint": tables_fingerprint(sites),
+        "sites": json.dumps({r["site"]: [r["K"], r["N"]] for r in linear.iter_rows(named=True)}),
+        "device": devices[0].describe() if devices else "none",
+        "estimated": str(summary.estimated),
+        "config": repr(config),
+        "summary": json.dumps({k: v for k, v in summary.__dict__.items() if k != "notes"}),
+    }
+    return Plan(table, summary, metadata)

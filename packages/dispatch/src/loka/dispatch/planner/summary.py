@@ -1,0 +1,215 @@
+"""`PlanSummary`: what a plan predicts end to end (the GEMM speedup, the end-to-end speedup
+beside its ceiling), the notes that explain it, and after verification what was measured."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import polars as pl
+
+from loka.dispatch.planner.candidates import SiteChoice
+from loka.schema import PASSES
+
+
+@dataclass
+class PlanSummary:
+    """What the plan predicts, end to end (DESIGN.md, Principles)."""
+
+    sites: int
+    sites_fp8: int
+    passes_fp8: int
+    gemm_speedup: float  # bf16 GEMM time of the planned sites / planned time
+    prequant_speedup: float  # s: pre-quantized FP8 GEMM speedup at these shapes (best backend)
+    gemm_share: float | None  # g: share of step time in these GEMMs (sites.time_share)
+    predicted_speedup: float | None  # 1 / ((1 - g) + sum_i g_i / s_i)
+    ceiling: float | None  # 1 / ((1 - g) + g / s)
+    estimated: bool
+    device: str
+    notes: list[str] = field(default_factory=list)
+    # Measured on the real training step after apply (loka.dispatch.verify; None: not
+    # verified): the kept FP8 sites' step speedup over bf16 with its interval, and every
+    # site verification demoted, with the reason.
+    measured_speedup: float | None = None
+    measured_interval: list[float] | None = None  # [low, high] at measured_confidence
+    measured_confidence: float | None = None
+    measured_steps: int | None = None
+    measured_method: str | None = None
+    verified_sites: list[str] | None = None
+    verify_demoted: dict[str, str] = field(default_factory=dict)
+    verify_rounds: list[dict] = field(default_factory=list)
+    # FP8 candidates refused only because their verdict was undecided, and about how many
+    # sampled batches would decide them (`undecided_note`); None when there were none.
+    undecided: str | None = None
+
+    @property
+    def share_of_ceiling(self) -> float | None:
+        if self.predicted_speedup is None or self.ceiling is None or self.ceiling <= 1.0:
+            return None
+        return (self.predicted_speedup - 1.0) / (self.ceiling - 1.0)
+
+    def lines(self) -> list[str]:
+        est = " (ESTIMATED from a recorded table, not measured here)" if self.estimated else ""
+        out = [
+            f"device: {self.device}{est}",
+            f"sites: {self.sites}, in FP8: {self.sites_fp8} sites / {self.passes_fp8} passes",
+            f"GEMM time of the planned sites: {self.gemm_speedup:.2f}x bf16{est}",
+            f"pre-quantized FP8 GEMM speedup at these shapes (s): {self.prequant_speedup:.2f}x",
+        ]
+        if self.gemm_share is None:
+            out.append(
+                "end-to-end: not predicted, the GEMM share of step time g is unknown "
+                "(sites.time_share is measured on CUDA only)"
+            )
+        else:
+            out.append(
+                f"end-to-end: predicted {self.predicted_speedup:.3f}x, ceiling "
+                f"1/((1-g)+g/s) = {self.ceiling:.3f}x with g = {self.gemm_share:.3f}{est}"
+            )
+        undecided = [self.undecided] if self.undecided else []
+        return out + undecided + self.notes + self._measured_lines()
+
+    def _measured_lines(self) -> list[str]:
+        if self.measured_speedup is None:
+            return []
+        kept = len(self.verified_sites or [])
+        total = kept + len(self.verify_demoted)
+        if self.measured_interval is None:
+            measured = "no FP8 site kept: the step runs bf16 (1.000x)"
+        else:
+            low, high = self.measured_interval
+            measured = (
+                f"{self.measured_speedup:.3f}x bf16 [{low:.3f}, {high:.3f}] "
+                f"({self.measured_confidence:.0%} interval) with {kept} of {total} FP8 site(s)"
+            )
+        predicted = (
+            f"; predicted {self.predicted_speedup:.3f}x"
+            if self.predicted_speedup is not None else ""
+        )  # fmt: skip
+        out = [
+            f"end-to-end: measured on the real step {measured}{predicted} "
+            f"({self.measured_steps} steps, {self.measured_method})"
+        ]
+        return out + [f"demoted by verification: {s}: {r}" for s, r in self.verify_demoted.items()]
+
+
+def batches_to_decide(err: dict) -> int | None:
+    """About how many sampled batches would decide an undecided site_errors row: the n at
+    which the Student-t half-width, with the standard deviation measured so far, leaves the
+    mean on one side of the budget (normal quantile; at least the batches already seen + 1).
+    None when too few batches were seen to have a standard deviation."""
+    n, mean, std = err["n"], err["mean_rel_err"], err.get("std_rel_err")
+    if std is None or n < 2 or not math.isfinite(std) or mean is None:
+        return None
+    gap = abs(err["budget"] - mean)
+    if gap == 0:
+        return None
+    z = statistics.NormalDist().inv_cdf(err.get("confidence") or 0.95)
+    return max(n + 1, math.ceil((z * std / gap) ** 2))
+
+
+def undecided_note(rows: list[dict]) -> str | None:
+    """One line on the FP8 candidates refused because their verdict was undecided: how many,
+    after how many batches, and about how many sampled batches would decide most of them."""
+    if not rows:
+        return None
+    seen = sorted({int(r["n"]) for r in rows})
+    after = f"{seen[0]}" if len(seen) == 1 else f"{seen[0]}-{seen[-1]}"
+    needs = sorted(x for r in rows if (x := batches_to_decide(r)) is not None)
+    text = (
+        f"{len(rows)} FP8 candidate(s) refused as undecided after {after} sampled batch(es) "
+        "(their error bounds straddle the budget)"
+    )
+    if needs:
+        most = needs[min(len(needs) - 1, (3 * len(needs)) // 4)]
+        text += (
+            f"; about {most} sampled batches would decide most of them (median {needs[len(needs) // 2]}): "
+            "probe longer, e.g. more warm-up steps"
+        )
+    else:
+        text += "; too few batches to estimate how many would decide them: probe longer"
+    return text
+
+
+_UNMEASURED = ("time ESTIMATED, not measured", "no kernel_bench row")
+
+
+def _unmeasured_sites(choices: list[SiteChoice]) -> list[str]:
+    """Sites (largest time share first) with a candidate refused only for lack of a
+    measurement: what a larger bench budget could still turn to FP8."""
+    found = [
+        c for c in choices
+        if any(r["reason"].startswith(_UNMEASURED) for rows in c.rejected.values() for r in rows)
+    ]  # fmt: skip
+    found.sort(key=lambda c: -(c.share or 0.0))
+    return [c.site for c in found]
+
+
+def summarize(
+    choices: list[SiteChoice],
+    table: pl.DataFrame,
+    devices: list,
+    gemm_share: float | None,
+    notes: list[str],
+    passes: tuple[str, ...],
+) -> PlanSummary:
+    """What the plan predicts end to end, against its ceiling (DESIGN.md, Principles)."""
+    timed = [c for c in choices if c.note is None]
+    index = [PASSES.index(p) for p in passes]
+
+    def planned(c: SiteChoice) -> float:
+        return sum(c.current().times[i] for i in index)
+
+    def bf16(c: SiteChoice) -> float:
+        return sum(c.bf16[p].median_ms for p in passes)
+
+    bf16_total = sum(bf16(c) for c in timed)
+    plan_total = sum(planned(c) for c in timed)
+    # s is about the hardware: the best pre-quantized GEMM among all timed FP8 candidates,
+    # safe or not, against bf16.
+    prequant_total = sum(
+        min(c.best_gemm.get(p, math.inf), c.bf16[p].gemm_ms) for c in timed for p in passes
+    )
+    s_prequant = bf16_total / prequant_total if prequant_total > 0 else 1.0
+    shares = [c.share for c in timed]
+    g = None
+    predicted = ceiling = None
+    # sites.time_share is a share of the training step: it says nothing of inference.
+    if timed and passes == PASSES and all(s is not None for s in shares):
+        g = float(sum(shares))
+        predicted = 1.0 / ((1.0 - g) + sum(c.share * planned(c) / bf16(c) for c in timed))
+    elif gemm_share is not None:
+        g = gemm_share
+        predicted = 1.0 / ((1.0 - g) + g * plan_total / bf16_total) if bf16_total > 0 else None
+        notes = [*notes, f"g = {g:.3f} given, not measured"]
+    if g is not None:
+        ceiling = 1.0 / ((1.0 - g) + g / s_prequant)
+    unmeasured = _unmeasured_sites(choices)
+    if unmeasured:
+        shown = ", ".join(unmeasured[:5]) + (
+            f" and {len(unmeasured) - 5} more" if len(unmeasured) > 5 else ""
+        )
+        notes = [*notes, f"{len(unmeasured)} site(s) have FP8 candidates the bench left "
+                 f"unmeasured (budget spent or no row), so they were not considered: {shown}"]  # fmt: skip
+    fp8 = table.filter(pl.col("recipe") != "bf16")
+    # ESTIMATED when an FP8 choice rests on an estimate, or nothing was measured at all; a
+    # measured plan whose bf16-only sites have estimated baselines says so in a note.
+    estimated = bool(fp8["estimated"].any()) or not bool((~table["estimated"]).any())
+    if not estimated and table["estimated"].any():
+        notes = [*notes, f"{int(table['estimated'].sum())} of {table.height} bf16 baseline "
+                 "time(s) are estimates (shapes not measured within the bench budget)"]  # fmt: skip
+    return PlanSummary(
+        sites=len(choices),
+        sites_fp8=fp8["site"].n_unique(),
+        passes_fp8=fp8.height,
+        gemm_speedup=bf16_total / plan_total if plan_total > 0 else 1.0,
+        prequant_speedup=s_prequant,
+        gemm_share=g,
+        predicted_speedup=predicted,
+        ceiling=ceiling,
+        estimated=estimated,
+        device=devices[0].device if devices else "none",
+        notes=[*list(notes), f"{len(choices) - len(timed)} site(s) without timings stay bf16"]
+        if len(timed) < len(choices) else list(notes),
+    )  # fmt: skip
