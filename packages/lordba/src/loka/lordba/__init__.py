@@ -17,17 +17,27 @@ from loka.lordba.convert import convert_to_lordba
 from loka.lordba.fit import LoRDBAFit, fit_lora
 from loka.lordba.module import LoRDBALinear
 from loka.lordba.peft import convert_peft_checkpoint
+from loka.lordba.quantized import (
+    Fp8WeightOnlyLinear,
+    dequantized_linear,
+    dequantized_weight,
+    quantize_fp8_weights,
+)
 from loka.lordba.storage import load_lordba, lordba_footprint, read_lordba, save_lordba
 
 __all__: list[str] = [
+    "Fp8WeightOnlyLinear",
     "LoRDBAConfig",
     "LoRDBAFit",
     "LoRDBALinear",
     "convert_peft_checkpoint",
     "convert_to_lordba",
+    "dequantized_linear",
+    "dequantized_weight",
     "fit_lora",
     "load_lordba",
     "lordba_footprint",
+    "quantize_fp8_weights",
     "read_lordba",
     "save_lordba",
 ]

@@ -9,6 +9,16 @@ from torch import nn
 
 from loka.lordba.config import LoRDBAConfig
 from loka.lordba.module import LoRDBALinear
+from loka.lordba.quantized import Fp8WeightOnlyLinear
+
+
+def is_linear_base(module: nn.Module) -> bool:
+    """A linear a fresh adapter may wrap: exactly ``nn.Linear`` (whatever its weight: plain or
+    a quantized tensor subclass; subclasses such as MultiheadAttention's ``out_proj`` are read
+    as weights and never called), LoKA's FP8 weight-only linear, or ``loka.mods.Fp8Linear``."""
+    from loka.mods.fp8_linear import Fp8Linear
+
+    return type(module) in (nn.Linear, Fp8WeightOnlyLinear, Fp8Linear)
 
 
 def replace_modules(model: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
@@ -37,16 +47,17 @@ def convert_to_lordba(
     config: LoRDBAConfig | None = None,
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
-    """Wrap every ``nn.Linear`` (that ``module_filter_fn(module, fqn)`` accepts) in a fresh,
+    """Wrap every linear (``nn.Linear``, also with a torchao-quantized weight, an
+    ``Fp8WeightOnlyLinear`` or a ``loka.mods.Fp8Linear``; that ``module_filter_fn(module, fqn)``
+    accepts) in a fresh,
     zero-output :class:`LoRDBALinear`; base weights are frozen. Returns the model (a new root
     only when the model itself is a linear)."""
     config = config or LoRDBAConfig()
     chosen = {
         name: LoRDBALinear(module, config)
         for name, module in model.named_modules()
-        if type(module) is nn.Linear
-        and (module_filter_fn is None or module_filter_fn(module, name))
+        if is_linear_base(module) and (module_filter_fn is None or module_filter_fn(module, name))
     }
     if not chosen:
-        raise ValueError("convert_to_lordba: no nn.Linear module matched")
+        raise ValueError("convert_to_lordba: no nn.Linear module matched (plain, quantized or FP8)")
     return replace_modules(model, chosen)

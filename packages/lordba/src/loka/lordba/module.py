@@ -30,6 +30,7 @@ from loka.lordba.function import (
     pack_factor_signs,
     select_ops,
 )
+from loka.lordba.quantized import plain_weight
 from loka.mods.weight_stamp import weight_stamp
 
 
@@ -71,8 +72,9 @@ def latent_rms(values: torch.Tensor) -> float:
 
 
 class LoRDBALinear(nn.Module):
-    """A frozen ``base`` (``nn.Linear`` or any module with ``in_features``/``out_features``)
-    plus a trainable LoRDBA adapter. A fresh adapter starts at zero output (``p = 0``), on the
+    """A frozen ``base`` (``nn.Linear``, a quantized linear: torchao int8/FP8 weight-only,
+    :class:`~loka.lordba.quantized.Fp8WeightOnlyLinear`, ``loka.mods.Fp8Linear``; or any module
+    with ``in_features``/``out_features``) plus a trainable LoRDBA adapter. A fresh adapter starts at zero output (``p = 0``), on the
     device of the base's tensors; ``.to()`` moves base and adapter together."""
 
     def __init__(self, base: nn.Module, config: LoRDBAConfig | None = None) -> None:
@@ -212,8 +214,13 @@ class LoRDBALinear(nn.Module):
         return out.reshape(y.shape)
 
     def _fused_linear_ok(self, x2: torch.Tensor) -> bool:
-        """Inference on a plain ``nn.Linear`` base of x's dtype, outside autocast."""
-        if type(self.base) is not nn.Linear or x2.dtype != self.base.weight.dtype:
+        """Inference on a plain ``nn.Linear`` base with an ordinary weight of x's dtype, outside
+        autocast. A quantized weight (a tensor subclass such as torchao's, which implements
+        ``F.linear`` but not ``t``/``addmm``) runs through the base's own forward."""
+        if type(self.base) is not nn.Linear:
+            return False
+        weight = plain_weight(self.base)
+        if weight is None or x2.dtype != weight.dtype:
             return False
         if torch.is_autocast_enabled(x2.device.type):
             return False
