@@ -80,21 +80,17 @@ import triton.language as tl  # noqa: E402
 
 from loka.kernels import (  # noqa: E402
     fp8_gemm,
-    fp8_gemm_tma,
-    grouped_gemm,
     launch,
     norm_quantize,
-    quantization,
-    quantize_reference,
-    quantize_transpose_with,
-    quantize_with,
     registry,
-    transpose_quantization,
+    tuning,
 )
 from loka.kernels.fp8_gemm_tma import triton_fp8_mm_tma  # noqa: E402
 from loka.kernels.grouped_gemm import loop_grouped_mm, triton_grouped_mm  # noqa: E402
 from loka.kernels.mm import fp8_mm  # noqa: E402
+from loka.kernels.quantization import quantize_reference, quantize_with  # noqa: E402
 from loka.kernels.testing import assert_same_fp8  # noqa: E402
+from loka.kernels.transpose_quantization import quantize_transpose_with  # noqa: E402
 from loka.schema import QuantConfig, Recipe  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -586,7 +582,7 @@ def _store_one_kernel(x_ptr):
 
 def bench_host(M: int, K: int) -> None:
     """Host time per call (t_host_us) of each entry point, with launch plans cached (ours)
-    and with every launch through Triton's own path (`launch.ENABLED = False`), against
+    and with every launch through Triton's own path (`tuning.launch_cache(False)`), against
     torch ops and the floor: one empty Triton launch each way."""
     g = torch.Generator(device=DEVICE).manual_seed(M + K)
     x = torch.randn(M, K, device=DEVICE, generator=g).to(torch.bfloat16)
@@ -620,11 +616,10 @@ def bench_host(M: int, K: int) -> None:
     paths["triton_fp8_mm row (N=1024)"] = lambda: fp8_gemm.triton_fp8_mm(qx, qw)
     paths["fp8_mm default backend row (N=1024)"] = lambda: fp8_mm(qx, qw)
     for cached in (True, False):
-        launch.ENABLED = cached
         suffix = "" if cached else " [Triton's launch path]"
-        for name, fn in paths.items():
-            record("host", name + suffix, fn, backend="loka.kernels", **shape)
-    launch.ENABLED = True
+        with tuning.launch_cache(cached):
+            for name, fn in paths.items():
+                record("host", name + suffix, fn, backend="loka.kernels", **shape)
     sa, sb = qx.inv_scale[:, None], qw.inv_scale[None, :]
     raw = lambda: torch._scaled_mm(qx.data, qw.data.t(), scale_a=sa, scale_b=sb,  # noqa: E731
                                    out_dtype=torch.bfloat16)  # fmt: skip
@@ -693,11 +688,6 @@ def _fastest(rows: list[tuple[object, list[dict]]]) -> object:
     return min(scored, key=lambda sv: sv[0])[1] if scored else None
 
 
-def _clear_plans(*launchers) -> None:
-    for launcher in launchers:
-        launcher._plans.clear()
-
-
 def bench_tune() -> None:
     """Tile sweeps, each variant checked then timed at the quick shapes; the fastest correct
     variant becomes the default for the rest of the run (and is recorded in TUNED)."""
@@ -718,9 +708,7 @@ def tune_quantize_rows() -> None:
     wants = [quantize_reference(x, cfg) for x in xs]
     results = []
     for tile in _variants(ROW_TILES):
-        quantization.ROW_TILE.update(tile)
-        quantization._group_tiles.cache_clear()
-        _clear_plans(quantization._QUANTIZE_GROUPS)
+        tuning.set_tiles(quantize_rows=tile)
         rs = []
         for x, want in zip(xs, wants, strict=True):
             fn = lambda x=x: quantize_with(x, cfg)  # noqa: E731
@@ -733,10 +721,8 @@ def tune_quantize_rows() -> None:
             rs.append(record("tune", f"quantize row {tile}", fn, backend="loka.quantize",
                              recipe="e4m3/row", check=exact, M=x.shape[0], K=x.shape[1]))  # fmt: skip
         results.append((tile, rs))
-    quantization.ROW_TILE.update(_fastest(results) or ROW_TILES[0])
-    quantization._group_tiles.cache_clear()
-    _clear_plans(quantization._QUANTIZE_GROUPS)
-    TUNED["quantization.ROW_TILE"] = dict(quantization.ROW_TILE)
+    tuning.set_tiles(quantize_rows=_fastest(results) or ROW_TILES[0])
+    TUNED["quantize_rows"] = tuning.tiles()["quantize_rows"]
 
 
 def tune_transpose() -> None:
@@ -745,8 +731,6 @@ def tune_transpose() -> None:
         torch.randn(*rc, device=DEVICE, generator=g).to(torch.bfloat16)
         for rc in TUNE_SHAPES["transpose"]
     ]
-    tq = transpose_quantization
-    launchers = (tq._TRANSPOSE_QUANTIZE, tq._ROW_COL_AMAX)
 
     def sweep(label, cfg, variants, apply):
         wants = [
@@ -754,8 +738,7 @@ def tune_transpose() -> None:
         ]
         results = []
         for variant in _variants(variants):
-            apply(variant)
-            _clear_plans(*launchers)
+            tuning.set_tiles(transpose=apply(variant))
             rs = []
             for d, (want_q, want_qt) in zip(dys, wants, strict=True):
                 fn = lambda d=d: quantize_transpose_with(d, cfg)  # noqa: E731
@@ -772,14 +755,13 @@ def tune_transpose() -> None:
                                  check=exact, M=d.shape[0], K=0, N=d.shape[1]))  # fmt: skip
             results.append((variant, rs))
         best = _fastest(results)
-        apply(best if best is not None else variants[0])
-        _clear_plans(*launchers)
+        tuning.set_tiles(transpose=apply(best if best is not None else variants[0]))
 
     row, block = QuantConfig("e5m2", "row"), QuantConfig("e5m2", "block", (1, 128))
-    sweep("row", row, TRANSPOSE_TILES, lambda v: tq.TILES.update(quantize=v[0], warps=v[1]))
-    sweep("row amax tile", row, AMAX_TILES, lambda v: tq.TILES.update(amax=v))
-    sweep("block", block, [8, 16], lambda v: tq.TILES.update(block_warps=v))
-    TUNED["transpose_quantization.TILES"] = dict(tq.TILES)
+    sweep("row", row, TRANSPOSE_TILES, lambda v: {"quantize": v[0], "warps": v[1]})
+    sweep("row amax tile", row, AMAX_TILES, lambda v: {"amax": v})
+    sweep("block", block, [8, 16], lambda v: {"block_warps": v})
+    TUNED["transpose"] = tuning.tiles()["transpose"]
 
 
 def tune_gemms() -> None:
@@ -820,25 +802,22 @@ def tune_gemms() -> None:
     block = sweep("triton.fp8", GEMM_TILES["block"], "block", lambda a, b, t: mm(a, b, tile=t))
     # The 1x128 x 1x128 product of wgrad, with its scales read K-block-major or gathered.
     for transposed in (False, True):
-        fp8_gemm.TRANSPOSE_ROW_BLOCK_SCALES = transposed
+        tuning.set_tiles(row_block_scales_transposed=transposed)
         sweep(f"triton.fp8 scales K-block-major={transposed}", [block or GEMM_TILES["block"][0]],
               "block 1x128", lambda a, b, t: mm(a, b, tile=t))  # fmt: skip
-    fp8_gemm.TRANSPOSE_ROW_BLOCK_SCALES = True
+    tuning.set_tiles(row_block_scales_transposed=True)
     tma = sweep("triton.fp8.tma", GEMM_TILES["tma"], "row",
                 lambda a, b, t: triton_fp8_mm_tma(a, b, tile=t))  # fmt: skip
     tma_fast = sweep("triton.fp8.tma.fast", GEMM_TILES["tma_fast"], "row",
                      lambda a, b, t: triton_fp8_mm_tma(a, b, tile=t, fast_accum=True))  # fmt: skip
-    for key, best in (("plain", plain), ("fast", fast), ("block", block)):
-        if best is not None:
-            fp8_gemm.HEURISTIC_TILES[key] = best
-    for key, best in ((False, tma), (True, tma_fast)):
-        if best is not None:
-            fp8_gemm_tma.DEFAULT_TILES[key] = best
-    _clear_plans(fp8_gemm._FP8_GEMM, fp8_gemm_tma._TMA)
-    TUNED["fp8_gemm.HEURISTIC_TILES"] = dict(fp8_gemm.HEURISTIC_TILES)
-    TUNED["fp8_gemm_tma.DEFAULT_TILES"] = {str(k): v for k, v in fp8_gemm_tma.DEFAULT_TILES.items()}
+    best_gemm = {"plain": plain, "fast": fast, "block": block}
+    tuning.set_tiles(
+        gemm={key: best for key, best in best_gemm.items() if best is not None},
+        gemm_tma={key: best for key, best in ((False, tma), (True, tma_fast)) if best is not None},
+    )
+    TUNED["gemm"], TUNED["gemm_tma"] = tuning.tiles()["gemm"], tuning.tiles()["gemm_tma"]
     # The autotuner (full runs, users' default), through the cached-plan path on its 2nd call.
-    tuning = os.environ.get("LOKA_KERNELS_AUTOTUNE")
+    autotune_env = os.environ.get("LOKA_KERNELS_AUTOTUNE")
     os.environ["LOKA_KERNELS_AUTOTUNE"] = "1"
     (M, K, N), rows, ref, ops = cases[0]
     auto = lambda: mm(*ops["row"])  # noqa: E731
@@ -846,8 +825,8 @@ def tune_gemms() -> None:
            check=lambda: (auto(), rel_err(auto()[rows], ref))[1], bound=ERR_BOUND["e4m3"],
            M=M, K=K, N=N, flops=2.0 * M * K * N)  # fmt: skip
     os.environ.pop("LOKA_KERNELS_AUTOTUNE")
-    if tuning is not None:
-        os.environ["LOKA_KERNELS_AUTOTUNE"] = tuning
+    if autotune_env is not None:
+        os.environ["LOKA_KERNELS_AUTOTUNE"] = autotune_env
 
 
 def tune_grouped() -> None:
@@ -865,7 +844,7 @@ def tune_grouped() -> None:
     shape = {"M": M, "K": K, "N": N, "flops": 2.0 * G * M * K * N}
     results = []
     for t in _variants(GROUPED_TILES):
-        grouped_gemm.HEURISTIC_TILE = t
+        tuning.set_tiles(grouped=t)
         rs = []
         for label, (ga, gb), bound in (
             ("bf16", (a, b), ERR_BOUND["bf16"]),
@@ -875,8 +854,8 @@ def tune_grouped() -> None:
             rs.append(record("tune", f"triton.grouped {label} G={G} {t}", fn, backend="triton.grouped",
                              check=lambda fn=fn: err(fn()), bound=bound, **shape))  # fmt: skip
         results.append((t, rs))
-    grouped_gemm.HEURISTIC_TILE = _fastest(results) or GROUPED_TILES[0]
-    TUNED["grouped_gemm.HEURISTIC_TILE"] = grouped_gemm.HEURISTIC_TILE
+    tuning.set_tiles(grouped=_fastest(results) or GROUPED_TILES[0])
+    TUNED["grouped"] = tuning.tiles()["grouped"]
 
 
 # -------------------------------------------------------------------------------- summary

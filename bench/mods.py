@@ -46,13 +46,8 @@ if not CUDA:  # must precede the first import of loka.kernels
 import triton  # noqa: E402
 from torch import nn  # noqa: E402
 
-from loka.mods import (  # noqa: E402
-    Fp8Linear,
-    Fp8LinearConfig,
-    GroupedLinear,
-    GroupLayout,
-    PassConfig,
-)
+from loka.mods import Fp8Linear, Fp8LinearConfig, PassConfig  # noqa: E402
+from loka.mods.grouped import GroupedLinear, GroupLayout  # noqa: E402
 from loka.mods.norm_linear import fuse_pair  # noqa: E402
 
 FIELDS = [

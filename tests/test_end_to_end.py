@@ -26,7 +26,7 @@ PLAN_WITHOUT_PROBE = textwrap.dedent(
     sys.modules["loka.probe"] = None  # neither installed: importing them fails
     sys.modules["loka.zoo"] = None
     from loka.dispatch import CostModel, benchmark, load_probe_tables, make_plan, site_shapes
-    from loka.dispatch import write_report
+    from loka.dispatch.report import write_report
 
     tables = load_probe_tables(sys.argv[1])
     bench = benchmark(site_shapes(tables["sites"]), cost_model=CostModel.shipped(), device="cpu")

@@ -1,5 +1,5 @@
 """One FP8 quantization, pinned bit for bit across its implementations: the reference in
-`loka.schema.fp8`, the kernels' reference (`loka.kernels.quantize_reference`, what the
+`loka.schema.fp8`, the kernels' reference (`loka.kernels.quantization.quantize_reference`, what the
 Triton kernels are tested against), the torch-native backend, Probe's sampled-operand
 quantization and the Rust cast of `loka.stats` (`fp8_quantize`, scale by scale), on data
 with NaN, Inf and all-zero rows, amaxes below the floor and far above the format's range,
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from loka.kernels import quantize_reference as kernels_reference
 from loka.kernels.native import quantize_native
+from loka.kernels.quantization import quantize_reference as kernels_reference
 from loka.probe.quantize import quantize_operand
 from loka.schema import QuantConfig
 from loka.schema.fp8 import expand_scale, quantize_reference

@@ -1,9 +1,11 @@
 import pytest
 import torch
 
-from loka.kernels import GemmSpec, quantize_with, registry
+from loka.kernels import registry
 from loka.kernels.fp8_gemm import mm_reference, triton_fp8_mm
 from loka.kernels.fp8_gemm_tma import triton_fp8_mm_tma
+from loka.kernels.quantization import quantize_with
+from loka.kernels.registry import GemmSpec
 from loka.schema import QuantConfig
 
 # (M, K, N): M=1, K or N of 16, sizes that are not multiples of any tile, more than one K block.

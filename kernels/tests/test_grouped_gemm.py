@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from loka.kernels import UnsupportedError, grouped_mm, quantize_with, registry
+from loka.kernels import UnsupportedError, grouped_mm, registry
 from loka.kernels.grouped_gemm import grouped_mm_reference, triton_grouped_mm
+from loka.kernels.quantization import quantize_with
 from loka.schema import QuantConfig
 
 # Different M, N and K per group, including M=1, K=16 and sizes off every tile.

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from loka.kernels import quantize, quantize_reference
+from loka.kernels import quantize
+from loka.kernels.quantization import quantize_reference
 from loka.kernels.testing import activation_like as make
 from loka.kernels.testing import assert_same_fp8 as assert_same_quantization
 from loka.schema import FP8_MAX, QuantConfig

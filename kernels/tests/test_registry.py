@@ -1,18 +1,10 @@
 import pytest
 import torch
 
-from loka.kernels import (
-    Backend,
-    GemmSpec,
-    Registry,
-    UnsupportedError,
-    available,
-    fp8_mm,
-    gemm_dims,
-    quantize_with,
-    registry,
-)
+from loka.kernels import Backend, UnsupportedError, available, fp8_mm, registry
 from loka.kernels.fp8_gemm import mm_reference
+from loka.kernels.quantization import quantize_with
+from loka.kernels.registry import GemmSpec, Registry, gemm_dims
 from loka.schema import BF16, QuantConfig, Recipe
 
 ROW = Recipe("e4m3", "e4m3", "row")

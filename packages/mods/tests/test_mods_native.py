@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from loka.kernels import quantize_reference, registry
+from loka.kernels import registry
 from loka.kernels.native import quantize_native
+from loka.kernels.quantization import quantize_reference
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.fp8_linear import Fp8Linear
 from loka.mods.native_function import NativePlan

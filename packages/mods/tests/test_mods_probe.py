@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from loka.mods import Fp8Linear, Fp8LinearConfig, GroupedLinear, ModSpec, NormLinear, apply
+from loka.mods import Fp8Linear, Fp8LinearConfig, ModSpec, apply
+from loka.mods.grouped import GroupedLinear
+from loka.mods.norm_linear import NormLinear
 from loka.zoo.layers import PerFeatureProjections
 
 probe = pytest.importorskip("loka.probe", reason="Probe's predictions need loka-probe")

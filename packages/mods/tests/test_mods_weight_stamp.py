@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from loka.mods import Fp8LinearConfig, apply, invalidate_weight_caches
+from loka.mods import Fp8LinearConfig, apply
 from loka.mods.fp8_linear import Fp8Linear
 from loka.mods.spec import ModSpec, SiteMods
+from loka.mods.weight_stamp import invalidate_weight_caches
 
 
 def _fresh_output(module: Fp8Linear, x: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,11 @@ from loka.kernels.runtime import (
     require_triton_device,
 )
 
+__all__ = [
+    "mm_reference",
+    "triton_fp8_mm",
+]
+
 SCALE_MODES = {"tensor": 0, "row": 1, "block": 2}
 SCALE_BLOCK_K = 128
 

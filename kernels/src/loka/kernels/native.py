@@ -23,6 +23,15 @@ import torch
 from loka.kernels.torch_gemm import scaled_mm_refusal
 from loka.schema.fp8 import finite_abs, saturate_cast, scale_from_amax
 
+__all__ = [
+    "NATIVE_ALIGN",
+    "NATIVE_BACKEND",
+    "NATIVE_CPU_BACKEND",
+    "native_mm",
+    "native_refusal",
+    "quantize_native",
+]
+
 NATIVE_BACKEND = "torch.native"
 # The same on the CPU only, at any shape: there the GEMM is emulated, with no _scaled_mm and
 # so no alignment rule; what `loka.dispatch.apply` runs FP8 passes on where Triton kernels

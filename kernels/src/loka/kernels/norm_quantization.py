@@ -30,6 +30,15 @@ from loka.kernels.scaling import (
 )
 from loka.schema import QuantConfig
 
+__all__ = [
+    "MAX_ROW",
+    "NormQuantized",
+    "norm_backward",
+    "norm_quantize",
+    "norm_quantize_reference",
+    "norm_reference",
+]
+
 KINDS = ("layernorm", "rmsnorm")
 MAX_ROW = 16384  # a row is normalized from registers
 

@@ -32,6 +32,12 @@ from loka.schema import QuantConfig
 from loka.schema.fp8 import quantize_reference as schema_reference
 from loka.schema.fp8 import scale_from_amax
 
+__all__ = [
+    "quantize",
+    "quantize_reference",
+    "quantize_with",
+]
+
 # Rows up to this many elements are quantized from registers in one read.
 MAX_ROW_IN_REGISTERS = 16384
 # Rowwise tiles: at least `elements` per program (whole rows when they fit), `warps` per

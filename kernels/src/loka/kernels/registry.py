@@ -26,6 +26,18 @@ from loka.kernels.runtime import (
 )
 from loka.schema import FP8_FORMATS, PASSES, Recipe
 
+__all__ = [
+    "BF16",
+    "Backend",
+    "GemmSpec",
+    "OperandSpec",
+    "Registry",
+    "UnsupportedError",
+    "available",
+    "gemm_dims",
+    "registry",
+]
+
 BF16 = "bf16"
 
 

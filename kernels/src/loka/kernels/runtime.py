@@ -6,6 +6,15 @@ import os
 
 import torch
 
+__all__ = [
+    "autotuning",
+    "capability",
+    "cdiv",
+    "interpreting",
+    "next_pow2",
+    "require_triton_device",
+]
+
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
 
 

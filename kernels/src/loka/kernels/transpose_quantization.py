@@ -40,6 +40,12 @@ from loka.kernels.scaling import (
 )
 from loka.schema import QuantConfig
 
+__all__ = [
+    "quantize_transpose",
+    "quantize_transpose_reference",
+    "quantize_transpose_with",
+]
+
 MODES = {"tensor": 0, "row": 1, "block1": 2, "block128": 3}
 
 

@@ -10,51 +10,30 @@ bf16 and demotes sites until the plan is not slower. In a training loop: `Sessio
 and `session.step()` after each optimizer step (it verifies too); `LokaCallback` (Lightning) and `LokaTrainerCallback` (Hugging Face) live in
 `loka.dispatch.integrations.lightning` / `.hf`.
 
-Names are imported on first use, so that `loka --help` and the CLI's light commands do not
-load torch, Triton and matplotlib.
+The rest of the public API is in the modules of `__public_modules__` (`VerifyConfig` in
+`loka.dispatch.verify`, `write_report` in `loka.dispatch.report`, ...). Names are imported
+on first use, so that `loka --help` and the CLI's light commands do not load torch, Triton
+and matplotlib.
 """
 
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "loka.dispatch.apply_plan": ("Applied", "ApplyConfig", "PlanFallbackWarning",
-                                 "PlanMismatchError", "apply"),
-    "loka.dispatch.bench": ("BenchCache", "BenchResult", "CacheMismatchError", "CostModel",
-                            "Shape", "benchmark", "site_shapes"),
-    "loka.dispatch.device": ("DeviceInfo",),
-    "loka.dispatch.integrations": ("GuardConfig", "RuntimeGuard", "Session", "SessionConfig"),
-    "loka.dispatch.planner": ("Plan", "PlanConfig", "PlanSummary", "make_plan"),
-    "loka.dispatch.report": ("write_report",),
-    "loka.dispatch.tables": ("load_probe_tables", "read_plan"),
-    # The function is `loka.dispatch.verify.verify`: `loka.dispatch.verify` is its module.
-    "loka.dispatch.verify": ("Verification", "VerifyConfig"),
-}  # fmt: skip
+    "loka.dispatch.apply_plan": ("Applied", "apply"),
+    "loka.dispatch.bench": ("CostModel", "benchmark", "site_shapes"),
+    "loka.dispatch.integrations": ("Session", "SessionConfig"),
+    "loka.dispatch.planner": ("Plan", "PlanConfig", "make_plan"),
+    "loka.dispatch.tables": ("load_probe_tables",),
+}
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:
-    from loka.dispatch.apply_plan import (
-        Applied,
-        ApplyConfig,
-        PlanFallbackWarning,
-        PlanMismatchError,
-        apply,
-    )
-    from loka.dispatch.bench import (
-        BenchCache,
-        BenchResult,
-        CacheMismatchError,
-        CostModel,
-        Shape,
-        benchmark,
-        site_shapes,
-    )
-    from loka.dispatch.device import DeviceInfo
-    from loka.dispatch.integrations import GuardConfig, RuntimeGuard, Session, SessionConfig
-    from loka.dispatch.planner import Plan, PlanConfig, PlanSummary, make_plan
-    from loka.dispatch.report import write_report
-    from loka.dispatch.tables import load_probe_tables, read_plan
-    from loka.dispatch.verify import Verification, VerifyConfig
+    from loka.dispatch.apply_plan import Applied, apply
+    from loka.dispatch.bench import CostModel, benchmark, site_shapes
+    from loka.dispatch.integrations import Session, SessionConfig
+    from loka.dispatch.planner import Plan, PlanConfig, make_plan
+    from loka.dispatch.tables import load_probe_tables
 
 
 def __getattr__(name: str) -> Any:
@@ -71,29 +50,27 @@ def __dir__() -> list[str]:
 
 __all__: list[str] = [
     "Applied",
-    "ApplyConfig",
-    "BenchCache",
-    "BenchResult",
-    "CacheMismatchError",
     "CostModel",
-    "DeviceInfo",
-    "GuardConfig",
     "Plan",
     "PlanConfig",
-    "PlanFallbackWarning",
-    "PlanMismatchError",
-    "PlanSummary",
-    "RuntimeGuard",
     "Session",
     "SessionConfig",
-    "Shape",
-    "Verification",
-    "VerifyConfig",
     "apply",
     "benchmark",
     "load_probe_tables",
     "make_plan",
-    "read_plan",
     "site_shapes",
-    "write_report",
 ]
+# Modules whose own `__all__` is public too (CONTRIBUTING.md, "Public faces").
+__public_modules__ = (
+    "apply_plan",
+    "bench",
+    "device",
+    "integrations",
+    "integrations.hf",
+    "integrations.lightning",
+    "planner",
+    "report",
+    "tables",
+    "verify",
+)

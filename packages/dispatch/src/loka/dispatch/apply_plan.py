@@ -37,6 +37,14 @@ from loka.mods.config import PassConfig
 from loka.mods.spec import ModSpec, SiteMods, site_mods_from_plan
 from loka.schema import validate
 
+__all__ = [
+    "Applied",
+    "ApplyConfig",
+    "PlanFallbackWarning",
+    "PlanMismatchError",
+    "apply",
+]
+
 log = logging.getLogger("loka.dispatch")
 
 
@@ -149,7 +157,7 @@ class Applied:
             parent = self.model.get_submodule(parent_name) if parent_name else self.model
             setattr(parent, child, module.to_linear())
         elif isinstance(module, Fp8Linear):  # a fused norm+linear: keep the fusion, drop FP8
-            module._init_fp8(Fp8LinearConfig.bf16())
+            module.set_config(Fp8LinearConfig.bf16())
         else:
             return False
         self.demoted[site] = reason

@@ -15,6 +15,10 @@ from pathlib import Path
 
 import torch
 
+__all__ = [
+    "DeviceInfo",
+]
+
 FINGERPRINT_COLUMNS = ("device", "capability", "driver", "torch_version", "triton_version")
 
 

@@ -11,6 +11,11 @@ import polars as pl
 from loka.dispatch.planner import Plan, PlanSummary
 from loka.schema import read_metadata, read_table
 
+__all__ = [
+    "load_probe_tables",
+    "read_plan",
+]
+
 PROBE_TABLES = ("sites", "site_errors")
 
 

@@ -47,6 +47,12 @@ import torch
 from loka.dispatch.step_timers import StepTimer, default_timer
 from loka.dispatch.verify_stats import compare
 
+__all__ = [
+    "Verification",
+    "VerifyConfig",
+    "verify",
+]
+
 log = logging.getLogger("loka.dispatch")
 
 

@@ -52,7 +52,7 @@ def zoo_shapes(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = {}
     for name in names:
-        preset_batch = zoo.SPECS[name].presets[preset][2]
+        preset_batch = zoo.preset_config(name, preset)[2]
         batch = preset_batch if device != "cpu" else min(cpu_batch, preset_batch)
         setup = zoo.create(name, preset, device=device, batch_size=batch)
         sample = next(setup.train_batches())

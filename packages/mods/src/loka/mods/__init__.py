@@ -1,35 +1,39 @@
-"""loka.mods"""
+"""loka.mods: FP8 model adaptations, applied from a `ModSpec` and undone as one.
 
-from loka.mods.apply import Change, ModsError, Report, apply, undo
+    report = apply(model, ModSpec(sites={"blocks.0.fc1": SiteMods(fp8=Fp8LinearConfig())}))
+    undo(model, report)                     # or report.undo()
+
+The modules themselves (`NormLinear`, `GroupedLinear`, ...), the transforms (`smoothing`)
+and the references are public in the modules of `__public_modules__`.
+"""
+
+from loka.mods.apply import ModsError, Report, apply, undo
 from loka.mods.config import Fp8LinearConfig, PassConfig
-from loka.mods.fp8_linear import Fp8Linear, convert_to_fp8_linear, convert_to_linear
-from loka.mods.grouped import GroupedLinear, GroupLayout
-from loka.mods.norm_linear import FusedNorm, NormLinear
-from loka.mods.reference import fp8_linear_reference
-from loka.mods.smoothing import fold_norm_bias, smooth
-from loka.mods.spec import GroupMods, ModSpec, SiteMods
-from loka.mods.weight_stamp import invalidate_weight_caches
+from loka.mods.fp8_linear import Fp8Linear, convert_to_fp8_linear
+from loka.mods.spec import ModSpec, SiteMods
 
 __all__: list[str] = [
-    "Change",
     "Fp8Linear",
     "Fp8LinearConfig",
-    "FusedNorm",
-    "GroupLayout",
-    "GroupMods",
-    "GroupedLinear",
     "ModSpec",
     "ModsError",
-    "NormLinear",
     "PassConfig",
     "Report",
     "SiteMods",
     "apply",
     "convert_to_fp8_linear",
-    "convert_to_linear",
-    "fold_norm_bias",
-    "fp8_linear_reference",
-    "invalidate_weight_caches",
-    "smooth",
     "undo",
 ]
+# Modules whose own `__all__` is public too (CONTRIBUTING.md, "Public faces").
+__public_modules__ = (
+    "apply",
+    "config",
+    "fp8_linear",
+    "grouped",
+    "norm_linear",
+    "reference",
+    "smoothing",
+    "spec",
+    "trace",
+    "weight_stamp",
+)

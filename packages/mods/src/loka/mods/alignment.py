@@ -2,7 +2,7 @@
 and the check that some backend runs every FP8 pass of a linear at its shape.
 
 The passes of ``y = x W^T`` are NT GEMMs over different dims of the linear (see
-`loka.kernels.gemm_dims`): a backend that needs its GEMM's k to be a multiple of 16 needs K
+`loka.kernels.registry.gemm_dims`): a backend that needs its GEMM's k to be a multiple of 16 needs K
 in fwd, N in dgrad and M (the tokens) in wgrad. Padding with zeros is exact: zero rows and
 columns add nothing to any product, and the results are sliced back.
 """

@@ -44,6 +44,14 @@ from loka.mods.trace import (
 )
 from loka.mods.weight_stamp import weight_stamp
 
+__all__ = [
+    "Change",
+    "ModsError",
+    "Report",
+    "apply",
+    "undo",
+]
+
 
 @dataclass
 class Change:

@@ -7,6 +7,11 @@ from dataclasses import dataclass, fields
 from loka.kernels import registry
 from loka.schema import BF16, PASSES, Recipe
 
+__all__ = [
+    "Fp8LinearConfig",
+    "PassConfig",
+]
+
 
 @dataclass(frozen=True)
 class PassConfig:

@@ -29,6 +29,12 @@ from loka.mods.ops import call, decode
 from loka.mods.weight_stamp import weight_stamp
 from loka.schema.recipe import scale_grid
 
+__all__ = [
+    "Fp8Linear",
+    "convert_to_fp8_linear",
+    "convert_to_linear",
+]
+
 HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
 
 

@@ -34,6 +34,11 @@ from loka.mods.linear_plan import LinearPlan
 from loka.mods.ops import call
 from loka.mods.trace import _hooks, run_model
 
+__all__ = [
+    "GroupLayout",
+    "GroupedLinear",
+]
+
 BACKENDS = ("bmm", "fp8", "loop")
 INPUT_LAYOUTS = ("stacked", "list", "shared")
 OUTPUT_LAYOUTS = ("stacked", "list", "concat")

@@ -1,6 +1,6 @@
 """`LinearPlan`: what each pass of an FP8 linear quantizes, how, and on which backend.
 
-Operands per pass (see `loka.kernels.gemm_dims`): fwd ``x[M,K] @ W[N,K]^T``, dgrad
+Operands per pass (see `loka.kernels.registry.gemm_dims`): fwd ``x[M,K] @ W[N,K]^T``, dgrad
 ``dY[M,N] @ (W^T)[K,N]^T``, wgrad ``(dY^T)[N,M] @ (x^T)[K,M]^T``. The plan turns a
 `Fp8LinearConfig` into one quantization config per operand role and pass (as
 `loka.schema.QuantConfig` strings, what the custom ops take; "" where the pass stays in

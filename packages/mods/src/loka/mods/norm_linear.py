@@ -32,6 +32,11 @@ from loka.mods.linear_function import (
 from loka.mods.linear_plan import LinearPlan
 from loka.mods.ops import call
 
+__all__ = [
+    "FusedNorm",
+    "NormLinear",
+]
+
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm)
 
 

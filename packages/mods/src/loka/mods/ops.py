@@ -18,15 +18,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from loka.kernels import (
-    Fp8Tensor,
-    fp8_mm,
-    grouped_mm,
-    norm_backward,
-    norm_quantize,
-    quantize_transpose_with,
-    quantize_with,
-)
+from loka.kernels import Fp8Tensor, fp8_mm, grouped_mm, norm_backward, norm_quantize
+from loka.kernels.quantization import quantize_with
+from loka.kernels.transpose_quantization import quantize_transpose_with
 from loka.mods.weight_stamp import weight_stamp
 from loka.schema import QuantConfig
 from loka.schema.fp8 import finite_abs

@@ -1,5 +1,5 @@
 """Pure-torch references of what an `Fp8Linear` computes: every pass quantized with
-`loka.kernels.quantize_reference` and multiplied in float64 (`mm_reference`), in the
+`loka.kernels.quantization.quantize_reference` and multiplied in float64 (`mm_reference`), in the
 operand layouts of the kernels (see `loka.mods.linear_plan`). The modules are tested
 against these; they also show, in a few lines, what each recipe does to a linear.
 """
@@ -10,9 +10,13 @@ from typing import NamedTuple
 
 import torch
 
-from loka.kernels import quantize_reference
 from loka.kernels.fp8_gemm import mm_reference
+from loka.kernels.quantization import quantize_reference
 from loka.mods.config import Fp8LinearConfig, PassConfig
+
+__all__ = [
+    "fp8_linear_reference",
+]
 
 
 class LinearPasses(NamedTuple):

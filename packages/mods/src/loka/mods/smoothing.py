@@ -25,6 +25,11 @@ from torch import nn
 
 from loka.mods.norm_linear import NORM_TYPES
 
+__all__ = [
+    "fold_norm_bias",
+    "smooth",
+]
+
 
 class SmoothingError(ValueError):
     """A norm and linears that cannot be smoothed or folded (the message says why)."""

@@ -19,6 +19,14 @@ from loka.mods.config import Fp8LinearConfig, PassConfig
 from loka.mods.grouped import BACKENDS, GroupLayout
 from loka.schema import PASSES
 
+__all__ = [
+    "GroupMods",
+    "ModSpec",
+    "SiteMods",
+    "SpecError",
+    "site_mods_from_plan",
+]
+
 
 class SpecError(ValueError):
     """A spec or plan that cannot be applied to this model. The message names every problem;

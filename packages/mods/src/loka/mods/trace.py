@@ -21,6 +21,10 @@ from torch.utils._pytree import tree_leaves
 
 from loka.mods.norm_linear import NORM_TYPES
 
+__all__ = [
+    "trace_norm_consumers",
+]
+
 
 @dataclass
 class ConsumerTrace:

@@ -15,6 +15,11 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+__all__ = [
+    "invalidate_weight_caches",
+    "weight_stamp",
+]
+
 _step_generation = 0
 _manual_generation = 0
 

@@ -71,3 +71,10 @@ __all__ = [
     "validate",
     "write_table",
 ]
+# Modules whose own `__all__` is public too (CONTRIBUTING.md, "Public faces").
+__public_modules__ = (
+    "fp8",
+    "formats",
+    "recipe",
+    "tables",
+)

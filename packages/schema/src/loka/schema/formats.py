@@ -6,6 +6,21 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+__all__ = [
+    "ACTIVATION_BLOCK",
+    "AMAX_FLOOR",
+    "BLOCK_SHAPES",
+    "FP8_FORMATS",
+    "FP8_MAX",
+    "GRANULARITIES",
+    "MIN_SCALE_UB",
+    "PASSES",
+    "ROLES",
+    "SCALINGS",
+    "WEIGHT_BLOCK",
+    "WEIGHT_OPERANDS",
+]
+
 FP8_FORMATS: tuple[str, ...] = ("e4m3", "e5m2")
 # Largest finite value of each format: e4m3 is torch.float8_e4m3fn (finite-only), e5m2 is
 # torch.float8_e5m2 (IEEE-like, with Inf).

@@ -30,6 +30,20 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from loka.schema.formats import AMAX_FLOOR, FP8_MAX
 from loka.schema.recipe import QuantConfig, RecipeError, scale_grid
 
+__all__ = [
+    "FP8_DTYPES",
+    "Quantized",
+    "dequantize",
+    "expand_scale",
+    "finite_abs",
+    "fp8_dtype",
+    "fp8_values",
+    "group_amax",
+    "quantize_reference",
+    "saturate_cast",
+    "scale_from_amax",
+]
+
 FP8_DTYPES: MappingProxyType[str, torch.dtype] = MappingProxyType(
     {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 )

@@ -37,6 +37,14 @@ from loka.schema.formats import (
     WEIGHT_OPERANDS,
 )
 
+__all__ = [
+    "BF16",
+    "QuantConfig",
+    "Recipe",
+    "RecipeError",
+    "scale_grid",
+]
+
 if TYPE_CHECKING:
     import torch
 

@@ -21,6 +21,17 @@ import polars as pl
 
 from loka.schema.formats import FP8_FORMATS, GRANULARITIES, PASSES, ROLES
 
+__all__ = [
+    "MAX_GEMM_DIM",
+    "SCHEMA_VERSION",
+    "SITE_KINDS",
+    "TABLES",
+    "VERDICTS",
+    "Column",
+    "Table",
+    "table",
+]
+
 SCHEMA_VERSION = 2
 OLDEST_READABLE_VERSION = 1
 

@@ -72,3 +72,10 @@ __all__ = [
     "train",
     "training_step",
 ]
+# Modules whose own `__all__` is public too (CONTRIBUTING.md, "Public faces").
+__public_modules__ = (
+    "data.amazon",
+    "data.seeding",
+    "metrics",
+    "tasks",
+)

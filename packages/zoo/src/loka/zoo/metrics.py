@@ -8,6 +8,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+__all__ = [
+    "binary_auc",
+    "ctr_metrics",
+    "ranking_metrics",
+]
+
 
 def _check_finite(scores: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(scores).all()):

@@ -10,6 +10,13 @@ from torch import nn
 
 from loka.zoo.metrics import ctr_metrics, ranking_metrics
 
+__all__ = [
+    "click_loss",
+    "click_metrics",
+    "next_item_loss",
+    "next_item_metrics",
+]
+
 Batch = dict[str, torch.Tensor]
 
 

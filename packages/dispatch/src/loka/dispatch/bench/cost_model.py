@@ -27,7 +27,7 @@ from scipy.optimize import nnls
 from loka.dispatch.bench.candidates import Candidate, speed_key
 from loka.dispatch.bench.timing import PassTiming
 from loka.dispatch.device import DeviceInfo
-from loka.kernels import gemm_dims
+from loka.kernels.registry import gemm_dims
 from loka.schema import read_table
 
 SHIPPED_TABLE = "h200_kernel_bench.parquet"

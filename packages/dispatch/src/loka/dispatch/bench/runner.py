@@ -25,7 +25,8 @@ from loka.dispatch.bench.cost_model import CostModel
 from loka.dispatch.bench.host import host_overhead_ms
 from loka.dispatch.bench.timing import NativeQuantTimes, PassTimer, PassTiming
 from loka.dispatch.device import DeviceInfo
-from loka.kernels import available, gemm_dims, registry
+from loka.kernels import available, registry
+from loka.kernels.registry import gemm_dims
 from loka.schema import empty, validate
 
 Progress = Callable[[int, int, str], None]

@@ -54,7 +54,7 @@ from loka.dispatch.bench.candidates import (
     candidates,
     fusable,
 )
-from loka.kernels import gemm_dims
+from loka.kernels.registry import gemm_dims
 from loka.schema import Recipe, read_table, validate, write_table
 
 DEVICE = {

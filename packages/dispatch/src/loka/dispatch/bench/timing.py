@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from loka.dispatch.bench.candidates import Candidate
-from loka.kernels import fp8_mm, gemm_dims, norm_quantize, quantize, quantize_transpose, registry
+from loka.kernels import fp8_mm, norm_quantize, quantize, quantize_transpose, registry
+from loka.kernels.registry import gemm_dims
 from loka.schema import Recipe
 
 # Rotate over enough input copies that one set no longer fits in the H200's 50 MB L2.

@@ -16,6 +16,10 @@ from typing import Any
 from loka.dispatch.extras import explain
 from loka.dispatch.integrations.session import Session, SessionConfig
 
+__all__ = [
+    "LokaTrainerCallback",
+]
+
 try:
     from transformers import TrainerCallback
 except ImportError as exc:  # the `hf` extra

@@ -16,6 +16,10 @@ from typing import Any
 from loka.dispatch.extras import explain
 from loka.dispatch.integrations.session import Session, SessionConfig
 
+__all__ = [
+    "LokaCallback",
+]
+
 try:
     import lightning.pytorch as lp
 except ImportError as exc:  # the `lightning` extra

@@ -25,6 +25,23 @@ import torch
 from loka.zoo.data.seeding import split_stream, stream_seed
 from loka.zoo.data.sequences import Layout, check_layout, training_batch
 
+__all__ = [
+    "AmazonSequences",
+    "AmazonStream",
+    "NegativeSampling",
+    "dataset_path",
+    "default_data_dir",
+    "eval_negatives",
+    "is_available",
+    "item_counts",
+    "left_padded",
+    "load_amazon",
+    "parse_sequences",
+    "sample_items",
+    "split_prefix",
+    "split_targets",
+]
+
 FILES = {"beauty": "Beauty.txt", "sports": "Sports_and_Outdoors.txt"}
 NegativeSampling = Literal["uniform", "popularity"]
 _FOLDER = "amazon-5core"

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 import torch
 
+__all__ = [
+    "CALIBRATION_STREAM",
+    "SPLIT_STREAMS",
+    "TEST_STREAM",
+    "TRAIN_STREAM",
+    "VALID_STREAM",
+    "generator",
+    "split_stream",
+    "stream_seed",
+]
+
 TRAIN_STREAM = 0
 VALID_STREAM = 1
 TEST_STREAM = 2
