@@ -1,9 +1,10 @@
 """Build the shipped H200 `kernel_bench` table from recorded H200 measurements.
 
-    python -m loka.dispatch.bench.shipped            # rewrites data/h200_kernel_bench.parquet
+    python bench/shipped.py     # rewrites loka-dispatch's data/h200_kernel_bench.parquet
 
-It is the cost model's table for the H200 when no H200 is present. Sources (copied into
-`data/sources/`, measured on one H200, torch 2.11, triton 3.6, CUDA 13.0):
+It is the cost model's table for the H200 when no H200 is present; the table ships in the
+package, this script and its sources stay in the repository. Sources (copied into
+`bench/shipped_sources/`, measured on one H200, torch 2.11, triton 3.6, CUDA 13.0):
 - `kernel_bench_h200_*.parquet` (`bench/dispatch_table.py`): every candidate (backend x
   recipe x pass) timed by `loka.dispatch.benchmark` at the site shapes of the zoo's large
   DLRM, DHEN, Wukong and HSTU models. These rows are shipped as measured
@@ -40,7 +41,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -83,8 +83,16 @@ _QUANT_COST = {
 }
 
 
+SOURCES = Path(__file__).resolve().parent / "shipped_sources"
+# The package data of loka-dispatch that CostModel.shipped() reads.
+SHIPPED = (
+    Path(__file__).resolve().parents[1]
+    / "packages/dispatch/src/loka/dispatch/data/h200_kernel_bench.parquet"
+)
+
+
 def _sources_dir() -> Path:
-    return Path(str(resources.files("loka.dispatch") / "data" / "sources"))
+    return SOURCES
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:
@@ -295,11 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--measured", type=Path, default=None, help="a bench/dispatch_table.py table"
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path(str(resources.files("loka.dispatch") / "data" / "h200_kernel_bench.parquet")),
-    )
+    parser.add_argument("--out", type=Path, default=SHIPPED)
     args = parser.parse_args(argv)
     df = build_shipped_table(args.anchors, args.kernels, args.measured)
     sources = ", ".join(
@@ -308,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     write_table(
         df, args.out, "kernel_bench",
-        metadata={"producer": "loka.dispatch.bench.shipped", "sources": sources},
+        metadata={"producer": "bench/shipped.py", "sources": sources},
     )  # fmt: skip
     print(f"wrote {args.out}: {df.height} rows, {df.filter(~pl.col('estimated')).height} measured")
 

@@ -22,7 +22,6 @@ from loka.dispatch.bench.candidates import (
 )
 from loka.dispatch.bench.cost_model import CostModel
 from loka.dispatch.bench.runner import Shape, benchmark, site_shapes
-from loka.dispatch.bench.shipped import build_shipped_table
 from loka.dispatch.bench.timing import NativeQuantTimes, PassTimer, QuantOperand
 from loka.dispatch.device import DeviceInfo
 from loka.schema import read_table, validate
@@ -117,24 +116,6 @@ def test_cache_round_trip_merge_and_foreign_files(tmp_path) -> None:
     assert "NVIDIA H100" in message and "driver" in message and "this machine" in message
     with pytest.raises(CacheMismatchError, match="torch_version"):
         check_same_device(_rows(dataclasses.replace(H200, torch_version="2.9")), H200, "t")
-
-
-def test_shipped_table_is_what_the_script_builds() -> None:
-    model = CostModel.shipped()
-    built = build_shipped_table()
-    assert model.table.height == built.height > 1500
-    assert model.table.drop("source").equals(built.drop("source")) or (
-        (model.table["median_ms"] - built["median_ms"]).abs().max() < 1e-12
-    )
-    assert model.device.device == "NVIDIA H200"
-    measured = model.table.filter(~pl.col("estimated"))
-    # The dispatch_table run measured every backend and pass at the zoo's shapes; the
-    # derived rows never shadow a measured one.
-    assert {"torch.scaled_mm", "triton.fp8", "torch.bf16"} <= set(measured["backend"])
-    assert set(measured["pass"]) == {"fwd", "dgrad", "wgrad"} and measured.height > 700
-    key = ["backend", "recipe", "pass", "M_bucket", "K", "N", "groups"]
-    assert model.table.select(key).is_unique().all()
-    assert model.table["driver"].n_unique() == 1
 
 
 def test_cost_model_reproduces_recorded_rows_and_reports_its_error() -> None:
