@@ -5,6 +5,7 @@ and are unpacked in registers; every kernel has a pure-torch ``*_reference`` bes
 """
 
 from loka.lordba.kernels.down import sign_down, sign_down_reference
+from loka.lordba.kernels.fused import sign_adapter, sign_adapter_reference
 from loka.lordba.kernels.packing import (
     SIGNS_PER_BYTE,
     check_packed_signs,
@@ -22,6 +23,8 @@ __all__ = [
     "check_padding_bits",
     "pack_signs",
     "packed_length",
+    "sign_adapter",
+    "sign_adapter_reference",
     "sign_down",
     "sign_down_reference",
     "sign_up",
