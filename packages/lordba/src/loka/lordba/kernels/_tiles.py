@@ -44,3 +44,41 @@ def mma(a, b, acc, INTERPRETER: tl.constexpr):
     if INTERPRETER:
         return acc + tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def sign_down_rows(
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    rows,
+    row_ok,
+    ranks,
+    C,
+    R,
+    stride_xm,
+    stride_pr,
+    HAS_SCALE: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """``(x[rows] * scale) @ S^T`` as a float32 ``[BLOCK_M, BLOCK_R]`` block, reduced over C
+    in ``BLOCK_C`` steps; ``scale`` is folded into the sign tile (R x BLOCK_C multiplies
+    instead of BLOCK_M x BLOCK_C), so the only large traffic is one read of ``x``."""
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        col_ok = cols < C
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + cols[None, :],
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        signs = unpack_sign_tile(packed_ptr, ranks, c0 // 8, stride_pr, R, C, BLOCK_R, BLOCK_C)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            signs = signs * scale[None, :]
+        acc = mma(x, tl.trans(signs.to(x.dtype)), acc, INTERPRETER)
+    return acc

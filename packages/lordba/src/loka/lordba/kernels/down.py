@@ -15,7 +15,7 @@ import triton.language as tl
 
 from loka.kernels.runtime import cdiv
 from loka.lordba.kernels import _launch
-from loka.lordba.kernels._tiles import mma, unpack_sign_tile
+from loka.lordba.kernels._tiles import sign_down_rows
 from loka.lordba.kernels.packing import unpack_signs
 
 
@@ -42,20 +42,10 @@ def _sign_down_kernel(
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     ranks = tl.arange(0, BLOCK_R)
     row_ok = rows < M
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        col_ok = cols < C
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + cols[None, :],
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        signs = unpack_sign_tile(packed_ptr, ranks, c0 // 8, stride_pr, R, C, BLOCK_R, BLOCK_C)
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            signs = signs * scale[None, :]
-        acc = mma(x, tl.trans(signs.to(x.dtype)), acc, INTERPRETER)
+    acc = sign_down_rows(
+        x_ptr, packed_ptr, scale_ptr, rows, row_ok, ranks, C, R, stride_xm, stride_pr,
+        HAS_SCALE, INTERPRETER, BLOCK_M, BLOCK_C, BLOCK_R,
+    )  # fmt: skip
     tl.store(
         out_ptr + rows[:, None] * stride_om + ranks[None, :],
         acc,

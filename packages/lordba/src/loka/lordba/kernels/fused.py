@@ -21,7 +21,7 @@ import triton.language as tl
 
 from loka.kernels.runtime import cdiv
 from loka.lordba.kernels import _launch
-from loka.lordba.kernels._tiles import mma, unpack_sign_tile
+from loka.lordba.kernels._tiles import mma, sign_down_rows, unpack_sign_tile
 from loka.lordba.kernels.packing import unpack_signs
 
 
@@ -61,20 +61,10 @@ def _sign_adapter_kernel(
     ranks = tl.arange(0, BLOCK_R)
     row_ok = rows < M
     # Phase 1: t = (x * q) @ sign(A)^T over K, float32 in registers.
-    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_C):
-        cols = k0 + tl.arange(0, BLOCK_C)
-        col_ok = cols < K
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + cols[None, :],
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        signs = unpack_sign_tile(packed_a_ptr, ranks, k0 // 8, stride_pa, R, K, BLOCK_R, BLOCK_C)
-        if HAS_IN_SCALE:
-            scale = tl.load(in_scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            signs = signs * scale[None, :]
-        t = mma(x, tl.trans(signs.to(x.dtype)), t, INTERPRETER)
+    t = sign_down_rows(
+        x_ptr, packed_a_ptr, in_scale_ptr, rows, row_ok, ranks, K, R, stride_xm, stride_pa,
+        HAS_IN_SCALE, INTERPRETER, BLOCK_M, BLOCK_C, BLOCK_R,
+    )  # fmt: skip
     if HAS_RANK_SCALE:
         t = t * tl.load(rank_scale_ptr + ranks, mask=ranks < R, other=0.0).to(tl.float32)[None, :]
     t = t * alpha
