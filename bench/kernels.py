@@ -25,8 +25,6 @@ Results: kernels_<mode>_<utc time>.csv (raw rows), .json (metadata, aims, checks
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime as dt
 import json
 import math
 import os
@@ -38,6 +36,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from harness import Budget, metadata, parser, rel_err, stamp, write_csv, write_json
+
 FIELDS = [
     "section", "path", "backend", "recipe", "pass", "M", "K", "N",
     "t_ms", "t_graph_ms", "t_host_us", "tflops", "speedup_vs_bf16", "ratio", "ratio_to", "rel_err", "ok", "error",
@@ -47,32 +47,32 @@ LRM_KN = [(128, 128), (512, 512), (1024, 1024), (1024, 4096), (4096, 1024), (204
 ERR_BOUND = {"bf16": 1e-2, "e4m3": 0.08, "e5m2": 0.16}
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser(__doc__)  # --out, --budget-s (default: 60 smoke, 150 quick, 330 full)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU")
     mode.add_argument("--quick", action="store_true", help="a few GPU shapes, about a minute")
-    p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     p.add_argument("--sections", default="host,fwd,gemm,lnfwd,norm,bwd,grouped",
                    help="any of host,tune,fwd,gemm,lnfwd,norm,bwd,grouped (tune: tile sweeps)")  # fmt: skip
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile baselines")
     p.add_argument("--M", help="comma-separated batch sizes replacing the mode's (full/quick)")
     p.add_argument("--KN", help="comma-separated KxN pairs replacing the mode's, e.g. 1024x4096")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="wall-time budget; shapes past a section's share are recorded as skipped "
-                   "(default: 60 smoke, 150 quick, 330 full)")  # fmt: skip
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-ARGS = parse_args()
-MODE = "smoke" if ARGS.smoke else "quick" if ARGS.quick else "full"
+def mode_of(args: argparse.Namespace) -> str:
+    return "smoke" if args.smoke else "quick" if args.quick else "full"
+
+
+# Set by main() from the command line; importing the script runs nothing.
+ARGS = parse_args([])
+MODE = "full"
+BUDGET = Budget(None)
 
 import torch  # noqa: E402
 
-if MODE == "smoke" and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is created
-if MODE == "quick":
-    os.environ.setdefault("LOKA_KERNELS_AUTOTUNE", "0")  # one heuristic tile: fast compiles
+if not torch.cuda.is_available():  # only --smoke runs on a CPU: in Triton's interpreter,
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # set before any @triton.jit is created
 
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
@@ -97,7 +97,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU = DEVICE.type == "cuda"
 ROWS: list[dict] = []
 CHECKS: list[dict] = []
-DEADLINE = [math.inf]  # end of the current section's share of the time budget
+DEADLINE = [math.inf]  # end of the current section's share of the budget (BUDGET.elapsed())
 SECTION_SHARE = {"tune": 0.5, "host": 0.06, "fwd": 0.17, "lnfwd": 0.05, "norm": 0.04, "bwd": 0.12,
                  "grouped": 0.06}  # fmt: skip
 
@@ -159,18 +159,13 @@ def host_us(fn: Callable[[], object], calls: int = 100) -> float:
     return statistics.median(times) * 1e6
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
-
-
 def record(section: str, path: str, fn: Callable[[], object], *, backend="", recipe="bf16",
            pass_="fwd", M=0, K=0, N=0, flops=0.0, check: Callable[[], float] | None = None,
            bound: float | None = None) -> dict:  # fmt: skip
     """Check `fn` (if `check`), time it, append a row; any exception becomes an error row."""
     row = {"section": section, "path": path, "backend": backend, "recipe": recipe, "pass": pass_,
            "M": M, "K": K, "N": N, "ok": True, "error": ""}  # fmt: skip
-    if time.time() > DEADLINE[0]:
+    if BUDGET.elapsed() > DEADLINE[0]:
         row["error"] = "skipped: past this section's share of --budget-s"
         ROWS.append(row)
         return row
@@ -647,13 +642,15 @@ GROUPED_TILES = [(128, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3)
 TUNED: dict = {}  # the defaults the sweep chose and applied, for the metadata
 
 
-# Shapes of the sweeps; the smoke run walks two variants of each at tiny shapes on CPU.
-TUNE_SHAPES = {
-    "rows": [(32, 128), (16, 256)] if MODE == "smoke" else [(8192, 1024), (8192, 4096)],
-    "transpose": [(64, 128), (32, 64)] if MODE == "smoke" else [(8192, 4096), (8192, 1024)],
-    "gemm": [(32, 128, 64)] if MODE == "smoke" else [(8192, 4096, 4096), (8192, 1024, 4096)],
-    "grouped": (2, 32, 128, 64) if MODE == "smoke" else (32, 16384, 128, 128),
-}
+def tune_shapes(mode: str) -> dict:
+    """Shapes of the sweeps; the smoke run walks two variants of each at tiny shapes on CPU."""
+    smoke = mode == "smoke"
+    return {
+        "rows": [(32, 128), (16, 256)] if smoke else [(8192, 1024), (8192, 4096)],
+        "transpose": [(64, 128), (32, 64)] if smoke else [(8192, 4096), (8192, 1024)],
+        "gemm": [(32, 128, 64)] if smoke else [(8192, 4096, 4096), (8192, 1024, 4096)],
+        "grouped": (2, 32, 128, 64) if smoke else (32, 16384, 128, 128),
+    }
 
 
 def _variants(variants: list) -> list:
@@ -702,7 +699,7 @@ def tune_quantize_rows() -> None:
     g = torch.Generator(device=DEVICE).manual_seed(21)
     xs = [
         torch.randn(*rc, device=DEVICE, generator=g).to(torch.bfloat16)
-        for rc in TUNE_SHAPES["rows"]
+        for rc in tune_shapes(MODE)["rows"]
     ]
     cfg = QuantConfig("e4m3", "row")
     wants = [quantize_reference(x, cfg) for x in xs]
@@ -729,7 +726,7 @@ def tune_transpose() -> None:
     g = torch.Generator(device=DEVICE).manual_seed(22)
     dys = [
         torch.randn(*rc, device=DEVICE, generator=g).to(torch.bfloat16)
-        for rc in TUNE_SHAPES["transpose"]
+        for rc in tune_shapes(MODE)["transpose"]
     ]
 
     def sweep(label, cfg, variants, apply):
@@ -767,7 +764,7 @@ def tune_transpose() -> None:
 def tune_gemms() -> None:
     g = torch.Generator(device=DEVICE).manual_seed(23)
     cases = []
-    for M, K, N in TUNE_SHAPES["gemm"]:
+    for M, K, N in tune_shapes(MODE)["gemm"]:
         x = torch.randn(M, K, device=DEVICE, generator=g).to(torch.bfloat16)
         w = torch.randn(N, K, device=DEVICE, generator=g).to(torch.bfloat16)
         rows = sample_rows(M)
@@ -830,7 +827,7 @@ def tune_gemms() -> None:
 
 
 def tune_grouped() -> None:
-    G, M, K, N = TUNE_SHAPES["grouped"]
+    G, M, K, N = tune_shapes(MODE)["grouped"]
     g = torch.Generator(device=DEVICE).manual_seed(24)
     a = [torch.randn(M, K, device=DEVICE, generator=g).to(torch.bfloat16) for _ in range(G)]
     b = [torch.randn(N, K, device=DEVICE, generator=g).to(torch.bfloat16) for _ in range(G)]
@@ -1083,48 +1080,38 @@ def device_name() -> str:
     )
 
 
-STAMP = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")  # one name for every (partial) write
+STAMP = [""]  # one name for every (partial) write of a run, set by main()
 
 
-def write(aim: dict, started: float) -> None:
-    out = Path(ARGS.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = STAMP
-    base = out / f"kernels_{MODE}_{stamp}"
-    tmp = base.with_suffix(".csv.tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(ROWS)
-    tmp.replace(base.with_suffix(".csv"))
-    meta = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "mode": MODE,
-        "date_utc": stamp,
-        "device": device_name(),
-        "capability": list(torch.cuda.get_device_capability(DEVICE)) if GPU else None,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "cuda": torch.version.cuda,
-        "env": {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "LOKA_KERNELS_AUTOTUNE")},
-        "backends": {b.name: b.description for b in registry.backends()},
-        "available": registry.available(DEVICE) if GPU else [],
-        "wall_s": round(time.time() - started, 1),
-        "timing": "triton.testing.do_bench median (eager, launch overhead included); t_graph_ms: "
+def write(aim: dict) -> None:
+    base = Path(ARGS.out) / f"kernels_{MODE}_{STAMP[0]}"
+    write_csv(base.with_suffix(".csv"), ROWS, FIELDS)
+    meta = metadata(
+        DEVICE,
+        mode=MODE,
+        device=device_name(),
+        budget_s=BUDGET.seconds,
+        backends={b.name: b.description for b in registry.backends()},
+        available=registry.available(DEVICE) if GPU else [],
+        wall_s=round(BUDGET.elapsed(), 1),
+        timing="triton.testing.do_bench median (eager, launch overhead included); t_graph_ms: "
         "do_bench_cudagraph median for small shapes where capturable",
-        "aims": aim,
-        "tuned_defaults": TUNED,
-        "checks": CHECKS,
-    }
-    tmp = base.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(meta, indent=1, default=str))
-    tmp.replace(base.with_suffix(".json"))
+        aims=aim,
+        tuned_defaults=TUNED,
+        checks=CHECKS,
+    )
+    write_json(base.with_suffix(".json"), meta)
     print(f"\nwrote {base}.csv and {base}.json")
 
 
-def main() -> int:
-    started = time.time()
+def main(argv: list[str] | None = None) -> int:
+    global ARGS, MODE, BUDGET
+    ARGS = parse_args(argv)
+    MODE = mode_of(ARGS)
+    if MODE == "quick":
+        os.environ.setdefault("LOKA_KERNELS_AUTOTUNE", "0")  # one heuristic tile: fast compiles
+    BUDGET = Budget(ARGS.budget_s or {"smoke": 60.0, "quick": 150.0, "full": 330.0}[MODE])
+    STAMP[0] = stamp()
     sel = set(ARGS.sections.split(","))
     sh = shapes()
     use_compile = GPU and not ARGS.no_compile
@@ -1134,7 +1121,6 @@ def main() -> int:
     compiled = compiled_dynamic_rowwise() if use_compile else None
     compiled_norm = compiled_norm_quant() if use_compile else None
     compiled_ln = compiled_ln_linear() if use_compile else None
-    budget = ARGS.budget_s or {"smoke": 60.0, "quick": 150.0, "full": 330.0}[MODE]
     for name, run in (
         ("tune", bench_tune),
         ("host", lambda: [bench_host(M, K) for M, K in sh["host"]]),
@@ -1158,7 +1144,7 @@ def main() -> int:
         if name in sel or (name == "fwd" and "gemm" in sel):
             later = [k for k in SECTION_SHARE if k in sel or k == name]
             share = SECTION_SHARE[name] / sum(SECTION_SHARE[k] for k in later[later.index(name) :])
-            DEADLINE[0] = time.time() + max(0.0, budget - (time.time() - started)) * share
+            DEADLINE[0] = BUDGET.share(share)
             try:
                 run()
             except Exception:  # a whole section failing is recorded, the others still run
@@ -1166,10 +1152,10 @@ def main() -> int:
                              "pass": "", "ok": False, "error": traceback.format_exc()[-300:]})  # fmt: skip
             if GPU:
                 torch.cuda.empty_cache()
-            write({}, started)  # what is done so far survives a run cut short
+            write({})  # what is done so far survives a run cut short
     derive()
     aim = aims()
-    write(aim, started)
+    write(aim)
     print_summary(aim)
     return 0
 

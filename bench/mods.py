@@ -24,15 +24,9 @@ Results: mods_<mode>_<utc time>.csv (rows) and .json (metadata, summary, aims) i
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime as dt
-import json
 import math
 import os
-import platform
-import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +37,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:  # must precede the first import of loka.kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
+from harness import Budget, metadata, parser, rel_err, stamp, time_ms, write_csv, write_json  # noqa: E402
 from torch import nn  # noqa: E402
 
 from loka.mods import Fp8Linear, Fp8LinearConfig, PassConfig  # noqa: E402
@@ -75,22 +69,18 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 ROWS: list[dict] = []
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser(__doc__, budget_s=170.0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one call per path")
     p.add_argument("--sections", default="linear,lnlinear,grouped")
-    p.add_argument("--budget-s", type=float, default=170.0, help="wall-clock cap of the timing")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
-    p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-ARGS = parse_args()
-MODE = "smoke" if ARGS.smoke else "full"
-# Every compiled module of every shape recompiles the same forward code objects.
-torch._dynamo.config.cache_size_limit = 64
-torch._dynamo.config.accumulated_cache_size_limit = 1024
-START = time.time()
+# Set by main() from the command line; importing the script runs nothing.
+ARGS = parse_args([])
+MODE = "full"
+BUDGET = Budget(None)
 
 # (name, M, K, N): the zoo's large presets (packages/zoo registry) and the brief's grid.
 LINEAR_SHAPES = {
@@ -127,7 +117,7 @@ COMPILED_SHAPES = 3  # torchao/ours compiled on the first shapes only: compiles 
 
 # ---------------------------------------------------------------------------------- helpers
 def elapsed() -> float:
-    return time.time() - START
+    return BUDGET.elapsed()
 
 
 # Each section's share of --budget-s; time a section leaves unused goes to the next ones.
@@ -136,28 +126,11 @@ SECTION_DEADLINE = [math.inf]
 
 
 def over_budget() -> bool:
-    return elapsed() > min(ARGS.budget_s, SECTION_DEADLINE[0])
+    return BUDGET.over() or elapsed() > SECTION_DEADLINE[0]
 
 
 def start_section(section: str, remaining: list[str]) -> None:
-    left = ARGS.budget_s - elapsed()
-    share = SHARES[section] / sum(SHARES[s] for s in remaining)
-    SECTION_DEADLINE[0] = elapsed() + max(left, 0.0) * share
-
-
-def timed_ms(fn: Callable[[], object]) -> float:
-    fn()  # compile / autotune outside the timed region
-    if not CUDA:  # smoke: one more call proves it runs; its time means little
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+    SECTION_DEADLINE[0] = BUDGET.share(SHARES[section] / sum(SHARES[s] for s in remaining))
 
 
 def record(section: str, shape: str, path: str, fn: Callable[[], object], **fields) -> dict:
@@ -173,7 +146,8 @@ def record(section: str, shape: str, path: str, fn: Callable[[], object], **fiel
         if check is not None:
             row["rel_err"] = check()
             row["ok"] = bool(row["rel_err"] <= ERR_BOUND)
-        row["t_ms"] = timed_ms(fn)
+        # On the CPU one timed call proves the path runs; its time means little.
+        row["t_ms"] = time_ms(fn, DEVICE, reps=1)
     except Exception as exc:
         row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
         if CUDA:
@@ -583,53 +557,15 @@ def print_summary(summary: dict, aim: dict) -> None:
         )
 
 
-def metadata() -> dict:
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).parent,
-                timeout=10,
-            ).stdout.strip()
-            or None
-        )
-    except Exception:
-        commit = None
-    try:
-        import torchao
-
-        torchao_version = torchao.__version__
-    except Exception:
-        torchao_version = None
-    return {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "mode": MODE,
-        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if CUDA else platform.processor() or "cpu",
-        "capability": ".".join(map(str, torch.cuda.get_device_capability())) if CUDA else None,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "torchao": torchao_version,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "git_commit": commit,
-        "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
-        "autotune": os.environ.get("LOKA_KERNELS_AUTOTUNE", "1"),
-        "budget_s": ARGS.budget_s,
-    }
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    global ARGS, MODE, BUDGET
+    ARGS = parse_args(argv)
+    MODE = "smoke" if ARGS.smoke else "full"
+    BUDGET = Budget(ARGS.budget_s)
+    # Every compiled module of every shape recompiles the same forward code objects.
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.accumulated_cache_size_limit = 1024
     out = Path(ARGS.out)
-    out.mkdir(parents=True, exist_ok=True)
     runners = {"linear": linear_section, "lnlinear": ln_section, "grouped": grouped_section}
     errors = {}
     sections = ARGS.sections.split(",")
@@ -646,22 +582,16 @@ def main() -> int:
             errors[section] = f"{type(exc).__name__}: {exc}"
     summary = summarize()
     aim = aims(summary)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    csv_path = out / f"mods_{MODE}_{stamp}.csv"
-    tmp = csv_path.with_suffix(".csv.tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(ROWS)
-    tmp.replace(csv_path)
+    name = f"mods_{MODE}_{stamp()}"
+    csv_path = write_csv(out / f"{name}.csv", ROWS, FIELDS)
     record = {
-        "meta": metadata(),
+        "meta": metadata(DEVICE, mode=MODE, budget_s=ARGS.budget_s),
         "summary": summary,
         "aims": aim,
         "section_errors": errors,
         "wall_s": elapsed(),
     }
-    write_atomic(out / f"mods_{MODE}_{stamp}.json", json.dumps(record, indent=1, default=str))
+    write_json(out / f"{name}.json", record)
     print_summary(summary, aim)
     print(f"\nwrote {csv_path} and {csv_path.with_suffix('.json')} in {elapsed():.0f} s")
     return 1 if errors else 0

@@ -40,9 +40,7 @@ predicted_speedup, ceiling, g, s, sites, passes, demoted), the plans' summaries.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
-import json
 import os
 import platform
 import statistics
@@ -187,6 +185,7 @@ def block_stats(base: list[float], other: list[float]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
+    from harness import stamp, write_json
 
     import loka.zoo as zoo
     from loka.probe import Probe, ProbeConfig
@@ -198,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {
         "command": " ".join([sys.executable, *sys.argv]),
-        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ"),
+        "date_utc": stamp(),
         "device": torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
         "torch": torch.__version__,
         "python": platform.python_version(), "cuda": torch.version.cuda,
@@ -268,10 +267,8 @@ def main(argv: list[str] | None = None) -> None:
                     torch.cuda.empty_cache()
                 torch._dynamo.reset()
 
-    stamp = meta["date_utc"]
-    path = out / f"realized_{stamp}.json"
-    path.write_text(json.dumps({"meta": meta, "runs": rows, "plans": plans}, indent=1,
-                               default=str))  # fmt: skip
+    path = out / f"realized_{meta['date_utc']}.json"
+    write_json(path, {"meta": meta, "runs": rows, "plans": plans})
     print(f"\n== realized step speed ({args.preset}) ==")
     print(f"{'model':<7} {'mode':<10} {'variant':<24} {'fp8':>4} {'ms':>8} {'x bf16':>7} "
           f"{'ratio min..max':>15} {'pred':>6} {'quality':>8}")  # fmt: skip
