@@ -139,7 +139,7 @@ def test_grouped_metrics_match_hand_computed_values() -> None:
         ]
     )
     activity = np.array([2, 3, 10, 40])  # cold, cold, medium, warm
-    metrics = grouped_metrics(scores, activity, k=2)
+    metrics = grouped_metrics(scores, activity, ks=(2,))
     ndcg = {1: 1.0, 2: 1 / np.log2(3), 3: 0.0}
     assert metrics["all"]["users"] == 4
     assert metrics["all"]["hr@2"] == pytest.approx(3 / 4)

@@ -66,8 +66,14 @@ def _injector(user_dim: int = 32, hidden: int = 16) -> UserEmbeddingInjector:
     ).eval()
 
 
-def _reprec(parts: SimpleNamespace) -> PromptScorer:
-    return PromptScorer(parts.llm, parts.prompts, injector=_injector(), user_encoder=parts.sasrec)
+def _reprec(parts: SimpleNamespace, position: str = "history") -> PromptScorer:
+    return PromptScorer(
+        parts.llm,
+        parts.prompts,
+        injector=_injector(),
+        user_encoder=parts.sasrec,
+        soft_position=position,  # type: ignore[arg-type]
+    )
 
 
 HISTORY = torch.tensor([[0, 0, 0, 3, 7], [1, 2, 3, 4, 5], [0, 9, 9, 12, 40]])
@@ -93,7 +99,7 @@ def test_prompt_ids_are_the_tokenized_text(parts: SimpleNamespace) -> None:
 
 
 def test_soft_tokens_follow_the_bos_in_the_llm_input(parts: SimpleNamespace) -> None:
-    scorer = _reprec(parts)
+    scorer = _reprec(parts, "bos")
     seen = {}
 
     def capture(module, args, kwargs):
@@ -123,9 +129,10 @@ def test_soft_tokens_follow_the_bos_in_the_llm_input(parts: SimpleNamespace) -> 
     assert positions[:, -1].tolist() == (2 + mask.sum(1)).tolist()
 
 
-@pytest.mark.parametrize("with_injector", [False, True])
-def test_scores_are_log_p_yes_computed_by_hand(parts: SimpleNamespace, with_injector: bool) -> None:
-    scorer = _reprec(parts) if with_injector else PromptScorer(parts.llm, parts.prompts)
+@pytest.mark.parametrize("position", [None, "bos", "history"])
+def test_scores_are_log_p_yes_computed_by_hand(parts: SimpleNamespace, position) -> None:
+    with_injector = position is not None
+    scorer = _reprec(parts, position) if with_injector else PromptScorer(parts.llm, parts.prompts)
     candidates = torch.tensor([[11, 2], [2, 30], [40, 1]])
     with torch.no_grad():
         scores = scorer(HISTORY, candidates)
@@ -136,9 +143,13 @@ def test_scores_are_log_p_yes_computed_by_hand(parts: SimpleNamespace, with_inje
                 text = PromptTemplate().render(history, int(candidates[row, col]))
                 ids = torch.tensor([parts.tokenizer(text)["input_ids"]])
                 embeds = parts.llm.get_input_embeddings()(ids)
-                if with_injector:  # after the BOS
+                if with_injector:  # after the BOS, or after the history's last item
                     soft = scorer.injector(parts.sasrec.user_embedding(HISTORY[row : row + 1]))
-                    embeds = torch.cat([embeds[:, :1], soft, embeds[:, 1:]], dim=1)
+                    # "... item_7 [soft] . candidate : item_11 . is it the next item ? answer :"
+                    at = 1 if position == "bos" else ids.size(1) - parts.prompts.suffix_length
+                    if position == "history":
+                        assert ids[0, at - 1] == parts.prompts.item_ids[history[-1], -1]
+                    embeds = torch.cat([embeds[:, :at], soft, embeds[:, at:]], dim=1)
                 logits = parts.llm(inputs_embeds=embeds).logits[0, -1]  # no padding at all
                 expected = F.log_softmax(logits, -1)[parts.prompts.yes_id]
                 torch.testing.assert_close(scores[row, col], expected, atol=1e-5, rtol=1e-5)

@@ -44,9 +44,9 @@ def _config(folder: Path, **overrides) -> RepRecConfig:
             "pretrain": PretrainConfig(epochs=1, batch_size=8, block=32),
             "reprec": train,
             "lora": train,
-            "injector_mlp_dim": 16,
             "eval_users": 30,
             "eval_negatives": 20,
+            "eval_sampling": ("mixed", "uniform"),
             **overrides,
         }
     )
@@ -57,7 +57,7 @@ def test_pipeline_runs_every_method_on_the_same_candidates(tmp_path: Path) -> No
     rows = report.rows
     assert {r["method"] for r in rows} == set(METHODS)
     for method in METHODS:
-        for negatives in ("uniform", "popularity"):
+        for negatives in ("mixed", "uniform"):
             mine = {
                 r["group"]: r for r in rows if r["method"] == method and r["negatives"] == negatives
             }
@@ -66,12 +66,21 @@ def test_pipeline_runs_every_method_on_the_same_candidates(tmp_path: Path) -> No
             assert sum(mine[g]["users"] for g in ("cold", "medium", "warm")) == 30
             for row in mine.values():
                 assert 0.0 <= row["ndcg@10"] <= row["hr@10"] <= 1.0 and 0.0 < row["mrr"] <= 1.0
+                assert row["ndcg@5"] <= row["hr@5"] <= row["hr@10"]
     for method in ("reprec", "lora", "reprec_cheap"):
         log = report.training[method]
         assert len(log["epoch_s"]) == 2 and log["trainable_parameters"] > 0
     # Only the injector trains in REPREC: its parameters, and nothing else, are counted.
     assert report.training["reprec"]["trainable_parameters"] == report.parameters["reprec_injector"]
     assert 0.0 < report.parameters["reprec_share"] < 1.0
+    # The injector is sized to LoRA's budget (r=8 on q/v): both counts reported, within 5%.
+    lora, injector = report.training["lora"], report.training["reprec"]
+    assert lora["trainable_parameters"] == report.parameters["lora_budget"]
+    ratio = injector["trainable_parameters"] / lora["trainable_parameters"]
+    assert 0.95 < ratio < 1.05 and report.parameters["injector_over_lora"] == pytest.approx(ratio)
+    # The cheap variant trains on 10 items and is evaluated on the full 50-item prompts.
+    assert report.config["cheap_history"] == 10 and report.config["prompt_history"] == 50
+    assert "soft_token_sensitivity" in report.parameters
     assert report.epoch_time_ratio() > 0
     assert (tmp_path / "llm" / "config.json").is_file()
     assert (tmp_path / "llm" / "tokenizer.json").is_file()
@@ -123,7 +132,9 @@ def test_cli_runs_the_pipeline_and_writes_the_table(tmp_path: Path, capsys) -> N
             "--eval-negatives", "10", "--negatives", "uniform"]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "reprec" in printed and "HR@10" in printed
+    assert "HR@5/NDCG@5/HR@10/NDCG@10" in printed and "reprec" in printed
+    # Not a terminal: progress comes as lines while it runs, not at the end.
+    assert "] sasrec: 5/5" in printed and "] train reprec: " in printed
     rows = json.loads((out / "reprec.json").read_text())["rows"]
     assert {(r["method"], r["negatives"]) for r in rows} == {
         ("sasrec", "uniform"),
@@ -145,3 +156,21 @@ def test_cli_runs_the_pipeline_and_writes_the_table(tmp_path: Path, capsys) -> N
     with pytest.raises(SystemExit):
         main(["reprec", "--methods", "reprec,gpt"])
     torch.set_num_threads(1)
+
+
+def test_any_5_core_file_by_path_or_by_name(tmp_path: Path) -> None:
+    from loka.reprec.data import load_dataset, resolve_dataset
+
+    folder = _write_data(tmp_path)
+    (folder / "Beauty.txt").rename(folder / "Toys_and_Games.txt")
+    path = folder / "Toys_and_Games.txt"
+    assert resolve_dataset(str(path)) == path
+    assert resolve_dataset("toys", folder) == path
+    assert resolve_dataset("Toys_and_Games", folder) == path
+    data = load_dataset("toys", folder)
+    assert data.name == "Toys_and_Games" and data.num_users == 48
+    with pytest.raises(FileNotFoundError, match="Toys_and_Games"):
+        resolve_dataset("garden", folder)
+    (folder / "Toys_extra.txt").write_text("1 1 2 3\n")
+    with pytest.raises(ValueError, match="name one file"):
+        resolve_dataset("toys", folder)

@@ -8,6 +8,8 @@ point; bad input is raised as `ValueError` / `OSError`, which it prints as one l
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,13 +41,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Train SASRec on the training split, pretrain a small Llama on the training "
             "histories as text (or load --backbone, any local Hugging Face causal LM), train "
             "the REPREC injector and the baselines (zero-shot, LoRA r=8 on q/v, REPREC on "
-            "short histories), rank each test item against seeded uniform and popularity "
-            "negatives, and write the table (HR@10, NDCG@10, MRR per activity group)."
+            "short histories), rank each test item against 200 seeded negatives (100 by "
+            "popularity + 100 uniform), and write the table (HR@5, NDCG@5, HR@10, NDCG@10, "
+            "MRR per activity group)."
         ),
     )
     data = parser.add_argument_group("data and run")
-    data.add_argument("--dataset", default="beauty", choices=("beauty", "sports"))
-    data.add_argument("--data-dir", default=None, help="folder of the Amazon files")
+    data.add_argument("--data", "--dataset", dest="dataset", default="beauty",
+                      help="a 5-core file (user item item ...), or a name found in --data-dir "
+                      "(beauty, sports, or a file's name without .txt)")  # fmt: skip
+    data.add_argument("--data-dir", default=None, help="folder of the 5-core files")
     data.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     data.add_argument("--bf16", action="store_true", help="bfloat16 autocast (CUDA)")
     data.add_argument("--seed", type=int, default=0, help="seed of the runs (default 0)")
@@ -70,9 +75,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     backbone.add_argument("--pretrain-epochs", type=int, default=4)
     training = parser.add_argument_group("injector and training")
     training.add_argument("--num-soft-tokens", type=int, default=6)
-    training.add_argument("--mlp-dim", type=int, default=128, help="the injector's inner width")
-    training.add_argument("--prompt-history", type=int, default=10, help="items in a prompt")
-    training.add_argument("--cheap-history", type=int, default=3,
+    training.add_argument("--mlp-dim", type=int, default=None,
+                          help="the injector's inner width (default: sized to LoRA's parameters)")  # fmt: skip
+    training.add_argument("--soft-position", default="history", choices=("history", "bos"),
+                          help="soft tokens after the history (default) or after the BOS")  # fmt: skip
+    training.add_argument("--prompt-history", type=int, default=50, help="items in a prompt")
+    training.add_argument("--cheap-history", type=int, default=10,
                           help="items in training histories of reprec_cheap")  # fmt: skip
     training.add_argument("--epochs", type=int, default=2)
     training.add_argument("--batch-size", type=int, default=128)
@@ -82,9 +90,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--eval-users", type=int, default=2000,
                             help="seeded sample of users to rank for (0: all)")  # fmt: skip
-    evaluation.add_argument("--eval-negatives", type=int, default=100)
-    evaluation.add_argument("--negatives", type=_csv(str, ("uniform", "popularity")),
-                            default=("uniform", "popularity"))  # fmt: skip
+    evaluation.add_argument("--eval-negatives", type=int, default=200)
+    evaluation.add_argument("--negatives", type=_csv(str, ("mixed", "uniform", "popularity")),
+                            default=("mixed",),
+                            help="mixed: half popularity, half uniform (default)")  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -127,6 +136,7 @@ def build_config(args: argparse.Namespace) -> RepRecConfig:
         save_backbone_to=str(args.save_backbone) if args.save_backbone else None,
         prompt_history=args.prompt_history,
         num_soft_tokens=args.num_soft_tokens,
+        soft_position=args.soft_position,
         injector_mlp_dim=args.mlp_dim,
         reprec=train,
         lora=dataclasses.replace(train, lr=args.lora_lr),
@@ -135,6 +145,23 @@ def build_config(args: argparse.Namespace) -> RepRecConfig:
         eval_negatives=args.eval_negatives,
         eval_sampling=tuple(args.negatives),
     )
+
+
+def progress_lines(
+    write: Callable[[str], None], *, every: float = 15.0
+) -> Callable[[str, int, int], None]:
+    """A progress callback for output that is not a terminal: one line per phase at its
+    start and end, and at most one every `every` seconds in between."""
+    start = time.monotonic()
+    last: dict[str, float] = {}
+
+    def on_progress(phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if phase not in last or done >= total or now - last[phase] >= every:
+            last[phase] = now
+            write(f"[{now - start:7.1f}s] {phase}: {done}/{total}")
+
+    return on_progress
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,17 +178,24 @@ def run(args: argparse.Namespace) -> int:
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console) as progress:  # stopped before an error prints
-        tasks: dict[str, int] = {}
+    if not console.is_terminal:  # a log file or a pipe: a line now and then, not a live bar
+        report = run_reprec(config, progress_lines(lambda line: print(line, flush=True)))
+    else:
+        with Progress(*columns, console=console) as progress:  # stopped before an error prints
+            tasks: dict[str, int] = {}
 
-        def on_progress(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = progress.add_task(phase, total=total)
-            progress.update(tasks[phase], completed=done, total=total)
+            def on_progress(phase: str, done: int, total: int) -> None:
+                if phase not in tasks:
+                    tasks[phase] = progress.add_task(phase, total=total)
+                progress.update(tasks[phase], completed=done, total=total)
 
-        report = run_reprec(config, on_progress)
+            report = run_reprec(config, on_progress)
     json_path, csv_path = report.write(args.out)
-    print_report(console, report)
+    if console.is_terminal:
+        print_report(console, report)
+    else:  # plain lines, never wrapped to a guessed width
+        for line in report.summary_lines():
+            print(line, flush=True)
     console.print(f"results written to {json_path} and {csv_path}")
     return 0
 
@@ -169,13 +203,13 @@ def run(args: argparse.Namespace) -> int:
 def print_report(console, report: RepRecReport) -> None:
     from rich.table import Table
 
-    from loka.reprec.pipeline import GROUPS
+    from loka.reprec.pipeline import CELL_HEADER, GROUPS
 
     for negatives in dict.fromkeys(row["negatives"] for row in report.rows):
         table = Table(title=f"test ranking vs {negatives} negatives", title_justify="left")
         table.add_column("method")
         for group in GROUPS:
-            table.add_column(f"{group}: HR@10/NDCG@10/MRR (users)", justify="right")
+            table.add_column(f"{group}: {CELL_HEADER} (users)", justify="right")
         for method, cells in report.cells(negatives).items():
             table.add_row(method, *(cells.get(g, "-") for g in GROUPS))
         console.print(table)

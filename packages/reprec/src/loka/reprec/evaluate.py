@@ -1,9 +1,9 @@
-"""Leave-one-out ranking of the held-out item among its fixed negatives: HR@K, NDCG@K and
-MRR overall and per activity group (cold 1-5, medium 6-20, warm 21+ interactions)."""
+"""Leave-one-out ranking of the held-out item among its fixed negatives: HR@K and NDCG@K
+(K = 5 and 10 by default) and MRR overall and per activity group (cold 1-5, medium 6-20, warm 21+ interactions)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -57,16 +57,27 @@ def score_eval_set(
 
 
 def grouped_metrics(
-    scores: torch.Tensor, activity: np.ndarray, *, k: int = 10
+    scores: torch.Tensor, activity: np.ndarray, *, ks: Sequence[int] = (5, 10)
 ) -> dict[str, dict[str, float]]:
-    """`{"all" | "cold" | "medium" | "warm": {"users", "hr@k", "ndcg@k", "mrr"}}` for
-    scores `[U, C]` (target in column 0); groups without users are left out."""
+    """`{"all" | "cold" | "medium" | "warm": {"users", "hr@k", "ndcg@k" for each k in
+    `ks`, "mrr"}}` for scores `[U, C]` (target in column 0); groups without users are left
+    out."""
     if len(activity) != scores.size(0):
         raise ValueError(f"{len(activity)} activity counts for {scores.size(0)} score rows")
+    if not ks:
+        raise ValueError("ks must name at least one cut-off")
+
+    def metrics(rows: torch.Tensor) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for k in ks:
+            out.update(ranking_metrics(rows, k))
+        mrr = out.pop("mrr")
+        return {**out, "mrr": mrr}
+
     groups = activity_group(np.asarray(activity))
-    result = {"all": {"users": float(scores.size(0)), **ranking_metrics(scores, k)}}
+    result = {"all": {"users": float(scores.size(0)), **metrics(scores)}}
     for name in ACTIVITY_GROUPS:
         rows = torch.from_numpy(groups == name)
         if bool(rows.any()):
-            result[name] = {"users": float(rows.sum()), **ranking_metrics(scores[rows], k)}
+            result[name] = {"users": float(rows.sum()), **metrics(scores[rows])}
     return result

@@ -5,8 +5,9 @@ the item that followed it (" Yes"), plus sampled items the user's training part 
 hold (" No"). Nothing of the validation or test targets is used.
 
 Evaluation: per user, the history before the split's target and the target ranked against
-a fixed, seeded set of negatives the user never interacted with (uniform or by popularity,
-from `loka.zoo.data.amazon.eval_negatives`), with the user's activity (items in that
+a fixed, seeded set of negatives the user never interacted with (uniform, by popularity, or
+"mixed": half each, as the original REPREC evaluation draws its 200; from
+`loka.zoo.data.amazon.eval_negatives`), with the user's activity (items in that
 history) for the cold / medium / warm breakdown.
 """
 
@@ -31,6 +32,8 @@ from loka.zoo.data.amazon import (
 from loka.zoo.data.seeding import stream_seed
 
 Cut = Literal["last", "random"]
+EvalSampling = Literal["uniform", "popularity", "mixed"]
+EVAL_SAMPLING: tuple[str, ...] = ("uniform", "popularity", "mixed")
 # Interactions in the history a prediction sees; the upper bounds are inclusive.
 ACTIVITY_GROUPS: dict[str, tuple[int, float]] = {
     "cold": (1, 5),
@@ -189,18 +192,34 @@ def eval_set(
     split: str = "test",
     users: np.ndarray | None = None,
     num_negatives: int = 100,
-    negative_sampling: NegativeSampling = "uniform",
+    negative_sampling: EvalSampling = "mixed",
     seed: int = 0,
 ) -> EvalSet:
-    """The split's targets among `num_negatives` seeded negatives, for `users` (default all)."""
+    """The split's targets among `num_negatives` seeded negatives, for `users` (default all).
+    `negative_sampling`: "uniform", "popularity", or "mixed" (half each, popularity first)."""
     if split not in ("valid", "test"):
         raise ValueError(f"split must be 'valid' or 'test', got {split!r}")
     users = np.arange(data.num_users) if users is None else np.asarray(users, dtype=np.int64)
     prefix = split_prefix(data, split)
-    counts = item_counts(data) if negative_sampling == "popularity" else None
-    negatives = eval_negatives(
-        data, num_negatives, seed=seed, mode=negative_sampling, counts=counts
-    )
+    if negative_sampling not in EVAL_SAMPLING:
+        raise ValueError(
+            f"negative_sampling must be one of {EVAL_SAMPLING}, got {negative_sampling!r}"
+        )
+    counts = item_counts(data)
+    if negative_sampling == "mixed":
+        # As the original REPREC evaluation: half by popularity, half uniform, side by side.
+        popular = num_negatives // 2
+        negatives = np.concatenate(
+            [
+                eval_negatives(data, popular, seed=seed, mode="popularity", counts=counts),
+                eval_negatives(data, num_negatives - popular, seed=seed, mode="uniform"),
+            ],
+            axis=1,
+        )
+    else:
+        negatives = eval_negatives(
+            data, num_negatives, seed=seed, mode=negative_sampling, counts=counts
+        )
     candidates = np.concatenate([split_targets(data, split)[:, None], negatives], 1)[users]
     return EvalSet(
         split,

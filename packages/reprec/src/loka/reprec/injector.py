@@ -145,3 +145,20 @@ def parameter_share(trainable: nn.Module, frozen: nn.Module) -> float:
     own = sum(p.numel() for p in trainable.parameters())
     other = sum(p.numel() for p in frozen.parameters())
     return own / (own + other)
+
+
+def injector_parameter_count(
+    *, user_dim: int, hidden_size: int, num_tokens: int, mlp_dim: int
+) -> int:
+    """Parameters of an injector of that shape (two linears with biases, the LayerNorm)."""
+    return (user_dim + 1) * mlp_dim + (mlp_dim + 1) * num_tokens * hidden_size + 2 * hidden_size
+
+
+def injector_width_for(budget: int, *, user_dim: int, hidden_size: int, num_tokens: int) -> int:
+    """The inner width whose injector has the parameter count closest to `budget` (at least
+    1): how REPREC is held to LoRA's budget."""
+    fixed = injector_parameter_count(
+        user_dim=user_dim, hidden_size=hidden_size, num_tokens=num_tokens, mlp_dim=0
+    )
+    per_unit = user_dim + 1 + num_tokens * hidden_size
+    return max(1, round((budget - fixed) / per_unit))

@@ -32,3 +32,15 @@ def with_lora(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return peft.get_peft_model(copy.deepcopy(llm), config)
+
+
+def lora_parameter_count(
+    llm: nn.Module, *, rank: int = 8, target_modules: Sequence[str] = ("q_proj", "v_proj")
+) -> int:
+    """The trainable parameters `with_lora` would add to `llm`: rank x (in + out) for every
+    linear whose name ends with a target, counted without building the adapters."""
+    return sum(
+        rank * (module.in_features + module.out_features)
+        for name, module in llm.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in target_modules
+    )

@@ -13,12 +13,17 @@ log p(" Yes").
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loka.reprec.injector import check_backbone, prepend_soft_tokens
 from loka.reprec.prompts import PromptEncoder, position_ids
+
+SoftPosition = Literal["history", "bos"]
+SOFT_POSITIONS: tuple[str, ...] = ("history", "bos")
 
 
 class PromptScorer(nn.Module):
@@ -29,10 +34,16 @@ class PromptScorer(nn.Module):
         *,
         injector: nn.Module | None = None,
         user_encoder: nn.Module | None = None,
+        soft_position: SoftPosition = "history",
     ) -> None:
         super().__init__()
         if (injector is None) != (user_encoder is None):
             raise ValueError("REPREC needs both an injector and a user encoder (or neither)")
+        if soft_position not in SOFT_POSITIONS:
+            raise ValueError(
+                f"soft_position must be one of {SOFT_POSITIONS}, got {soft_position!r}"
+            )
+        self.soft_position = soft_position
         self.llm = llm
         self.prompts = prompts
         self.injector = injector
@@ -65,6 +76,14 @@ class PromptScorer(nn.Module):
     def device(self) -> torch.device:
         return self.llm.get_input_embeddings().weight.device
 
+    def soft_start(self, length: int) -> int:
+        """Where the soft tokens go in prompts of `length` tokens. "history": right after
+        the history's last item, before the candidate (every row's history ends there);
+        "bos": right after the leading special tokens."""
+        if self.soft_position == "bos":
+            return self.prompts.prefix_length
+        return length - self.prompts.suffix_length
+
     def soft_tokens(self, history: torch.Tensor) -> torch.Tensor | None:
         if self.injector is None:
             return None
@@ -85,9 +104,7 @@ class PromptScorer(nn.Module):
         if self.injector is not None:
             if soft_tokens is None:
                 soft_tokens = self.soft_tokens(history)
-            # After the leading special tokens (BOS): a model pretrained on packed documents
-            # learns to disregard what comes before a BOS.
-            start = self.prompts.prefix_length
+            start = self.soft_start(ids.size(1))
             text, text_mask, _ = prepend_soft_tokens(
                 soft_tokens, embeds[:, start:], mask[:, start:]
             )
@@ -132,3 +149,24 @@ class PromptScorer(nn.Module):
             history.repeat_interleave(count, dim=0), candidates.reshape(-1), soft
         )
         return log_probs[:, self.prompts.yes_id].view(-1, count)
+
+
+@torch.no_grad()
+def context_sensitivity(scorer: PromptScorer, eval_set, *, rows: int = 32, seed: int = 0) -> float:
+    """Mean |change of log p(" Yes")| when a REPREC scorer's soft tokens are replaced by
+    random ones of the same size, on the first `rows` users' target prompts. Near 0, the
+    frozen backbone's answer ignores the soft tokens and no injector can learn through it
+    (what kept REPREC's injector from learning on a weakly pretrained backbone)."""
+    history = eval_set.history[:rows].to(scorer.device)
+    candidates = eval_set.candidates[:rows, 0].to(scorer.device)
+    mode = scorer.training
+    scorer.eval()
+    try:
+        soft = scorer.soft_tokens(history)
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        noise = torch.randn(soft.shape, generator=generator).to(soft) * soft.std()
+        base = scorer.answer_log_probs(history, candidates, soft)[:, scorer.prompts.yes_id]
+        moved = scorer.answer_log_probs(history, candidates, noise)[:, scorer.prompts.yes_id]
+    finally:
+        scorer.train(mode)
+    return float((moved - base).abs().mean())

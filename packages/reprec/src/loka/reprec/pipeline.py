@@ -38,17 +38,25 @@ from loka.reprec.backbone import (
     pretrain_backbone,
     save_backbone,
 )
+from loka.reprec.data import load_dataset, sasrec_setup
 from loka.reprec.evaluate import grouped_metrics, score_eval_set
-from loka.reprec.examples import ACTIVITY_GROUPS, eval_set, sample_users
-from loka.reprec.injector import InjectorConfig, UserEmbeddingInjector, parameter_share
-from loka.reprec.lora import with_lora
-from loka.reprec.model import PromptScorer
+from loka.reprec.examples import ACTIVITY_GROUPS, EVAL_SAMPLING, eval_set, sample_users
+from loka.reprec.injector import (
+    InjectorConfig,
+    UserEmbeddingInjector,
+    injector_width_for,
+    parameter_share,
+)
+from loka.reprec.lora import lora_parameter_count, with_lora
+from loka.reprec.model import SOFT_POSITIONS, PromptScorer, context_sensitivity
 from loka.reprec.prompts import PromptEncoder
 from loka.reprec.tokenizer import build_item_tokenizer
 from loka.reprec.train import TrainConfig, train_scorer
 
 METHODS = ("sasrec", "zero_shot", "reprec", "lora", "reprec_cheap")
 GROUPS = ("all", *ACTIVITY_GROUPS)
+CELL_METRICS = ("hr@5", "ndcg@5", "hr@10", "ndcg@10")
+CELL_HEADER = "HR@5/NDCG@5/HR@10/NDCG@10"
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 
@@ -58,7 +66,7 @@ class RepRecConfig:
     folder (it brings its tokenizer); without it the small Llama of `backbone` is built and
     pretrained (`pretrain`), and saved to `save_backbone_to` when given."""
 
-    dataset: str = "beauty"
+    dataset: str = "beauty"  # a 5-core file, or a name found in data_dir (loka.reprec.data)
     data_dir: str | None = None
     device: str = "cpu"
     seed: int = 0
@@ -76,20 +84,22 @@ class RepRecConfig:
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     save_backbone_to: str | None = None
     # Prompts, injector, training.
-    prompt_history: int = 10
+    prompt_history: int = 50
     num_soft_tokens: int = 6
-    injector_mlp_dim: int = 128
+    soft_position: str = "history"
+    # None: sized so that the injector's parameters match LoRA's (lora_parameter_count).
+    injector_mlp_dim: int | None = None
     injector_dropout: float = 0.1
     reprec: TrainConfig = field(default_factory=lambda: TrainConfig(lr=3e-3))
     lora: TrainConfig = field(default_factory=lambda: TrainConfig(lr=1e-3))
     lora_rank: int = 8
     lora_alpha: int = 16
-    cheap_history: int = 3
+    cheap_history: int = 10
     # Evaluation.
     eval_split: str = "test"
     eval_users: int | None = 2000
-    eval_negatives: int = 100
-    eval_sampling: tuple[str, ...] = ("uniform", "popularity")
+    eval_negatives: int = 200
+    eval_sampling: tuple[str, ...] = ("mixed",)
     eval_max_prompts: int = 4096
 
     def __post_init__(self) -> None:
@@ -102,8 +112,12 @@ class RepRecConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for sampling in self.eval_sampling:
-            if sampling not in ("uniform", "popularity"):
-                raise ValueError(f"eval_sampling holds 'uniform'/'popularity', got {sampling!r}")
+            if sampling not in EVAL_SAMPLING:
+                raise ValueError(f"eval_sampling holds {EVAL_SAMPLING}, got {sampling!r}")
+        if self.soft_position not in SOFT_POSITIONS:
+            raise ValueError(f"soft_position must be one of {SOFT_POSITIONS}")
+        if self.injector_mlp_dim is not None and self.injector_mlp_dim < 1:
+            raise ValueError(f"injector_mlp_dim must be positive, got {self.injector_mlp_dim}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,8 +125,8 @@ class RepRecConfig:
 
 @dataclass
 class RepRecReport:
-    """`rows`: one per method x negatives x activity group, with `users`, `hr@10`,
-    `ndcg@10`, `mrr`; `training`: per trained method, the epochs' wall times and losses;
+    """`rows`: one per method x negatives x activity group, with `users`, `hr@5`,
+    `ndcg@5`, `hr@10`, `ndcg@10`, `mrr`; `training`: per trained method, the epochs' wall times and losses;
     `parameters`: counts; `seconds`: wall time per phase."""
 
     config: dict[str, Any]
@@ -133,11 +147,11 @@ class RepRecReport:
         return lora["epoch_s_median"] / reprec["epoch_s_median"]
 
     def cells(self, negatives: str) -> dict[str, dict[str, str]]:
-        """`{method: {group: "HR@10/NDCG@10/MRR (users)"}}` for one kind of negatives."""
+        """`{method: {group: "HR@5/NDCG@5/HR@10/NDCG@10 (users)"}}` for one kind of negatives."""
         table: dict[str, dict[str, str]] = {}
         for r in self.rows:
             if r["negatives"] == negatives:
-                text = f"{r['hr@10']:.3f}/{r['ndcg@10']:.3f}/{r['mrr']:.3f} ({int(r['users'])})"
+                text = "/".join(f"{r[m]:.3f}" for m in CELL_METRICS) + f" ({int(r['users'])})"
                 table.setdefault(r["method"], {})[r["group"]] = text
         return table
 
@@ -157,8 +171,9 @@ class RepRecReport:
         share = self.parameters.get("reprec_share")
         if share is not None:
             lines.append(
-                f"injector: {self.parameters['reprec_injector']:,} parameters, "
-                f"{100 * share:.2f}% of injector + LLM ({self.parameters['llm']:,})"
+                f"injector: {self.parameters['reprec_injector']:,} parameters, LoRA: "
+                f"{self.parameters['lora_budget']:,} ({self.parameters['injector_over_lora']:.2f}x"
+                f"), injector {100 * share:.2f}% of injector + LLM ({self.parameters['llm']:,})"
             )
         return lines
 
@@ -166,10 +181,10 @@ class RepRecReport:
         """The whole report as plain text: one table per kind of negatives, then training."""
         lines = []
         for negatives in dict.fromkeys(r["negatives"] for r in self.rows):
-            lines.append(f"test, {negatives} negatives: HR@10/NDCG@10/MRR (users)")
-            lines.append(f"{'method':<14}" + "".join(f"{g:>26}" for g in GROUPS))
+            lines.append(f"test, {negatives} negatives: {CELL_HEADER} (users)")
+            lines.append(f"{'method':<14}" + "".join(f"{g:>32}" for g in GROUPS))
             for method, cells in self.cells(negatives).items():
-                lines.append(f"{method:<14}" + "".join(f"{cells.get(g, '-'):>26}" for g in GROUPS))
+                lines.append(f"{method:<14}" + "".join(f"{cells.get(g, '-'):>32}" for g in GROUPS))
         lines += self.training_lines()
         lines.append("phases (s): " + ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items()))
         return lines + self.notes
@@ -240,17 +255,19 @@ def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> Rep
         clock = now
 
     # 1. The user encoder.
-    setup = zoo.create(
-        "sasrec",
+    data = load_dataset(config.dataset, config.data_dir)
+    report.notes.append(
+        f"data: {data.path} ({data.num_users:,} users, {data.num_items:,} items, "
+        f"{len(data.values):,} interactions)"
+    )
+    setup = sasrec_setup(
+        data,
         config.sasrec_preset,
         device=device,
         seed=config.seed,
         batch_size=config.sasrec_batch,
-        dataset=config.dataset,
-        data_dir=config.data_dir,
         max_seq_len=config.sasrec_max_seq_len,
     )
-    data = setup.data.data
     zoo.train(
         setup,
         config.sasrec_steps,
@@ -342,13 +359,21 @@ def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> Rep
         report.training[method] = _training_summary(log)
         lap(f"{method}_train")
 
+    lora_budget = lora_parameter_count(llm, rank=config.lora_rank)
+    report.parameters["lora_budget"] = lora_budget
+
     def injector() -> nn.Module:
         scale = llm.get_input_embeddings().weight.float().pow(2).mean().sqrt().item()
+        user_dim = sasrec.config.embedding_dim
+        hidden = llm.get_input_embeddings().weight.shape[1]
+        mlp_dim = config.injector_mlp_dim or injector_width_for(
+            lora_budget, user_dim=user_dim, hidden_size=hidden, num_tokens=config.num_soft_tokens
+        )
         injector_config = InjectorConfig(
-            user_dim=sasrec.config.embedding_dim,
-            hidden_size=llm.get_input_embeddings().weight.shape[1],
+            user_dim=user_dim,
+            hidden_size=hidden,
             num_tokens=config.num_soft_tokens,
-            mlp_dim=config.injector_mlp_dim,
+            mlp_dim=mlp_dim,
             dropout=config.injector_dropout,
             output_scale=scale,
         )
@@ -363,12 +388,27 @@ def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> Rep
             evaluate(method, PromptScorer(llm, prompts))
         elif method in ("reprec", "reprec_cheap"):
             module = injector()
-            scorer = PromptScorer(llm, prompts, injector=module, user_encoder=sasrec)
+            scorer = PromptScorer(
+                llm,
+                prompts,
+                injector=module,
+                user_encoder=sasrec,
+                soft_position=config.soft_position,  # type: ignore[arg-type]
+            )
             train_config = config.reprec
             if method == "reprec_cheap":
                 train_config = dataclasses.replace(train_config, history_items=config.cheap_history)
             report.parameters[f"{method}_injector"] = _count(module)
             report.parameters[f"{method}_share"] = parameter_share(module, llm)
+            report.parameters["injector_over_lora"] = _count(module) / lora_budget
+            sensitivity = context_sensitivity(scorer, sets[next(iter(sets))])
+            report.parameters["soft_token_sensitivity"] = sensitivity
+            if sensitivity < 0.01:
+                report.notes.append(
+                    f"the frozen backbone's answer barely reads the soft tokens (random soft "
+                    f"tokens move log p(Yes) by {sensitivity:.4f} on average): the injector "
+                    "cannot learn through it; use a stronger backbone or pretrain it longer"
+                )
             train(method, scorer, train_config)
             evaluate(method, scorer)
         elif method == "lora":

@@ -142,6 +142,12 @@ class PromptEncoder:
         """Leading special tokens of every prompt: soft tokens go right after them."""
         return len(self.prefix)
 
+    @property
+    def suffix_length(self) -> int:
+        """Tokens after the history in every prompt (candidate marker, candidate item, question):
+        the history ends at the same index in every row, since rows are left-padded."""
+        return len(self.candidate_marker) + self.item_ids.size(1) + len(self.question)
+
     @staticmethod
     def _single_token(tokenizer: Any, text: str) -> int:
         ids = _ids(tokenizer, text)
