@@ -2,9 +2,12 @@
 trained injector, against LoRA (r=8, q/v) on the same prompts, SASRec's own scores, the
 zero-shot LLM, and REPREC trained on short histories ("cheap"), in one run.
 
-Reported: HR@10, NDCG@10, MRR on the test split (the held-out item against 100 seeded
-uniform and popularity negatives), overall and per activity group (cold 1-5, medium 6-20,
-warm 21+ interactions), and the training time per epoch of REPREC and LoRA.
+Reported, as the original REPREC repository evaluates: HR@5, NDCG@5, HR@10, NDCG@10 (and
+MRR) on the test split, the held-out item against 200 seeded negatives (100 by popularity +
+100 uniform), prompts of the 50 latest items, overall and per activity group (cold 1-5,
+medium 6-20, warm 21+ interactions); the injector sized to LoRA's parameter count (both
+reported), the training time of every epoch of REPREC and LoRA, and how much the frozen
+backbone's answer moves with the soft tokens (`soft_token_sensitivity`).
 
 No pretrained LLM is available offline, so the backbone is a small Llama built here and
 pretrained on the training split's histories as text (with membership questions, see
@@ -40,7 +43,9 @@ def parse_args() -> argparse.Namespace:
     mode.add_argument("--smoke", action="store_true", help="tiny generated data, CPU, < 1 min")
     mode.add_argument("--cpu", action="store_true", help="Beauty at reduced scale on the CPU")
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
-    p.add_argument("--data-dir", default=None, help="folder holding Beauty.txt")
+    p.add_argument("--data", default=None,
+                   help="a 5-core file, or a name found in --data-dir (default beauty)")  # fmt: skip
+    p.add_argument("--data-dir", default=None, help="folder holding the 5-core files")
     p.add_argument("--backbone", default=None, help="a local Hugging Face causal LM folder")
     p.add_argument("--save-backbone", default=None, help="save the pretrained backbone here")
     p.add_argument("--eval-users", type=int, default=None, help="users ranked (0: all)")
@@ -101,11 +106,11 @@ def config(data_dir: str | None) -> RepRecConfig:
                 hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64
             ),
             pretrain=PretrainConfig(epochs=2, batch_size=8, block=64),
-            injector_mlp_dim=32,
             reprec=train,
             lora=train,
             eval_users=40,
             eval_negatives=50,
+            eval_sampling=("mixed", "uniform"),
         )
     elif MODE == "cpu":
         # Reduced for a shared 2-core machine: a narrow 2-layer backbone, 6 pretraining
@@ -119,7 +124,6 @@ def config(data_dir: str | None) -> RepRecConfig:
                 hidden_size=64, num_layers=2, num_heads=2, intermediate_size=172
             ),
             pretrain=PretrainConfig(epochs=6, batch_size=32, block=128),
-            injector_mlp_dim=64,
             reprec=train,
             lora=dataclasses.replace(train, lr=1e-3),
             eval_users=500,
@@ -147,6 +151,8 @@ def config(data_dir: str | None) -> RepRecConfig:
         "backbone_path": ARGS.backbone,
         "save_backbone_to": ARGS.save_backbone,
     }
+    if ARGS.data is not None:
+        overrides["dataset"] = ARGS.data
     if ARGS.eval_users is not None:
         overrides["eval_users"] = ARGS.eval_users or None
     if ARGS.sasrec_steps is not None:
