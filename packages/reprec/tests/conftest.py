@@ -4,7 +4,7 @@ thread each, so that pytest-xdist workers on a 2-core machine do not spin agains
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -16,3 +16,27 @@ def _single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def tiny_llama() -> Callable[..., torch.nn.Module]:
+    """`tiny_llama(vocab, initializer_range=0.02)`: a seeded 2-layer, 16-wide Llama. With
+    large initial weights (0.3) its answer reads its context; with the default (0.02) its
+    logits are near zero whatever the input."""
+    import transformers
+
+    def build(vocab: int, initializer_range: float = 0.02) -> torch.nn.Module:
+        config = transformers.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            initializer_range=initializer_range,
+            tie_word_embeddings=True,
+        )
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config).eval()
+
+    return build

@@ -44,21 +44,6 @@ class HashedUsers(nn.Module):
         return self.table[self.user(history)]
 
 
-def _backbone(tokenizer) -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 def _batch(generator: torch.Generator, size: int, classes: torch.Tensor):
     history = torch.randint(1, NUM_ITEMS + 1, (size, LENGTH), generator=generator)
     candidates = torch.randint(1, NUM_ITEMS + 1, (size,), generator=generator)
@@ -73,12 +58,14 @@ def _auc(scorer: PromptScorer, batch) -> float:
 
 
 @pytest.mark.parametrize("position", ["history", "bos"])
-def test_injector_beats_zero_shot_when_the_user_embedding_holds_the_answer(position) -> None:
+def test_injector_beats_zero_shot_when_the_user_embedding_holds_the_answer(
+    position, tiny_llama
+) -> None:
     generator = torch.Generator().manual_seed(1)
     classes = torch.rand(USERS, generator=generator) < 0.5
     tokenizer = build_item_tokenizer(NUM_ITEMS)
     prompts = PromptEncoder(tokenizer, NUM_ITEMS, history_items=LENGTH)
-    llm = _backbone(tokenizer)
+    llm = tiny_llama(len(tokenizer), initializer_range=0.3)
     scale = llm.get_input_embeddings().weight.pow(2).mean().sqrt().item()
     torch.manual_seed(0)
     injector = UserEmbeddingInjector(
@@ -111,16 +98,11 @@ def test_injector_beats_zero_shot_when_the_user_embedding_holds_the_answer(posit
     assert reprec_auc > 0.9, (reprec_auc, zero_shot_auc)
 
 
-def test_context_sensitivity_flags_a_backbone_that_ignores_its_context() -> None:
+def test_context_sensitivity_flags_a_backbone_that_ignores_its_context(tiny_llama) -> None:
     # Default initialization (std 0.02): logits near zero whatever the input, as a small
     # backbone that only learned the Yes/No ratio; no injector can move its answer.
     tokenizer = build_item_tokenizer(NUM_ITEMS)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    llm = transformers.LlamaForCausalLM(config).eval()
+    llm = tiny_llama(len(tokenizer))
     generator = torch.Generator().manual_seed(1)
     injector = UserEmbeddingInjector(InjectorConfig(user_dim=USER_DIM, hidden_size=16))
     users = HashedUsers(torch.rand(USERS, generator=generator) < 0.5, generator)

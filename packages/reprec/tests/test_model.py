@@ -177,21 +177,10 @@ def test_only_the_injector_receives_gradients(parts: SimpleNamespace) -> None:
     assert not parts.sasrec.training  # the frozen encoder stays in eval mode
 
 
-def test_the_injector_learns_a_fixed_batch(parts: SimpleNamespace) -> None:
+def test_the_injector_learns_a_fixed_batch(parts: SimpleNamespace, tiny_llama) -> None:
     # A backbone with large random weights (a default-initialized one barely reacts to any
     # input: its logits are all close to zero), frozen; only the injector trains.
-    config = transformers.LlamaConfig(
-        vocab_size=len(parts.tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        initializer_range=0.3,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    llm = transformers.LlamaForCausalLM(config)
+    llm = tiny_llama(len(parts.tokenizer), initializer_range=0.3)
     injector = _injector()
     scorer = PromptScorer(llm, parts.prompts, injector=injector, user_encoder=parts.sasrec).train()
     optimizer = torch.optim.AdamW(injector.parameters(), lr=5e-2)
