@@ -14,8 +14,8 @@ with the zoo's SASRec (a small causal transformer over item ids; 8 linears of 64
 4. Evaluate HR@10 / NDCG@10 on the validation split (100 sampled negatives, the zoo's
    protocol) for every variant, the fp32 and the int8 base; adapter bytes beside each.
 
-    python bench/lordba_quality.py --quick       # ~2 min on 2 free CPU cores
-    python bench/lordba_quality.py               # ~6 min on 2 free CPU cores
+    python bench/lordba_quality.py --quick       # 40 + 20 steps, 512 users
+    python bench/lordba_quality.py               # 150 + 100 steps, 3,072 users (878 s on a loaded 2-core CPU)
 
 Results: bench/results/lordba_quality_<mode>_<utc>.json (command, versions, raw numbers).
 Needs the Amazon 5-core data (``LOKA_DATA_DIR``, see loka.zoo.data.amazon).
