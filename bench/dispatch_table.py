@@ -19,30 +19,25 @@ JSON with the command, device, versions, shapes and per-shape best FP8 speedups 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import platform
-import sys
 import time
 from pathlib import Path
 
+from harness import metadata, parser, write_json
+from harness import stamp as utc_stamp
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser(__doc__)  # --out, --budget-s (timing budget: 170 s; smoke 40)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny presets, one shape")
-    p.add_argument("--budget-s", type=float, default=None, help="timing budget (170 s)")
     p.add_argument("--models", default="dlrm,dhen,wukong,hstu")
     p.add_argument("--cache", default=None, help="kernel_bench cache folder (~/.cache/loka)")
-    p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
-    return p.parse_args()
+    return p.parse_args(argv)
 
-
-ARGS = parse_args()
 
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available():  # before any @triton.jit is created
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import polars as pl  # noqa: E402
@@ -53,22 +48,23 @@ from loka.dispatch.workloads import norm_shapes_of, shapes_of, zoo_shapes  # noq
 from loka.schema import write_table  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     start = time.monotonic()
     gpu = torch.cuda.is_available()
-    out = Path(ARGS.out)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = tuple(ARGS.models.split(","))
-    if ARGS.smoke:
+    names = tuple(args.models.split(","))
+    if args.smoke:
         per_model = zoo_shapes(("dhen",), preset="tiny", device="cpu", cpu_batch=32)
         shapes, norm_shapes = [Shape(32, 32, 64)], [(32, 32)]
-        budget = ARGS.budget_s or 40.0
+        budget = args.budget_s or 40.0
     else:
         per_model = zoo_shapes(names, preset="large")
         shapes, norm_shapes = shapes_of(per_model), norm_shapes_of(per_model)
-        budget = ARGS.budget_s or 170.0
+        budget = args.budget_s or 170.0
     print(f"[dispatch_table] {len(shapes)} distinct shapes from {', '.join(per_model)}", flush=True)
-    cache = BenchCache(ARGS.cache)
+    cache = BenchCache(args.cache)
 
     def progress(done: int, total: int, detail: str) -> None:
         if done % 50 == 0 or done == total:
@@ -77,30 +73,25 @@ def main() -> None:
     result = benchmark(shapes, cache=cache, budget_s=budget, progress=progress,
                        time_on_cpu=not gpu, norm_shapes=norm_shapes)  # fmt: skip
     table = result.table
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    stamp = utc_stamp()
     tag = "h200" if "H200" in result.device.device else result.device.slug
-    path = out / f"kernel_bench_{tag}_{'smoke_' if ARGS.smoke else ''}{stamp}.parquet"
+    path = out / f"kernel_bench_{tag}_{'smoke_' if args.smoke else ''}{stamp}.parquet"
     write_table(table, path, "kernel_bench", metadata={"device": result.device.describe(),
                                                         "producer": "bench/dispatch_table.py"})  # fmt: skip
     table.write_csv(path.with_suffix(".csv"))
     best = summarize(table)
-    import triton
-
-    meta = {
-        "command": " ".join([sys.executable, *sys.argv]), "date_utc": stamp,
-        "device": result.device.as_dict(), "python": platform.python_version(),
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "env": {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "LOKA_KERNELS_AUTOTUNE")},
-        "timing": "per pass: quantization + GEMM, each a median of CUDA-graph replays over "
+    meta = metadata(
+        "cuda" if gpu else "cpu", date_utc=stamp, device=result.device.as_dict(),
+        timing="per pass: quantization + GEMM, each a median of CUDA-graph replays over "
         "rotating inputs (wall clock under the CPU interpreter in --smoke: not a speed)",
-        "shapes": [s.__dict__ for s in shapes], "norm_shapes": norm_shapes,
-        "site_shapes": per_model,
-        "measured": result.measured, "reused": result.reused, "estimated": result.estimated,
-        "refused": [(s.__dict__, c.__dict__, r) for s, c, r in result.refused],
-        "failed": [(s.__dict__, c.__dict__, r) for s, c, r in result.failed],
-        "notes": result.notes, "best_fp8_speedup": best, "wall_s": time.monotonic() - start,
-    }  # fmt: skip
-    path.with_suffix(".json").write_text(json.dumps(meta, indent=1, default=str))
+        shapes=[s.__dict__ for s in shapes], norm_shapes=norm_shapes,
+        site_shapes=per_model,
+        measured=result.measured, reused=result.reused, estimated=result.estimated,
+        refused=[(s.__dict__, c.__dict__, r) for s, c, r in result.refused],
+        failed=[(s.__dict__, c.__dict__, r) for s, c, r in result.failed],
+        notes=result.notes, best_fp8_speedup=best, wall_s=time.monotonic() - start,
+    )  # fmt: skip
+    write_json(path.with_suffix(".json"), meta)
     print(f"wrote {path} (+ .csv, .json): {table.height} rows, {result.measured} measured, "
           f"{result.reused} cached, {len(result.failed)} failed/over budget, "
           f"{time.monotonic() - start:.0f} s")  # fmt: skip

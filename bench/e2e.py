@@ -31,18 +31,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
-import datetime as dt
 import gc
-import json
 import math
 import os
-import platform
 import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
+
+from harness import Budget, metadata, parser, stamp, write_csv, write_json
 
 ANCHOR_DHEN_MS = (30.3, 32.6)
 VARIANTS = ("bf16", "bf16-seed1", "torchao-tensorwise", "torchao-tensorwise-auto",
@@ -50,8 +47,8 @@ VARIANTS = ("bf16", "bf16-seed1", "torchao-tensorwise", "torchao-tensorwise-auto
 QUALITY_KEY = {"dlrm": "ne", "dhen": "ne", "wukong": "ne", "hstu": "ndcg@10"}
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser(__doc__)  # --out, --budget-s (the whole run: 480 s; smoke 35)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny presets, a few steps")
     p.add_argument(
         "--models", default=None, help="default: dlrm,dhen,wukong,hstu (smoke: dhen,hstu)"
@@ -60,7 +57,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="training steps per run (120)")
     p.add_argument("--probe-steps", type=int, default=None, help="LoKA's bf16 warm-up (40)")
     p.add_argument("--timed", type=int, default=None, help="last steps timed (40)")
-    p.add_argument("--budget-s", type=float, default=None, help="whole run (480 s)")
     p.add_argument("--bench-budget-s", type=float, default=45.0, help="kernel bench per model")
     p.add_argument("--compile", action="store_true", help="torch.compile every variant")
     p.add_argument("--cache", default=None,
@@ -68,8 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed-cache", default=None, metavar="TABLE",
                    help="a kernel_bench table measured on this machine's identity, stored into "
                    "the cache first (bench/dispatch_table.py's output), so plans start measured")  # fmt: skip
-    p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     smoke = args.smoke
     args.preset = "tiny" if smoke else "large"
     args.steps = args.steps or (4 if smoke else 120)
@@ -80,7 +75,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-ARGS = parse_args()
+# Set by main() from the command line; importing the script runs nothing.
+ARGS = parse_args([])
 
 import torch  # noqa: E402
 
@@ -96,11 +92,11 @@ from loka.probe import ProbeConfig  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = DEVICE == "cuda"
 AUTOCAST = torch.bfloat16 if GPU else None
-START = time.monotonic()
+BUDGET = Budget(None)
 
 
 def over_budget() -> bool:
-    return time.monotonic() - START > ARGS.budget_s
+    return BUDGET.over()
 
 
 def _timer():
@@ -277,22 +273,15 @@ def inference_runs(name: str, bf16_row: dict, loka_row: dict | None) -> list[dic
     return rows
 
 
-def metadata() -> dict:
-    import triton
-
-    return {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "mode": "smoke" if ARGS.smoke else "full",
-        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ"),
-        "device": torch.cuda.get_device_name() if GPU else platform.processor() or "cpu",
-        "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "cuda": torch.version.cuda,
-        "compiled": ARGS.compile, "steps": ARGS.steps, "probe_steps": ARGS.probe_steps,
-        "timed_steps": ARGS.timed, "preset": ARGS.preset,
-        "timing": "median CUDA-event time of training_step over the last timed steps; "
+def run_metadata() -> dict:
+    return metadata(
+        DEVICE, mode="smoke" if ARGS.smoke else "full", date_utc=stamp(),
+        compiled=ARGS.compile, steps=ARGS.steps, probe_steps=ARGS.probe_steps,
+        timed_steps=ARGS.timed, preset=ARGS.preset,
+        timing="median CUDA-event time of training_step over the last timed steps; "
         "inference: triton.testing.do_bench median of one forward",
-        "anchor_dhen_compiled_bf16_ms": ANCHOR_DHEN_MS,
-    }  # fmt: skip
+        anchor_dhen_compiled_bf16_ms=ANCHOR_DHEN_MS,
+    )  # fmt: skip
 
 
 def seed_cache(table_path: str) -> str:
@@ -311,10 +300,12 @@ def seed_cache(table_path: str) -> str:
     return f"seeded {path} with {table.height} measured rows from {table_path}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    global ARGS, BUDGET
+    ARGS = parse_args(argv)
+    BUDGET = Budget(ARGS.budget_s)
     out = Path(ARGS.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = metadata()
+    meta = run_metadata()
     if ARGS.seed_cache:
         meta["seed_cache"] = seed_cache(ARGS.seed_cache)
         print(f"[e2e] {meta['seed_cache']}", flush=True)
@@ -349,16 +340,12 @@ def main() -> None:
     summarize(runs)
     stamp = meta["date_utc"]
     mode = meta["mode"]
-    (out / f"e2e_{mode}_{stamp}.json").write_text(json.dumps({"meta": meta, "runs": runs},
-                                                             indent=1, default=str))  # fmt: skip
+    write_json(out / f"e2e_{mode}_{stamp}.json", {"meta": meta, "runs": runs})
     fields = ["model", "variant", "seed", "fp8_layers", "step_ms", "step_ms_p10", "step_ms_p90",
               "speedup_vs_bf16", "vs_anchor", "quality", "quality_in_band", "quality_ok", "final_loss",
               "fwd_ms", "g", "s", "ceiling", "predicted", "estimated", "skipped", "error"]  # fmt: skip
-    with (out / f"e2e_{mode}_{stamp}.csv").open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(runs)
-    print(f"wrote {out}/e2e_{mode}_{stamp}.json and .csv ({time.monotonic() - START:.0f} s)")
+    write_csv(out / f"e2e_{mode}_{stamp}.csv", runs, fields)
+    print(f"wrote {out}/e2e_{mode}_{stamp}.json and .csv ({BUDGET.elapsed():.0f} s)")
 
 
 def summarize(runs: list[dict]) -> None:

@@ -105,15 +105,19 @@ def stamp(now: dt.datetime | None = None) -> str:
 
 
 def git_commit(cwd: Path | None = None) -> str | None:
+    """The checkout's commit, or None (a copied tree without history answers "HEAD")."""
     try:
         found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                cwd=cwd or Path(__file__).parent, timeout=10)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
-    return found.stdout.strip() or None
+    commit = found.stdout.strip()
+    is_hash = len(commit) == 40 and all(c in "0123456789abcdef" for c in commit)
+    return commit if found.returncode == 0 and is_hash else None
 
 
-def _version(module: str) -> str | None:
+def version(module: str) -> str | None:
+    """`module.__version__`, or None where it is not installed."""
     try:
         return __import__(module).__version__
     except Exception:  # absent, or broken on this machine: recorded as None
@@ -134,8 +138,8 @@ def metadata(device: Any = "cpu", /, **extra: Any) -> dict[str, Any]:
         "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "torchao": _version("torchao"),
+        "triton": version("triton"),
+        "torchao": version("torchao"),
         "cuda": torch.version.cuda,
         "git_commit": git_commit(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
@@ -167,3 +171,16 @@ def write_csv(path: str | os.PathLike, rows: list[dict], fields: list[str]) -> P
     writer.writeheader()
     writer.writerows(rows)
     return write_atomic(path, text.getvalue())
+
+
+def load(script: str) -> Any:
+    """Import `bench/<script>.py` as a module without running it, for its tests."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{script}", RESULTS.parent / f"{script}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

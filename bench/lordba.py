@@ -31,54 +31,38 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import dataclasses
-import datetime as dt
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
+from harness import Budget, metadata, parser, write_csv, write_json
+from harness import stamp as utc_stamp
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser(__doc__)  # --out, --budget-s (240 s; smoke 60)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU: Triton interpreter)")
-    p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     p.add_argument("--hidden", type=int, default=None, help="K = N (4096; smoke 64)")
     p.add_argument("--rank", type=int, default=None, help="adapter rank (16; smoke 4)")
     p.add_argument("--tokens", default=None, help="prefill token counts (512,...,8192; smoke 8,24)")
     p.add_argument("--train-tokens", default=None, help="training tokens (4096,8192; smoke 16)")
     p.add_argument("--sections", default="check,bytes,fit,prefill,train")
     p.add_argument("--no-autotune", action="store_true", help="one heuristic tile per kernel")
-    p.add_argument("--budget-s", type=float, default=None, help="wall budget (240 s; smoke 60)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-ARGS = parse_args()
-SECTIONS = [s.strip() for s in ARGS.sections.split(",") if s.strip()]
 CPU_SECTIONS = {"bytes", "fit"}  # device-independent numbers
-_UNKNOWN = set(SECTIONS) - {"check", "bytes", "fit", "prefill", "train"}
-if _UNKNOWN:
-    raise SystemExit(f"unknown --sections {sorted(_UNKNOWN)}")
 
 import torch  # noqa: E402
 
-MODE = "smoke" if ARGS.smoke else ("full" if torch.cuda.is_available() else "cpu")
-if not torch.cuda.is_available():
-    if MODE == "cpu" and not set(SECTIONS) <= CPU_SECTIONS:
-        raise SystemExit(
-            "bench/lordba.py needs a CUDA GPU for sections other than "
-            f"{sorted(CPU_SECTIONS)}; use --smoke on CPU"
-        )
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is created
-if ARGS.no_autotune:
-    os.environ["LOKA_KERNELS_AUTOTUNE"] = "0"
+if not torch.cuda.is_available():  # a CPU runs --smoke, "bytes" and "fit" in the interpreter,
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # set before any @triton.jit is created
 
 import safetensors.torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -98,28 +82,39 @@ from loka.lordba.kernels import sign_down, sign_up  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CUDA = DEVICE.type == "cuda"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
-HIDDEN = ARGS.hidden or (64 if ARGS.smoke else 4096)
-RANK = ARGS.rank or (4 if ARGS.smoke else 16)
-TOKENS = [
-    int(t)
-    for t in (ARGS.tokens or ("8,24" if ARGS.smoke else "512,1024,2048,4096,8192")).split(",")
-]
-TRAIN_TOKENS = [
-    int(t) for t in (ARGS.train_tokens or ("16" if ARGS.smoke else "4096,8192")).split(",")
-]
-FIT_STEPS = 20 if ARGS.smoke else 200  # training steps of the LoRAs the fit section converts
 HOST_CALLS = 20
-BUDGET_S = ARGS.budget_s or (60.0 if ARGS.smoke else 240.0)
 PREFILL_AIM = 1.08  # the paper's "at most 8% prefill overhead at rank 16, unmerged"
 # bf16 GEMM [M, 4096] x [4096, 4096] on the H200 (shared/anchors/h200_gemm_bf16_vs_fp8_2026-11-29.csv,
 # do_bench median): this run's base should land near these.
 ANCHOR_BF16_MS = {2048: 0.0942, 8192: 0.3870}
 BYTES_AIM = 10.0
-START = time.monotonic()
+
+
+def configure(args: argparse.Namespace) -> None:
+    """Set the run's globals from its arguments (main() does; importing sets the full run's)."""
+    global ARGS, SECTIONS, MODE, HIDDEN, RANK, TOKENS, TRAIN_TOKENS, FIT_STEPS, BUDGET_S, BUDGET
+    ARGS = args
+    SECTIONS = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(SECTIONS) - {"check", "bytes", "fit", "prefill", "train"}
+    if unknown:
+        raise SystemExit(f"unknown --sections {sorted(unknown)}")
+    MODE = "smoke" if args.smoke else ("full" if CUDA else "cpu")
+    HIDDEN = args.hidden or (64 if args.smoke else 4096)
+    RANK = args.rank or (4 if args.smoke else 16)
+    default_tokens = "8,24" if args.smoke else "512,1024,2048,4096,8192"
+    TOKENS = [int(t) for t in (args.tokens or default_tokens).split(",")]
+    default_train = "16" if args.smoke else "4096,8192"
+    TRAIN_TOKENS = [int(t) for t in (args.train_tokens or default_train).split(",")]
+    FIT_STEPS = 20 if args.smoke else 200  # training steps of the LoRAs the fit section converts
+    BUDGET_S = args.budget_s or (60.0 if args.smoke else 240.0)
+    BUDGET = Budget(BUDGET_S)
+
+
+configure(parse_args([]))
 
 
 def elapsed() -> float:
-    return time.monotonic() - START
+    return BUDGET.elapsed()
 
 
 def over_budget(share: float) -> bool:
@@ -570,42 +565,9 @@ def train_section() -> list[dict]:
 # --------------------------------------------------------------------------------------
 
 
-def git_commit() -> str | None:
-    """The checkout's commit, or None (a copied tree without history answers "HEAD")."""
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    commit = done.stdout.strip()
-    is_hash = len(commit) == 40 and all(c in "0123456789abcdef" for c in commit)
-    return commit if done.returncode == 0 and is_hash else None
-
-
-def metadata() -> dict:
-    commit = git_commit()
-    return {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "mode": MODE,
-        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(DEVICE) if CUDA else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "git_commit": commit,
-        "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
-        "autotune": not ARGS.no_autotune,
-        "hidden": HIDDEN,
-        "rank": RANK,
-        "dtype": str(DTYPE),
-        "budget_s": BUDGET_S,
-    }
+def run_metadata() -> dict:
+    return metadata(DEVICE, mode=MODE, autotune=not ARGS.no_autotune, hidden=HIDDEN, rank=RANK,
+                    dtype=str(DTYPE), budget_s=BUDGET_S)  # fmt: skip
 
 
 def summarize(results: dict) -> dict:
@@ -708,15 +670,16 @@ def print_tables(results: dict) -> None:
     print("\nsummary:", json.dumps(summarize(results)))
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    configure(parse_args(argv))
+    if not CUDA and MODE == "cpu" and not set(SECTIONS) <= CPU_SECTIONS:
+        raise SystemExit(
+            "bench/lordba.py needs a CUDA GPU for sections other than "
+            f"{sorted(CPU_SECTIONS)}; use --smoke on CPU"
+        )
+    if ARGS.no_autotune:
+        os.environ["LOKA_KERNELS_AUTOTUNE"] = "0"
     out = Path(ARGS.out)
-    out.mkdir(parents=True, exist_ok=True)
     sections = SECTIONS
     results: dict = {}
     failures = []
@@ -737,23 +700,18 @@ def main() -> int:
                 traceback.print_exc()
                 failures.append(section)
                 results[section + "_error"] = f"{type(error).__name__}: {error}"
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    stamp = utc_stamp()
     record = {
-        "metadata": metadata(),
+        "metadata": run_metadata(),
         "summary": summarize(results),
         "results": results,
         "wall_s": elapsed(),
     }
-    write_atomic(out / f"lordba_{MODE}_{stamp}.json", json.dumps(record, indent=1, default=str))
+    write_json(out / f"lordba_{MODE}_{stamp}.json", record)
     prefill = [r for r in results.get("prefill", []) if "variant" in r]
     if prefill:
-        path = out / f"lordba_prefill_{MODE}_{stamp}.csv"
         fields = sorted({k for r in prefill for k in r})
-        with open(path.with_name(f".{path.name}.tmp"), "w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(prefill)
-        os.replace(path.with_name(f".{path.name}.tmp"), path)
+        write_csv(out / f"lordba_prefill_{MODE}_{stamp}.csv", prefill, fields)
     print_tables(results)
     print(f"\nwrote {out}/lordba_{MODE}_{stamp}.* in {elapsed():.0f} s")
     checks_ok = all(r["ok"] for r in results.get("check", []))

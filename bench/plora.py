@@ -23,41 +23,29 @@ record, the summary, the metadata), plora_steps_<mode>_<utc>.csv (step profiles)
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime as dt
-import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from harness import Budget, metadata, parser, rel_err, time_ms, version, write_csv, write_json
+from harness import stamp as utc_stamp
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser(__doc__)  # --out, --budget-s (270 s; smoke 60)
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (Triton interpreter)")
-    p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (512; smoke 16)")
     p.add_argument("--sections", default="kernels,steps,makespan")
     p.add_argument("--no-autotune", action="store_true", help="heuristic kernel tiles only")
-    p.add_argument("--budget-s", type=float, default=None, help="wall budget (270 s; smoke 60)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
-
-ARGS = parse_args()
-MODE = "smoke" if ARGS.smoke else "full"
 
 import torch  # noqa: E402
 
-if not torch.cuda.is_available():
-    if not ARGS.smoke:
-        raise SystemExit("bench/plora.py needs a CUDA GPU; use --smoke on CPU")
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit is created
-if ARGS.no_autotune:
-    os.environ["LOKA_KERNELS_AUTOTUNE"] = "0"
+if not torch.cuda.is_available():  # only --smoke runs on a CPU: in Triton's interpreter,
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # set before any @triton.jit is created
 
 import torch.nn.functional as F  # noqa: E402
 
@@ -76,21 +64,29 @@ from loka.plora.runner import packed_train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-SEQ = ARGS.seq_len or (8 if ARGS.smoke else 512)
-BUDGET_S = ARGS.budget_s or (60.0 if ARGS.smoke else 270.0)
-START = time.perf_counter()
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-if ARGS.smoke:
-    MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=64)  # fmt: skip
-    JOB_COUNTS, PACK_SIZES, STEPS = (2,), (1, 2), (1, 2)
-    TIMED, WARMUP = 1, 1
-else:
-    MODEL = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=24,
-                 num_attention_heads=12, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
-    JOB_COUNTS, PACK_SIZES, STEPS = (8, 32), (1, 2, 4, 8, 16, 32), (12, 16, 20)
-    TIMED, WARMUP = 5, 2
 RANKS, BATCH_SIZES = (8, 16, 32, 64), (1, 2, 3, 4)
+
+
+def configure(args: argparse.Namespace) -> None:
+    """Set the run's globals from its arguments (main() does; importing sets the full run's)."""
+    global ARGS, MODE, SEQ, BUDGET, MODEL, JOB_COUNTS, PACK_SIZES, STEPS, TIMED, WARMUP
+    ARGS, MODE = args, "smoke" if args.smoke else "full"
+    SEQ = args.seq_len or (8 if args.smoke else 512)
+    BUDGET = Budget(args.budget_s or (60.0 if args.smoke else 270.0))
+    if args.smoke:
+        MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=64)  # fmt: skip
+        JOB_COUNTS, PACK_SIZES, STEPS = (2,), (1, 2), (1, 2)
+        TIMED, WARMUP = 1, 1
+    else:
+        MODEL = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=24,
+                     num_attention_heads=12, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
+        JOB_COUNTS, PACK_SIZES, STEPS = (8, 32), (1, 2, 4, 8, 16, 32), (12, 16, 20)
+        TIMED, WARMUP = 5, 2
+
+
+configure(parse_args([]))
 
 
 def make_jobs(n: int) -> list[LoraJobConfig]:
@@ -115,26 +111,12 @@ def sync() -> None:
 
 
 def over_budget() -> bool:
-    return time.perf_counter() - START > BUDGET_S
+    return BUDGET.over()
 
 
 def time_fn(fn, reps: int = 20) -> float:
     """Median milliseconds of fn(): triton's do_bench on the GPU, wall clock on CPU."""
-    if DEVICE.type == "cuda":
-        import triton
-
-        return float(triton.testing.do_bench(fn, warmup=10, rep=reps * 5, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(2):
-        begin = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+    return time_ms(fn, DEVICE, reps=2, rep_ms=reps * 5)
 
 
 # ---------------------------------------------------------------------------------------
@@ -475,33 +457,14 @@ def summarize(kernels, steps, makespans, jobs) -> dict:
     return summary
 
 
-def metadata(wall: float) -> dict:
-    import transformers
-
-    try:
-        import peft
-
-        peft_version = peft.__version__
-    except ImportError:
-        peft_version = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    import triton
-
-    return {
-        "command": " ".join([sys.executable, *sys.argv]), "mode": MODE,
-        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else platform.processor() or "cpu",
-        "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-        "transformers": transformers.__version__, "peft": peft_version, "git_commit": commit,
-        "model": MODEL, "seq_len": SEQ, "dtype": str(DTYPE), "autotune": not ARGS.no_autotune,
-        "timed_steps": TIMED, "warmup_steps": WARMUP, "wall_s": wall,
-        "baseline": "peft LoraConfig defaults (fp32 adapters), fused AdamW, grad clipping, one job at a time",
-        "packed": "loka PackedLoraConfig defaults (fp32 adapters, bf16 GEMMs), per-adapter fused AdamW and clipping",
-    }  # fmt: skip
+def run_metadata(wall: float) -> dict:
+    return metadata(DEVICE, mode=MODE,
+        transformers=version("transformers"), peft=version("peft"),
+        model=MODEL, seq_len=SEQ, dtype=str(DTYPE), autotune=not ARGS.no_autotune,
+        timed_steps=TIMED, warmup_steps=WARMUP, wall_s=wall,
+        baseline="peft LoraConfig defaults (fp32 adapters), fused AdamW, grad clipping, one job at a time",
+        packed="loka PackedLoraConfig defaults (fp32 adapters, bf16 GEMMs), per-adapter fused AdamW and clipping",
+    )  # fmt: skip
 
 
 def print_summary(summary: dict) -> None:
@@ -521,31 +484,29 @@ def print_summary(summary: dict) -> None:
               f"{r['ratio']:5.2f}x shorter")  # fmt: skip
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    configure(parse_args(argv))
+    if DEVICE.type != "cuda" and not ARGS.smoke:
+        raise SystemExit("bench/plora.py needs a CUDA GPU; use --smoke on CPU")
+    if ARGS.no_autotune:
+        os.environ["LOKA_KERNELS_AUTOTUNE"] = "0"
     sections = set(ARGS.sections.split(","))
     out = Path(ARGS.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    stamp = utc_stamp()
     jobs = make_jobs(max(JOB_COUNTS))
     kernels = bench_kernels(jobs) if "kernels" in sections else []
     model = build_model() if sections & {"steps", "makespan"} else None
     steps = bench_steps(model, jobs) if "steps" in sections else []
     makespans = bench_makespan(model, jobs) if "makespan" in sections else []
     summary = summarize(kernels, steps, makespans, jobs)
-    meta = metadata(time.perf_counter() - START)
+    meta = run_metadata(BUDGET.elapsed())
     record = {"meta": meta, "jobs": [j.to_dict() for j in jobs], "kernels": kernels, "steps": steps,
               "makespan": makespans, "summary": summary}  # fmt: skip
-    _write(out / f"plora_{MODE}_{stamp}.json", json.dumps(record, indent=2, default=str))
+    write_json(out / f"plora_{MODE}_{stamp}.json", record, indent=2)
     fields = ["kind", "backend", "n_adapters", "rank", "batch_size", "tokens", "rank_tokens",
               "step_time_s", "tokens_per_s", "peak_memory_bytes", "device"]  # fmt: skip
     rows = [r for r in steps if "error" not in r]
-    steps_csv = out / f"plora_steps_{MODE}_{stamp}.csv"
-    tmp = steps_csv.with_name(f".{steps_csv.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, steps_csv)
+    write_csv(out / f"plora_steps_{MODE}_{stamp}.csv", rows, fields)
     print_summary(summary)
     errors = [r for r in (*kernels, *steps, *makespans) if "error" in r]
     for r in errors:
@@ -555,14 +516,8 @@ def main() -> int:
     if bad:
         print(f"  CORRECTNESS FAILED for {bad}")
     print(f"wrote {out}/plora_{MODE}_{stamp}.json and plora_steps_{MODE}_{stamp}.csv "
-          f"({time.perf_counter() - START:.0f} s)")  # fmt: skip
+          f"({BUDGET.elapsed():.0f} s)")  # fmt: skip
     return 1 if bad or (errors and ARGS.smoke) else 0
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

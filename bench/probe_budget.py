@@ -34,6 +34,7 @@ import types
 from pathlib import Path
 
 import torch
+from harness import write_json
 from torch import nn
 from torch.nn import functional as F
 
@@ -276,10 +277,7 @@ def main() -> None:
     else:
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
         path = Path(args.out) / f"probe_budget_{'smoke' if args.smoke else 'cpu'}_{stamp}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
-    tmp.replace(path)
+    write_json(path, {"meta": meta, "summary": summary, "runs": runs})
     print(
         f"\n{'variant':6s} {'meaning':42s} {'fwd err':>8s} {'dgrad err (plain)':>18s} "
         f"{'eval logloss (min..max)':>28s} {'AUC':>7s}  vs fp32 band"

@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from harness import metadata, write_json
 
 import loka.zoo as zoo
 from loka.probe import Probe, ProbeConfig
@@ -61,25 +59,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def metadata(args: argparse.Namespace, device: torch.device) -> dict:
-    meta = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "args": vars(args),
-    }
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        meta["triton"] = None
-    if device.type == "cuda":
-        meta["cuda"] = torch.version.cuda
-        meta["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-    return meta
+def run_metadata(args: argparse.Namespace, device: torch.device) -> dict:
+    return metadata(device, args=vars(args))
 
 
 class Copy:
@@ -117,7 +98,7 @@ def parse_overrides(text: str) -> dict:
 def main() -> None:
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    meta = metadata(args, device)
+    meta = run_metadata(args, device)
     copies = {"probe": Copy(args, device), "plain": Copy(args, device)}
     for copy in copies.values():
         copy.setup.model.train()
@@ -209,7 +190,7 @@ def main() -> None:
         "tables_dir": str(tables_dir),
     }
     path = out / f"probe_overhead_{mode}_{stamp}.json"
-    path.write_text(json.dumps(record, indent=1, default=str))
+    write_json(path, record)
 
     print(
         f"\nloka.probe overhead: {args.model} {args.preset} on {meta['device']}, {len(a)} steps per copy"

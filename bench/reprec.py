@@ -26,23 +26,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from harness import Budget, default_out, metadata, version, write_json
+from harness import stamp as utc_stamp
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny generated data, CPU, < 1 min")
     mode.add_argument("--cpu", action="store_true", help="Beauty at reduced scale on the CPU")
-    p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    p.add_argument("--out", default=default_out())
     p.add_argument("--data", default=None,
                    help="a 5-core file, or a name found in --data-dir (default beauty)")  # fmt: skip
     p.add_argument("--data-dir", default=None, help="folder holding the 5-core files")
@@ -53,19 +54,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pretrain-epochs", type=int, default=None)
     p.add_argument("--sasrec-steps", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-ARGS = parse_args()
-MODE = "smoke" if ARGS.smoke else "cpu" if ARGS.cpu else "gpu"
+def mode_of(args: argparse.Namespace) -> str:
+    return "smoke" if args.smoke else "cpu" if args.cpu else "gpu"
+
+
+# Set by main() from the command line; importing the script runs nothing.
+ARGS = parse_args([])
+MODE = mode_of(ARGS)
 # This folder holds kernels.py, which would shadow the `kernels` package that transformers
 # probes for: import packages from the environment only.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
 import torch  # noqa: E402
-
-if MODE == "gpu" and not torch.cuda.is_available():
-    raise SystemExit("bench/reprec.py needs a CUDA GPU; use --cpu (reduced) or --smoke")
 
 from loka.reprec import (  # noqa: E402
     BackboneConfig,
@@ -75,7 +78,7 @@ from loka.reprec import (  # noqa: E402
     run_reprec,
 )
 
-START = time.monotonic()
+BUDGET = Budget(None)  # counts the run's wall time from main()
 
 
 def smoke_data(folder: Path) -> Path:
@@ -165,16 +168,6 @@ def config(data_dir: str | None) -> RepRecConfig:
     return dataclasses.replace(base, **overrides)
 
 
-def git_commit() -> str | None:
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    commit = done.stdout.strip()
-    return commit if done.returncode == 0 and len(commit) == 40 else None
-
-
 def label(run_config: RepRecConfig) -> str:
     b, users = run_config.backbone, run_config.eval_users or "all"
     scale = (
@@ -193,49 +186,28 @@ def label(run_config: RepRecConfig) -> str:
     }[MODE]
 
 
-def metadata(run_config: RepRecConfig) -> dict:
-    import transformers
-
-    try:
-        import peft
-
-        peft_version = peft.__version__
-    except ImportError:
-        peft_version = None
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
+def run_metadata(run_config: RepRecConfig) -> dict:
     cuda = torch.cuda.is_available() and MODE == "gpu"
-    return {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "mode": MODE,
-        "label": label(run_config),
-        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name()
-        if cuda
-        else f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "transformers": transformers.__version__,
-        "peft": peft_version,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "git_commit": git_commit(),
-        "wall_s": time.monotonic() - START,
-    }
+    device = None if cuda else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+    meta = metadata("cuda" if cuda else "cpu", mode=MODE, label=label(run_config),
+                    transformers=version("transformers"), peft=version("peft"),
+                    wall_s=BUDGET.elapsed())  # fmt: skip
+    return meta | ({"device": device} if device else {})
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    global ARGS, MODE, BUDGET
+    ARGS = parse_args(argv)
+    MODE, BUDGET = mode_of(ARGS), Budget(None)
+    if MODE == "gpu" and not torch.cuda.is_available():
+        raise SystemExit("bench/reprec.py needs a CUDA GPU; use --cpu (reduced) or --smoke")
     last: dict[str, float] = {}
 
     def progress(phase: str, done: int, total: int) -> None:
         now = time.monotonic()
         if done == total or now - last.get(phase, 0.0) > 15:
             last[phase] = now
-            print(f"[{now - START:7.1f}s] {phase}: {done}/{total}", flush=True)
+            print(f"[{BUDGET.elapsed():7.1f}s] {phase}: {done}/{total}", flush=True)
 
     with tempfile.TemporaryDirectory() as scratch:
         data_dir = str(smoke_data(Path(scratch))) if MODE == "smoke" else ARGS.data_dir
@@ -243,15 +215,12 @@ def main() -> int:
         report = run_reprec(run_config, progress)
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    stem = f"reprec_{MODE}_{stamp}"
+    stem = f"reprec_{MODE}_{utc_stamp()}"
     report.notes.insert(0, label(run_config))
     json_path, csv_path = report.write(out, stem)
     payload = json.loads(json_path.read_text())
-    payload["meta"] = metadata(run_config)
-    tmp = json_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    os.replace(tmp, json_path)
+    payload["meta"] = run_metadata(run_config)
+    write_json(json_path, payload)
     print("\n".join(["", f"REPREC bench ({payload['meta']['label']})", *report.summary_lines()]))
     print(f"written: {json_path} and {csv_path}")
     return 0

@@ -21,10 +21,8 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUME
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import datetime  # noqa: E402
 import importlib.metadata  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -34,6 +32,7 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+from harness import write_csv, write_json  # noqa: E402
 
 from loka.stats import Sketch  # noqa: E402
 
@@ -211,12 +210,6 @@ def ratios(results: list[dict[str, object]]) -> list[dict[str, object]]:
     return rows
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -250,18 +243,11 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     stem = args.out / f"stats_throughput_{socket.gethostname()}_{stamp}"
-    write_atomic(
-        stem.with_suffix(".json"),
-        json.dumps({"meta": meta, "results": results, "summary": summary}, indent=2),
+    write_json(
+        stem.with_suffix(".json"), {"meta": meta, "results": results, "summary": summary}, indent=2
     )
-    with open(stem.with_suffix(".csv.tmp"), "w", newline="") as f:
-        writer = csv.DictWriter(
-            f, fieldnames=["method", "dtype", "n", "median_s", "median_wall_s", "values_per_s"]
-        )
-        writer.writeheader()
-        for r in results:
-            writer.writerow({k: r[k] for k in writer.fieldnames})
-    stem.with_suffix(".csv.tmp").replace(stem.with_suffix(".csv"))
+    fields = ["method", "dtype", "n", "median_s", "median_wall_s", "values_per_s"]
+    write_csv(stem.with_suffix(".csv"), results, fields)
     print()
     header = f"{'dtype':9s} {'n':>12s} {'update M/s':>11s} {'rows M/s':>9s} {'x numpy':>8s} {'x KLL':>7s}  aims"
     print(header)

@@ -28,23 +28,20 @@ writes zoo_sasrec_beauty_<device>_<utc time>.json (needs the Amazon data, see lo
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime as dt
 import gc
-import json
 import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from harness import git_commit, write_csv, write_json
 
 import loka.zoo as zoo
 
@@ -379,20 +376,6 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
-    except Exception:
-        return None
-
-
 def csv_row(record: dict) -> dict:
     share = record.get("profile", {}).get("share", {})
     row = {key: record.get(key, "") for key in CSV_FIELDS}
@@ -406,23 +389,13 @@ def csv_row(record: dict) -> dict:
     return row
 
 
-def write_atomic(path: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-        tmp.write(text)
-    os.replace(tmp.name, path)
-
-
 def write(records: list[dict], meta: dict, out: Path, mode: str) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     base = out / f"zoo_baseline_{mode}_{stamp}"
     json_path, csv_path = base.with_suffix(".json"), base.with_suffix(".csv")
-    write_atomic(json_path, json.dumps({"meta": meta, "runs": records}, indent=1, default=str))
-    with tempfile.NamedTemporaryFile("w", dir=out, delete=False, suffix=".tmp", newline="") as tmp:
-        writer = csv.DictWriter(tmp, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(csv_row(r) for r in records)
-    os.replace(tmp.name, csv_path)
+    write_json(json_path, {"meta": meta, "runs": records})
+    write_csv(csv_path, [csv_row(r) for r in records], CSV_FIELDS)
     return json_path, csv_path
 
 
@@ -511,7 +484,7 @@ def beauty_check(args: argparse.Namespace, device: torch.device, meta: dict) -> 
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     path = out / f"zoo_sasrec_beauty_{device.type}_{stamp}.json"
-    write_atomic(path, json.dumps({"meta": meta, "result": record}, indent=1, default=str))
+    write_json(path, {"meta": meta, "result": record})
     print(f"\n{'split':6} {'model':10} {'hr@10':>7} {'ndcg@10':>8} {'mrr':>7}")
     for split in ("valid", "test"):
         for label, metrics in (

@@ -3,16 +3,14 @@ of each mode and the choice of the fastest correct tile (CPU, no benchmark run).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from pathlib import Path
 
-_BENCH = Path(__file__).parents[1] / "bench"
-sys.path.insert(0, str(_BENCH))
-_SPEC = importlib.util.spec_from_file_location("bench_kernels", _BENCH / "kernels.py")
-kernels_bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(kernels_bench)  # importing it runs nothing
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+import harness
+
+kernels_bench = harness.load("kernels")  # importing it runs nothing
 
 
 def test_import_ran_nothing_and_modes_come_from_the_arguments():

@@ -3,17 +3,15 @@ and the aim against torchao (CPU, no benchmark run)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-_BENCH = Path(__file__).parents[1] / "bench"
-sys.path.insert(0, str(_BENCH))
-_SPEC = importlib.util.spec_from_file_location("bench_mods", _BENCH / "mods.py")
-mods_bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(mods_bench)  # importing it runs nothing
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+import harness
+
+mods_bench = harness.load("mods")  # importing it runs nothing
 
 
 def test_import_ran_nothing_and_arguments_are_parsed_in_main():

@@ -3,7 +3,7 @@ recorded runs in bench/shipped_sources/; the table the package ships is what it 
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -11,10 +11,10 @@ import polars as pl
 
 from loka.dispatch.bench.cost_model import CostModel
 
-_PATH = Path(__file__).parents[1] / "bench" / "shipped.py"
-_SPEC = importlib.util.spec_from_file_location("bench_shipped", _PATH)
-shipped = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(shipped)  # importing it runs nothing
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+import harness
+
+shipped = harness.load("shipped")  # importing it runs nothing
 build_shipped_table = shipped.build_shipped_table
 
 
