@@ -20,16 +20,16 @@ def _single_thread() -> Iterator[None]:
 
 @pytest.fixture
 def tiny_llama() -> Callable[..., torch.nn.Module]:
-    """`tiny_llama(vocab, initializer_range=0.02)`: a seeded 2-layer, 16-wide Llama. With
+    """`tiny_llama(vocab, initializer_range=0.02, hidden=16)`: a seeded 2-layer Llama. With
     large initial weights (0.3) its answer reads its context; with the default (0.02) its
     logits are near zero whatever the input."""
     import transformers
 
-    def build(vocab: int, initializer_range: float = 0.02) -> torch.nn.Module:
+    def build(vocab: int, initializer_range: float = 0.02, hidden: int = 16) -> torch.nn.Module:
         config = transformers.LlamaConfig(
             vocab_size=vocab,
-            hidden_size=16,
-            intermediate_size=32,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
             num_hidden_layers=2,
             num_attention_heads=2,
             num_key_value_heads=2,

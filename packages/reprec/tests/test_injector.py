@@ -22,19 +22,6 @@ def _injector(**overrides) -> UserEmbeddingInjector:
     return UserEmbeddingInjector(InjectorConfig(**{"user_dim": 8, "hidden_size": 16, **overrides}))
 
 
-def _llama(hidden: int) -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
 def test_soft_tokens_shape_and_per_token_layer_norm() -> None:
     injector = _injector(num_tokens=6, output_scale=0.5).eval()
     tokens = injector(torch.randn(3, 8) * 10)
@@ -77,8 +64,8 @@ def test_prepend_sets_mask_and_ignores_labels_on_soft_tokens() -> None:
     assert default_mask.eq(1).all() and no_labels is None
 
 
-def test_only_the_injector_receives_gradients_through_a_frozen_llm() -> None:
-    llm = _llama(16).requires_grad_(False)
+def test_only_the_injector_receives_gradients_through_a_frozen_llm(tiny_llama) -> None:
+    llm = tiny_llama(50).requires_grad_(False)
     injector = _injector()
     ids = torch.randint(0, 50, (2, 7))
     soft = injector(torch.randn(2, 8))
@@ -89,8 +76,8 @@ def test_only_the_injector_receives_gradients_through_a_frozen_llm() -> None:
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in injector.parameters())
 
 
-def test_soft_tokens_change_the_llm_output() -> None:
-    llm = _llama(16).eval()
+def test_soft_tokens_change_the_llm_output(tiny_llama) -> None:
+    llm = tiny_llama(50)
     ids = torch.randint(0, 50, (1, 5))
     embeds = llm.get_input_embeddings()(ids)
     injector = _injector().eval()
@@ -121,7 +108,7 @@ def test_parameter_share_is_about_a_thousandth_of_a_1b_llm() -> None:
     check_backbone(injector, llm)
 
 
-def test_bad_input_gets_a_clear_error() -> None:
+def test_bad_input_gets_a_clear_error(tiny_llama) -> None:
     injector = _injector()
     with pytest.raises(ValueError, match=r"\[batch, 8\]"):
         injector(torch.randn(2, 9))
@@ -134,7 +121,7 @@ def test_bad_input_gets_a_clear_error() -> None:
     with pytest.raises(ValueError, match="attention_mask"):
         prepend_soft_tokens(torch.randn(2, 6, 16), torch.randn(2, 4, 16), torch.ones(2, 5))
     with pytest.raises(ValueError, match=r"backbone's hidden size is 24 .* soft tokens of 16"):
-        check_backbone(injector, _llama(24))
+        check_backbone(injector, tiny_llama(50, hidden=24))
     with pytest.raises(TypeError, match="get_input_embeddings"):
         check_backbone(injector, nn.Linear(4, 4))
     for bad in (dict(num_tokens=0), dict(dropout=1.0), dict(output_scale=0.0), dict(user_dim=2.5)):
