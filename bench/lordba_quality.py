@@ -17,28 +17,23 @@ with the zoo's SASRec (a small causal transformer over item ids; 8 linears of 64
     python bench/lordba_quality.py --quick       # 40 + 20 steps, 512 users
     python bench/lordba_quality.py               # 150 + 100 steps, 3,072 users (878 s on a loaded 2-core CPU)
 
-Results: bench/results/lordba_quality_<mode>_<utc>.json (command, versions, raw numbers).
+Results: --out (default $OUT, else bench/results/)/lordba_quality_<mode>_<utc>.json (command,
+versions, raw numbers; bench/harness.py's metadata).
 Needs the Amazon 5-core data (``LOKA_DATA_DIR``, see loka.zoo.data.amazon).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
-import platform
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from harness import metadata, parser, stamp, write_json
 from torch import nn
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 # ---- pure parts: quantized LoRA factors and byte counts -------------------------------------
 
@@ -138,9 +133,13 @@ class Variant:
     bits: int | None = None
 
 
+def _parser() -> argparse.ArgumentParser:
+    return parser(__doc__)  # --out (default $OUT, else bench/results/) and --budget-s
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny budget, ~1 min on a CPU")
+    parser = _parser()
+    parser.add_argument("--quick", action="store_true", help="tiny budget: 40 + 20 steps")
     parser.add_argument("--dataset", default="beauty")
     parser.add_argument("--pretrain-steps", type=int, default=None)
     parser.add_argument("--adapt-steps", type=int, default=None)
@@ -149,7 +148,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=8, help="LoRDBA / reference LoRA rank")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.pretrain_steps is None:
         args.pretrain_steps = 40 if args.quick else 150
@@ -158,20 +156,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.eval_batches is None:
         args.eval_batches = 8 if args.quick else 48
     return args
-
-
-def _versions() -> dict[str, str]:
-    import torchao
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    versions["torchao"] = torchao.__version__
-    try:
-        versions["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        versions["git_commit"] = "unknown"
-    return versions
 
 
 def _train(setup, model, params, steps: int, lr: float, seed: int) -> list[float]:
@@ -302,19 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     result = run(args)
-    meta = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
-        "versions": _versions(),
-        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = args.out / f"lordba_quality_{'quick' if args.quick else 'cpu'}_{stamp}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "result": result}, indent=1))
-    tmp.rename(path)
+    meta = metadata("cpu", threads=torch.get_num_threads(), args=vars(args))
+    name = f"lordba_quality_{'quick' if args.quick else 'cpu'}_{stamp()}.json"
+    path = write_json(Path(args.out) / name, {"meta": meta, "result": result})
     print(f"wrote {path}")
     return 0
 

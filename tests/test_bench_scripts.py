@@ -11,9 +11,8 @@ import pytest
 BENCH = Path(__file__).parents[1] / "bench"
 SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name != "harness.py")
 # Not on the harness: shipped.py measures nothing (it builds loka-dispatch's shipped table
-# from recorded runs); lordba_quality.py is recent work not moved yet. Listed, so that a new
-# script cannot slip by.
-NOT_ON_HARNESS = {"shipped.py", "lordba_quality.py"}
+# from recorded runs). Listed, so that a new script cannot slip by.
+NOT_ON_HARNESS = {"shipped.py"}
 
 
 def _module_level_calls(tree: ast.Module) -> list[ast.Call]:

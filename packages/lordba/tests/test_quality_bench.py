@@ -1,7 +1,7 @@
 """The pure parts of bench/lordba_quality.py: low-bit LoRA factors, byte counts, matched ranks,
 the LoRA wrapper (no data, no training run)."""
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -11,11 +11,11 @@ from torch import nn
 
 from loka.lordba import lordba_footprint
 
-_PATH = Path(__file__).resolve().parents[3] / "bench" / "lordba_quality.py"
-_SPEC = importlib.util.spec_from_file_location("bench_lordba_quality", _PATH)
-bench = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = bench  # dataclasses look their module up
-_SPEC.loader.exec_module(bench)  # importing runs nothing
+_BENCH = Path(__file__).resolve().parents[3] / "bench"
+if str(_BENCH) not in sys.path:
+    sys.path.insert(0, str(_BENCH))  # the script imports bench/harness.py as `harness`
+harness = importlib.import_module("harness")
+bench = harness.load("lordba_quality")  # importing it runs nothing
 
 
 def test_one_bit_rows_are_signs_times_mean_magnitude():
