@@ -283,8 +283,17 @@ def test_probe_tables_alone_plan_and_apply_a_fused_norm_with_no_trace(monkeypatc
     tables alone, and apply fuses it without tracing the model (loka.mods checks the fused
     model's outputs on the sample instead)."""
     import importlib
+    import importlib.util
+    from pathlib import Path
 
-    from test_dispatch_verify import Tiny  # norm -> fc1 -> relu -> fc2
+    # The model of test_dispatch_verify (norm -> fc1 -> relu -> fc2), loaded by path: with
+    # --import-mode=importlib the tests folder is not on sys.path.
+    spec = importlib.util.spec_from_file_location(
+        "dispatch_verify_tests", Path(__file__).with_name("test_dispatch_verify.py")
+    )
+    verify_tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(verify_tests)
+    Tiny = verify_tests.Tiny
 
     from loka.dispatch.bench import site_norm_shapes
     from loka.mods.norm_linear import NormLinear
