@@ -87,3 +87,13 @@ def test_the_summary_names_sites_the_bench_left_unmeasured():
     assert any("left unmeasured" in line and "fc" in line for line in plan.summary.lines())
     measured = make_plan(SITES, ERRORS, TIMED, PlanConfig(mode="compiled"))
     assert not any("left unmeasured" in line for line in measured.summary.lines())
+
+
+def test_a_recipe_no_backend_of_the_mode_runs_is_not_called_unmeasured():
+    # torch.native (the compiled plans' backend) runs dynamic scaling only: a probed delayed
+    # recipe without a row is refused for the mode, which more benchmarking cannot change.
+    delayed = errors_table([("fc", "e4m3:e4m3/tensor/delayed16", p, 0.01, "safe") for p in PASSES])
+    bf16_only = TIMED.filter(pl.col("backend") == "torch.bf16")
+    plan = make_plan(SITES, delayed, bf16_only, PlanConfig(mode="compiled"))
+    assert not any("left unmeasured" in line for line in plan.summary.lines())
+    assert plan.fp8_sites() == []

@@ -174,6 +174,18 @@ def _mode_refusal(backend: str, mode: str) -> str | None:
     return None
 
 
+def _mode_runs(recipe: Recipe, shape: SiteShape, pass_: str, mode: str) -> bool:
+    """Whether a registered FP8 backend that a `mode` plan may use runs `recipe` at this
+    shape: if none does, its missing row is no budget matter (the plan summary counts only
+    what more benchmarking could add)."""
+    for backend in registry.backends("mm"):
+        if ("bf16", "bf16") in backend.formats or _mode_refusal(backend.name, mode) is not None:
+            continue
+        if backend.supports(recipe, shape.M_bucket, shape.K, shape.N, pass_) is None:
+            return True
+    return False
+
+
 def _checked_verdict(err: dict, bound: float | None, budget: float) -> tuple[str, str]:
     """The row's verdict, checked against its numbers rather than believed: (verdict, what
     to add to the reason). A bound that is not a finite, non-negative number is INVALID; a
@@ -228,9 +240,14 @@ def site_candidates(
             probed_speeds.add(key)
             timed = by_speed.get(key, [])
             if not timed:
+                runs = _mode_runs(recipe, shape, pass_, config.mode)
+                reason = (
+                    "no kernel_bench row for this recipe at this shape"
+                    if runs
+                    else f"no backend a {config.mode} plan may use runs this recipe here"
+                )
                 choice.rejected[pass_].append(
-                    {"backend": "*", "recipe": str(recipe),
-                     "reason": "no kernel_bench row for this recipe at this shape"}
+                    {"backend": "*", "recipe": str(recipe), "reason": reason}
                 )  # fmt: skip
                 continue
             budget = err["budget"]
