@@ -293,9 +293,13 @@ class PassTimer:
 
     # -- public ---------------------------------------------------------------------
 
+    @staticmethod
+    def _quant_key(recipe: Recipe, pass_: str, traceable: bool) -> tuple:
+        return (pass_, recipe.a_format, recipe.b_format, recipe.granularity, recipe.scaling,
+                traceable)  # fmt: skip
+
     def quant_ms(self, recipe: Recipe, pass_: str, traceable: bool = False) -> float:
-        key = (pass_, recipe.a_format, recipe.b_format, recipe.granularity, recipe.scaling,
-               traceable)  # fmt: skip
+        key = self._quant_key(recipe, pass_, traceable)
         if key not in self._quant_ms:
             if traceable:
                 self._quant_ms[key] = self._native_quant_ms(recipe, pass_, key)
@@ -401,6 +405,6 @@ class PassTimer:
         rotation.items = [list(p) for p in pairs]
         gemm_ms = self._measure(lambda: fp8_mm(*rotation.next(), backend=backend))
         quant_ms = self.quant_ms(recipe, pass_, backend.traceable)
-        key = (pass_, recipe.a_format, recipe.b_format, recipe.granularity, recipe.scaling, True)
-        method = self.method + ("+quant_fit" if key in self._fitted else "")
+        fitted = self._quant_key(recipe, pass_, backend.traceable) in self._fitted
+        method = self.method + ("+quant_fit" if fitted else "")
         return PassTiming(gemm_ms + quant_ms, gemm_ms, quant_ms, method)
