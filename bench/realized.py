@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="dhen")
     p.add_argument("--modes", default="compiled,eager")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma list; LoKA variants take options: loka+fast, loka+min=1.15")  # fmt: skip
     p.add_argument("--preset", default="large")
     p.add_argument("--probe-steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=6, help="untimed steps per variant")
@@ -219,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     variants = [v for v in args.variants.split(",") if v]
     if meta["torchao"] is None:
         variants = [v for v in variants if not v.startswith("torchao")]
+    for v in variants:
+        if v.startswith("loka"):
+            loka_options(v)  # a bad option fails here, before any GPU time is spent
 
     def left() -> float:
         return args.budget_s - (time.monotonic() - start)
@@ -306,23 +310,27 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
     # version of the same forward code: above dynamo's default limit of 8.
     torch._dynamo.config.recompile_limit = 64
     sites = tables["sites"]
+    options = {v: loka_options(v) for v in variants if v.startswith("loka")}
     bench = benchmark(
         site_shapes(sites), device=device, cache=BenchCache(args.cache),
         cost_model=CostModel.shipped(), budget_s=args.bench_budget_s,
         backends=mode_backends(mode),
+        include_fast_accum=any(o.get("allow_fast_accum") for o in options.values()),
     )  # fmt: skip
     log(f"{name}/{mode}: bench {bench.measured} measured, {bench.reused} cached, "
         f"{bench.estimated} estimated")  # fmt: skip
-    plan = make_plan(sites, tables["site_errors"], bench.table, PlanConfig(mode=mode))
-    s = plan.summary
-    plans[f"{name}/{mode}/{dynamic}"] = {"summary": s.__dict__, "bench_notes": bench.notes,
-                               "fp8_sites": plan.fp8_sites(),
-                               "table": plan.table.to_dicts()}  # fmt: skip
-    log(f"{name}/{mode}: plan {s.sites_fp8} sites / {s.passes_fp8} passes, predicted "
-        f"{s.predicted_speedup}, ceiling {s.ceiling}")  # fmt: skip
+    loka_plans = {}
+    for variant, opts in options.items():
+        plan = make_plan(sites, tables["site_errors"], bench.table, PlanConfig(mode=mode, **opts))
+        loka_plans[variant] = plan
+        s = plan.summary
+        key = f"{name}/{mode}/{dynamic}" + ("" if variant == "loka" else f"/{variant}")
+        plans[key] = {"summary": s.__dict__, "bench_notes": bench.notes, "options": opts,
+                      "fp8_sites": plan.fp8_sites(), "table": plan.table.to_dicts()}  # fmt: skip
+        log(f"{name}/{mode}: {variant} plan {s.sites_fp8} sites / {s.passes_fp8} passes, "
+            f"predicted {s.predicted_speedup}, ceiling {s.ceiling}")  # fmt: skip
 
     made: dict[str, dict] = {}
-    made_applied = None
     for variant in variants:
         seed = {"bf16-seed1": 1, "bf16-seed2": 2}.get(variant, 0)
         setup = zoo.create(name, args.preset, device=device, seed=seed)
@@ -347,17 +355,20 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
                 row["skipped"] = "no layer passed torchao's auto filter: the bf16 model"
                 made[variant] = {"row": row}
                 continue
-        if variant == "loka":
-            applied = apply(setup.model, plan)
+        applied = None
+        if variant in loka_plans:
+            applied = apply(setup.model, loka_plans[variant])
+            s = loka_plans[variant].summary
             row |= {"fp8_layers": len(applied.sites), "predicted_speedup": s.predicted_speedup,
                     "ceiling": s.ceiling, "g": s.gemm_share, "s": s.prequant_speedup,
-                    "passes_fp8": s.passes_fp8, "demoted": {}}  # fmt: skip
-            made_applied = applied
+                    "passes_fp8": s.passes_fp8, "demoted": {},
+                    "plan_options": options[variant]}  # fmt: skip
         model = setup.model
         if mode != "eager":
             model = torch.compile(setup.model, **compile_kwargs(mode, dynamic))
         opt = zoo.make_optimizer(setup.model, zoo.OptimizerConfig(lr=1e-3, fused=gpu))
-        made[variant] = {"setup": setup, "model": model, "opt": opt, "row": row}
+        made[variant] = {"setup": setup, "model": model, "opt": opt, "row": row,
+                         "applied": applied}  # fmt: skip
     batches = [b for b, _ in zip(made["bf16"]["setup"].train_batches(), range(args.batches),
                                  strict=False)]  # fmt: skip
     cudagraphs = mode == "cudagraphs"
@@ -392,9 +403,10 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
         v["row"]["graphs"] = counters["stats"]["unique_graphs"] - graphs
         log(f"{name}/{mode}/{v['row']['variant']}: warmed up in {v['row']['warmup_s']:.0f} s")
     live = [k for k, v in made.items() if "error" not in v["row"] and "skipped" not in v["row"]]
-    if args.verify and "loka" in live:
-        # The closed loop first, so that the blocks below time the plan it settled on.
-        made["loka"]["row"] |= verify_loka(made["loka"], step_fn, made_applied)
+    for variant in loka_plans:
+        if args.verify and variant in live:
+            # The closed loop first, so that the blocks below time the plan it settled on.
+            made[variant]["row"] |= verify_loka(made[variant], step_fn, made[variant]["applied"])
     fns = {k: (lambda i, v=made[k]: step_fn(v, i)) for k in live}
     times = interleaved(fns, args.blocks, args.block_steps, clock, left)
     log(f"{name}/{mode}: timed {len(fns)} variant(s)")
@@ -417,10 +429,12 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
             row["steps_timed"] = v.get("steps", 0)
         rows.append(row)
     if args.quality_steps > 0 and left() > 60:
-        demoted = made["loka"]["row"].get("demoted", {}) if "loka" in made else {}
         for r in rows:
-            if r["variant"] in QUALITY_SEEDS or (r["variant"] == "loka" and "error" not in r):
-                r["eval"] = train_and_evaluate(args, name, mode, r["variant"], plan, demoted,
+            variant = r["variant"]
+            if variant in QUALITY_SEEDS or (variant in loka_plans and "error" not in r):
+                plan = loka_plans.get(variant)
+                demoted = r.get("demoted", {})
+                r["eval"] = train_and_evaluate(args, name, mode, variant, plan, demoted,
                                                dynamic)  # fmt: skip
                 r["quality"] = r["eval"].get(key)
                 r["quality_steps"] = args.quality_steps
@@ -442,6 +456,26 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
 
 
 QUALITY_SEEDS = {"bf16": 0, "bf16-seed1": 1, "bf16-seed2": 2}
+
+
+def loka_options(variant: str) -> dict:
+    """`PlanConfig` fields of a LoKA variant: ``loka`` is the default plan; options follow
+    ``+``: ``fast`` (allow fast accumulation, `torch.native.fast` timed too), ``min=X``
+    (`min_speedup`), e.g. ``loka+fast+min=1.15``; several LoKA variants run side by side."""
+    head, *opts = variant.split("+")
+    if head != "loka":
+        raise ValueError(f"not a LoKA variant: {variant!r}")
+    out: dict = {}
+    for opt in opts:
+        if opt == "fast":
+            out["allow_fast_accum"] = True
+        elif opt.startswith("min="):
+            out["min_speedup"] = float(opt[4:])
+        else:
+            raise ValueError(f"{variant!r}: unknown LoKA option {opt!r} (fast, min=X)")
+    return out
+
+
 GRAD_MIN_COSINE = 0.9
 
 
@@ -517,7 +551,7 @@ def train_and_evaluate(args, name, mode, variant, plan, demoted, dynamic) -> dic
     gpu = args.device == "cuda"
     autocast = torch.bfloat16 if gpu else None
     setup = zoo.create(name, args.preset, device=args.device, seed=QUALITY_SEEDS.get(variant, 0))
-    if variant == "loka":
+    if plan is not None:
         applied = apply(setup.model, plan)
         for site, reason in demoted.items():
             applied.demote(site, reason)

@@ -104,3 +104,15 @@ def test_gradient_check_flags_a_variant_that_trains_something_else():
     assert made["broken"]["row"]["grad_worst"].startswith("0.")  # the first layer's
     assert "grad_ok" not in made["bf16-seed1"]["row"]  # other seeds start elsewhere
     assert all(p.grad is None for p in base.parameters())  # left as found
+
+
+def test_loka_variants_name_their_plan_options():
+    assert realized.loka_options("loka") == {}
+    assert realized.loka_options("loka+fast+min=1.15") == {
+        "allow_fast_accum": True,
+        "min_speedup": 1.15,
+    }
+    with pytest.raises(ValueError, match="unknown LoKA option 'quick'"):
+        realized.loka_options("loka+quick")
+    with pytest.raises(ValueError, match="not a LoKA variant"):
+        realized.loka_options("lokax")

@@ -134,6 +134,37 @@ def test_backend_is_registered_traceable_and_refuses_what_it_cannot_run():
     assert "multiple of 16" in backend.supports(Recipe.parse("e4m3:e4m3/row/dynamic"), 128, 60, 32)
 
 
+def test_fast_accumulation_variant_mixes_with_native_and_flags_only_its_passes():
+    fast = registry.get("torch.native.fast")
+    assert fast.traceable and fast.name.endswith(".fast")  # planned only when allowed
+    plain = native_config("e4m3:e4m3/row/dynamic", "e4m3:e4m3/tensor/dynamic", "bf16")
+    config = Fp8LinearConfig(
+        fwd=Fp8LinearConfig.from_recipes(
+            "e4m3:e4m3/row/dynamic", "bf16", "bf16", backend="torch.native.fast"
+        ).fwd,
+        dgrad=plain.dgrad,
+        wgrad=plain.wgrad,
+    )
+    plan = NativePlan.of(config)
+    assert plan.fwd.fast_accum and not plan.dgrad.fast_accum and plan.wgrad is None
+    assert not NativePlan.of(plain).fwd.fast_accum
+    with pytest.raises(ValueError, match="every FP8 pass"):
+        NativePlan.of(
+            Fp8LinearConfig(
+                fwd=config.fwd,
+                dgrad=Fp8LinearConfig.from_recipes(backend="torch.scaled_mm").dgrad,
+                wgrad=plain.wgrad,
+            )
+        )
+    # On the CPU the GEMM is emulated in float32: the fast flag changes nothing there.
+    torch.manual_seed(0)
+    module = nn.Linear(64, 32)
+    x = torch.randn(48, 64)
+    y_fast = Fp8Linear.from_linear(module, config)(x)
+    y_plain = Fp8Linear.from_linear(module, plain)(x)
+    torch.testing.assert_close(y_fast, y_plain, rtol=0, atol=0)
+
+
 def test_compiled_native_training_has_no_graph_break_and_no_recompile():
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -20,6 +20,7 @@ from loka.kernels.native import (
     NATIVE_ALIGN,
     NATIVE_BACKEND,
     NATIVE_CPU_BACKEND,
+    NATIVE_FAST_BACKEND,
     native_mm,
     native_refusal,
 )
@@ -41,14 +42,16 @@ def _native_check(spec: GemmSpec) -> str | None:
     return native_refusal(spec.a.fmt, spec.b.fmt, spec.a.granularity)
 
 
-def _native_run(a, b, *, bias=None, activation=None, out_dtype=torch.bfloat16):
+def _native_run(
+    a, b, *, bias=None, activation=None, out_dtype=torch.bfloat16, fast_accum: bool = False
+):
     """The native GEMM on `Fp8Tensor` operands (the bench and `fp8_mm` call it this way;
     `Fp8Linear` calls `loka.kernels.native` directly, quantization included)."""
     bias = check_fp8_request(a, b, bias, activation, out_dtype)
     row = a.granularity == "row"
     a_inv = a.inv_scale.reshape(-1, 1) if row else a.inv_scale.reshape(())
     b_inv = b.inv_scale.reshape(-1, 1) if row else b.inv_scale.reshape(())
-    y = native_mm(a.data, a_inv, b.data, b_inv, bias, out_dtype)
+    y = native_mm(a.data, a_inv, b.data, b_inv, bias, out_dtype, fast_accum=fast_accum)
     return apply_epilogue(y, None, activation)
 
 
@@ -122,6 +125,19 @@ def _register_builtins() -> None:
         check=_native_check,
     )
     registry.register(native, replace=True)
+    native_fast = _fp8_backend(
+        NATIVE_FAST_BACKEND,
+        functools.partial(_native_run, fast_accum=True),
+        "torch.native with tensor-core (fast) accumulation: torchao's forward GEMM; outside "
+        "Probe's error bounds, planned only with PlanConfig.allow_fast_accum",
+        granularities=frozenset({"tensor", "row"}),
+        align=(("k", NATIVE_ALIGN), ("n", NATIVE_ALIGN)),
+        traceable=True,
+        scalings=frozenset({"dynamic"}),
+        priority=0,
+        check=_native_check,
+    )
+    registry.register(native_fast, replace=True)
     native_cpu = _fp8_backend(
         NATIVE_CPU_BACKEND,
         _native_run,

@@ -27,12 +27,19 @@ __all__ = [
     "NATIVE_ALIGN",
     "NATIVE_BACKEND",
     "NATIVE_CPU_BACKEND",
+    "NATIVE_FAST_BACKEND",
     "native_mm",
     "native_refusal",
     "quantize_native",
 ]
 
 NATIVE_BACKEND = "torch.native"
+# The same with the tensor cores' fast accumulation (`_scaled_mm(use_fast_accum=True)`): a
+# whole K summed in the tensor cores' reduced-precision accumulator, without the periodic
+# promotion to float32. Faster (torchao's float8 recipes run their forward GEMM this way),
+# but Probe's error bounds do not cover the accumulation error, so a plan takes it only when
+# `PlanConfig.allow_fast_accum` says so. On the CPU (emulated GEMM) it is torch.native.
+NATIVE_FAST_BACKEND = "torch.native.fast"
 # The same on the CPU only, at any shape: there the GEMM is emulated, with no _scaled_mm and
 # so no alignment rule; what `loka.dispatch.apply` runs FP8 passes on where Triton kernels
 # would run in the interpreter (the CPU demo).
@@ -94,17 +101,18 @@ def native_mm(
     b_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a / sa) @ (b / sb)^T (+ bias)`` for FP8 ``a [M, K]`` and ``b [N, K]`` (both
     row-major, as `quantize_native` makes them), inverse scales ``[M, 1]``/``[N, 1]`` (row)
-    or ``[]`` (tensor)."""
+    or ``[]`` (tensor); `fast_accum` (GPU only) accumulates in the tensor cores' precision."""
     row = a_inv.dim() == 2
     scale_b = b_inv.t() if row else b_inv
     if a.device.type == "cuda":
         fuse_bias = bias is not None and bias.dtype == out_dtype == torch.bfloat16
         y = torch._scaled_mm(
             a, b.t(), scale_a=a_inv, scale_b=scale_b, bias=bias if fuse_bias else None,
-            out_dtype=out_dtype,
+            out_dtype=out_dtype, use_fast_accum=fast_accum,
         )  # fmt: skip
         if bias is not None and not fuse_bias:
             y = (y.float() + bias.float()).to(out_dtype)

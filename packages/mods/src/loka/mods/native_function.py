@@ -25,6 +25,7 @@ from loka.kernels.native import (
     NATIVE_ALIGN,
     NATIVE_BACKEND,
     NATIVE_CPU_BACKEND,
+    NATIVE_FAST_BACKEND,
     native_mm,
     native_refusal,
     quantize_native,
@@ -40,6 +41,7 @@ class NativePass:
     granularity: str
     pow2: bool
     scale_ub: float | None
+    fast_accum: bool = False  # torch.native.fast: the GEMM accumulates in reduced precision
 
     def quantize(self, t: torch.Tensor, side: str, transpose: bool = False):
         fmt = self.a_fmt if side == "a" else self.b_fmt
@@ -56,7 +58,8 @@ def _native_pass(name: str, config: PassConfig) -> NativePass | None:
     reason = native_refusal(r.a_format, r.b_format, r.granularity, r.scaling)
     if reason is not None:
         raise ValueError(f"{name}: {reason}")
-    return NativePass(r.a_format, r.b_format, r.granularity, r.pow2, r.scale_ub)
+    fast = config.backend == NATIVE_FAST_BACKEND
+    return NativePass(r.a_format, r.b_format, r.granularity, r.pow2, r.scale_ub, fast)
 
 
 @dataclass(frozen=True)
@@ -73,12 +76,15 @@ class NativePlan:
     def of(cls, config: Fp8LinearConfig) -> NativePlan | None:
         """The native plan of `config`, or None when no FP8 pass names the native backend.
         A linear runs natively as a whole: mixing ``torch.native`` with another FP8 backend
-        in one linear is refused (their weight copies and saved operands differ)."""
+        in one linear is refused (their weight copies and saved operands differ); its fast-
+        accumulation variant mixes freely (the same operands, another GEMM flag)."""
         backends = {p.backend for p in config.passes().values() if not p.is_bf16}
-        name = next((n for n in (NATIVE_BACKEND, NATIVE_CPU_BACKEND) if n in backends), None)
+        native = {NATIVE_BACKEND, NATIVE_FAST_BACKEND}
+        name = next((n for n in (NATIVE_BACKEND, NATIVE_FAST_BACKEND, NATIVE_CPU_BACKEND)
+                     if n in backends), None)  # fmt: skip
         if name is None:
             return None
-        if backends != {name}:
+        if not (backends <= native if name in native else backends == {name}):
             raise ValueError(
                 f"{name} runs every FP8 pass of a linear or none; got backends "
                 f"{sorted(str(b) for b in backends)}"
@@ -122,7 +128,8 @@ class NativeFp8LinearFunction(torch.autograd.Function):
             xq, x_inv = fwd.quantize(x, "a")
             wq, w_inv = fwd.quantize(weight, "b")
             # Every FP8 GEMM writes bf16 (rowwise _scaled_mm writes nothing else); cast after.
-            y = cast(native_mm(xq, x_inv, wq, w_inv, bias, torch.bfloat16), compute_dtype)
+            y = native_mm(xq, x_inv, wq, w_inv, bias, torch.bfloat16, fast_accum=fwd.fast_accum)
+            y = cast(y, compute_dtype)
         else:
             b = None if bias is None else cast(bias, compute_dtype)
             y = F.linear(cast(x, compute_dtype), cast(weight, compute_dtype), b)
@@ -150,13 +157,14 @@ class NativeFp8LinearFunction(torch.autograd.Function):
         if need_dx and dgrad is not None:
             dyq, dy_inv = dgrad.quantize(dy, "a")
             wt, wt_inv = dgrad.quantize(weight, "b", transpose=True)
-            dx = cast(native_mm(dyq, dy_inv, wt, wt_inv), x_dtype)
+            dx = cast(native_mm(dyq, dy_inv, wt, wt_inv, fast_accum=dgrad.fast_accum), x_dtype)
         elif need_dx:
             dx = cast(cast(dy, compute_dtype) @ cast(weight, compute_dtype), x_dtype)
         if need_dw and ctx.wgrad_fp8:
             xt, xt_inv = saved[1], saved[2]
             dyt, dyt_inv = plan.wgrad.quantize(dy, "a", transpose=True)
-            dw = cast(native_mm(dyt, dyt_inv, xt, xt_inv), w_dtype)
+            fast = plan.wgrad.fast_accum
+            dw = cast(native_mm(dyt, dyt_inv, xt, xt_inv, fast_accum=fast), w_dtype)
         elif need_dw:
             x = saved[1]
             dw = cast(cast(dy.t(), compute_dtype) @ cast(x, compute_dtype), w_dtype)
