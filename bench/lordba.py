@@ -2,8 +2,10 @@
 
 Sections (hidden 4096, rank 16 by default; bf16 activations and base weights):
 - check:   the Triton sign-GEMM path of LoRDBALinear against its pure-torch reference on the
-           device (forward, inference addmm path, backward: dx and every adapter gradient),
-           at hidden-size and awkward shapes. Speed numbers mean nothing if this fails.
+           device (forward, inference addmm path with the two kernels and with the fused
+           one-launch kernel, the fused path over an opaque base, backward: dx and every
+           adapter gradient), at hidden-size and awkward shapes. Speed numbers mean nothing if
+           this fails.
 - bytes:   adapter bytes, LoRDBA (packed signs + fp16 scales; the default without the input
            scale q, and with it) against an fp16 LoRA of the same rank: formula and files.
 - fit:     what q buys: the fit error of LoRDBA, without and with q, on LoRA factors
@@ -12,19 +14,28 @@ Sections (hidden 4096, rank 16 by default; bf16 activations and base weights):
 - prefill: forward time per token count (512..8192) of the base linear alone, base + 16-bit
            LoRA unmerged (peft's form, and a fused-addmm form), base + LoRDBA unmerged
            (nn.Linear base: adapter output fed to the base GEMM's addmm; with q; an opaque
-           base: add fused into the up-projection), and the LoRDBA adapter alone. Median of
-           triton.testing.do_bench (eager) and do_bench_cudagraph (GPU time), and the host
-           time per call (Python and launches, no sync).
+           base: add fused into the up-projection), and the LoRDBA adapter alone; each LoRDBA
+           variant with the two sign-GEMM kernels and with the fused one-launch kernel
+           (`*_fused`, LoRDBAConfig.fused). Median of triton.testing.do_bench (eager) and
+           do_bench_cudagraph (GPU time), and the host time per call (Python and launches).
+- model:   prefill of a whole decoder (a Llama-shaped transformers.LlamaModel, random
+           weights: hidden 4096, FFN 11008, 4 layers by default, no LM head) over frozen
+           bases: plain bf16, torchao int8 and FP8 weight-only (and LoKA's
+           Fp8WeightOnlyLinear); the base model alone, then every linear adapted by LoRDBA
+           rank 16 with the two kernels (unfused) and with the fused kernel, side by side at
+           512/2048/8192 tokens: times, ratios to the base model, the path each adapter took
+           and the fused output's error against the unfused one.
 - train:   one training step (forward, backward with dx, AdamW) of base + LoRA (fp32
            masters, bf16 compute) and base + LoRDBA (fp32 latents and scales): peak memory
            above what is resident before the step, adapter state bytes, step time; and the
            forward + backward alone (eager, CUDA graph and host time).
 
     python bench/lordba.py --smoke    # CPU (Triton interpreter) or GPU, tiny sizes, < 1 min
-    python bench/lordba.py            # one H200, about 2 min (mostly autotuning)
+    python bench/lordba.py            # one H200, about 5 min (mostly autotuning)
+    python bench/lordba.py --sections check,prefill,model   # issue 19's prefill numbers
     python bench/lordba.py --sections bytes,fit   # no GPU needed (CPU: minutes)
 Results in --out (default $OUT, else bench/results/): lordba_<mode>_<utc>.json (metadata,
-every raw record, the summary) and lordba_prefill_<mode>_<utc>.csv.
+every raw record, the summary), lordba_prefill_<mode>_<utc>.csv and lordba_model_<mode>_<utc>.csv.
 """
 
 from __future__ import annotations
@@ -52,12 +63,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=None, help="adapter rank (16; smoke 4)")
     p.add_argument("--tokens", default=None, help="prefill token counts (512,...,8192; smoke 8,24)")
     p.add_argument("--train-tokens", default=None, help="training tokens (4096,8192; smoke 16)")
-    p.add_argument("--sections", default="check,bytes,fit,prefill,train")
+    p.add_argument("--model-bases", default=None,
+                   help=f"bases of the model section, of {sorted(MODEL_BASES)} "
+                   "(plain,int8,fp8; smoke plain,int8,loka_fp8)")  # fmt: skip
+    p.add_argument(
+        "--model-tokens", default=None, help="model prefill tokens (512,2048,8192; smoke 16)"
+    )
+    p.add_argument(
+        "--model-hidden", type=int, default=None, help="model hidden size (4096; smoke 64)"
+    )
+    p.add_argument("--model-ffn", type=int, default=None, help="model FFN size (11008; smoke 96)")
+    p.add_argument("--model-layers", type=int, default=None, help="decoder layers (4; smoke 1)")
+    p.add_argument("--sections", default="check,bytes,fit,prefill,model,train")
     p.add_argument("--no-autotune", action="store_true", help="one heuristic tile per kernel")
     return p.parse_args(argv)
 
 
 CPU_SECTIONS = {"bytes", "fit"}  # device-independent numbers
+SECTION_NAMES = ("check", "bytes", "fit", "prefill", "model", "train")
+# Frozen bases of the model section: the plain weights, torchao's weight-only int8 and FP8,
+# LoKA's FP8 weight-only linear (dequantizes its whole weight at every call: a reference).
+MODEL_BASES = ("plain", "int8", "fp8", "loka_fp8")
 
 import torch  # noqa: E402
 
@@ -73,11 +99,14 @@ from torch import nn  # noqa: E402
 from loka.lordba import (  # noqa: E402
     LoRDBAConfig,
     LoRDBALinear,
+    convert_to_lordba,
     fit_lora,
     lordba_footprint,
+    quantize_fp8_weights,
     save_lordba,
 )
-from loka.lordba.kernels import sign_down, sign_up  # noqa: E402
+from loka.lordba.convert import replace_modules  # noqa: E402
+from loka.lordba.kernels import sign_adapter, sign_down, sign_up  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CUDA = DEVICE.type == "cuda"
@@ -93,9 +122,10 @@ BYTES_AIM = 10.0
 def configure(args: argparse.Namespace) -> None:
     """Set the run's globals from its arguments (main() does; importing sets the full run's)."""
     global ARGS, SECTIONS, MODE, HIDDEN, RANK, TOKENS, TRAIN_TOKENS, FIT_STEPS, BUDGET_S, BUDGET
+    global MODEL
     ARGS = args
     SECTIONS = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(SECTIONS) - {"check", "bytes", "fit", "prefill", "train"}
+    unknown = set(SECTIONS) - set(SECTION_NAMES)
     if unknown:
         raise SystemExit(f"unknown --sections {sorted(unknown)}")
     MODE = "smoke" if args.smoke else ("full" if CUDA else "cpu")
@@ -106,8 +136,38 @@ def configure(args: argparse.Namespace) -> None:
     default_train = "16" if args.smoke else "4096,8192"
     TRAIN_TOKENS = [int(t) for t in (args.train_tokens or default_train).split(",")]
     FIT_STEPS = 20 if args.smoke else 200  # training steps of the LoRAs the fit section converts
-    BUDGET_S = args.budget_s or (60.0 if args.smoke else 240.0)
+    default_bases = "plain,int8,loka_fp8" if args.smoke else "plain,int8,fp8"
+    MODEL = ModelShape(
+        bases=[b.strip() for b in (args.model_bases or default_bases).split(",") if b.strip()],
+        tokens=[
+            int(t)
+            for t in (args.model_tokens or ("16" if args.smoke else "512,2048,8192")).split(",")
+        ],
+        hidden=args.model_hidden or (64 if args.smoke else 4096),
+        ffn=args.model_ffn or (96 if args.smoke else 11008),
+        layers=args.model_layers or (1 if args.smoke else 4),
+    )
+    unknown_bases = set(MODEL.bases) - set(MODEL_BASES)
+    if unknown_bases:
+        raise SystemExit(f"unknown --model-bases {sorted(unknown_bases)}; known: {MODEL_BASES}")
+    BUDGET_S = args.budget_s or (90.0 if args.smoke else 480.0)
     BUDGET = Budget(BUDGET_S)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The model section's decoder: heads of 128 features (at least one), vocabulary 1024."""
+
+    bases: list[str]
+    tokens: list[int]
+    hidden: int
+    ffn: int
+    layers: int
+    vocab: int = 1024
+
+    @property
+    def heads(self) -> int:
+        return max(1, self.hidden // 128)
 
 
 configure(parse_args([]))
@@ -188,20 +248,36 @@ def make_base(seed: int = 0) -> nn.Linear:
 def trained_like(module: LoRDBALinear, seed: int = 1) -> LoRDBALinear:
     """Nonzero scales and random latents, as after training (p = 0 at init would hide work)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    scale = 1 / math.sqrt(module.in_features)
     with torch.no_grad():
         for param in (module.scale_in, module.scale_rank, module.scale_out):
             if param is not None:
-                param.copy_((torch.rand(param.shape, generator=gen) + 0.5) / math.sqrt(HIDDEN))
+                param.copy_((torch.rand(param.shape, generator=gen) + 0.5) * scale)
         module.latent_a.copy_(torch.randn(module.latent_a.shape, generator=gen))
         module.latent_b.copy_(torch.randn(module.latent_b.shape, generator=gen))
     return module
 
 
 def make_lordba(
-    base: nn.Module, input_scale: bool = LoRDBAConfig.input_scale, backend: str = "triton"
+    base: nn.Module,
+    input_scale: bool = LoRDBAConfig.input_scale,
+    backend: str = "triton",
+    fused: bool = False,
 ) -> LoRDBALinear:
-    config = LoRDBAConfig(rank=RANK, input_scale=input_scale, backend=backend)
+    config = LoRDBAConfig(rank=RANK, input_scale=input_scale, backend=backend, fused=fused)
     return trained_like(LoRDBALinear(base, config))
+
+
+def twin(module: LoRDBALinear, base: nn.Module | None = None, **config) -> LoRDBALinear:
+    """A module with ``module``'s adapter (latents, scales, extra state) over ``base`` (default:
+    the same base), its config changed by ``config`` (e.g. ``fused=True``, ``backend="torch"``)."""
+    new = LoRDBALinear(base or module.base, dataclasses.replace(module.config, **config))
+    adapter = {k: v for k, v in module.state_dict().items() if not k.startswith("base.")}
+    new.load_state_dict(adapter, strict=False)
+    for name, param in new.named_parameters():
+        if not name.startswith("base."):  # the base stays frozen
+            param.requires_grad_(module.get_parameter(name).requires_grad)
+    return new
 
 
 def lora_factors(seed: int = 2) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -241,7 +317,7 @@ def check_section() -> list[dict]:
     for rows, k, n, rank, input_scale in shapes:
         torch.manual_seed(rows)
         base = nn.Linear(k, n, device=DEVICE, dtype=DTYPE)
-        config = LoRDBAConfig(rank=rank, input_scale=input_scale, backend="triton")
+        config = LoRDBAConfig(rank=rank, input_scale=input_scale, backend="triton", fused=False)
         kernels = trained_like(LoRDBALinear(base, config))
         reference = copy.deepcopy(kernels)
         reference.config = dataclasses.replace(kernels.config, backend="torch")
@@ -253,11 +329,29 @@ def check_section() -> list[dict]:
             out = module(xg)
             out.backward(grad)
             with torch.no_grad():
-                inference = module(x)  # nn.Linear base: the addmm path
+                inference = module(x)  # nn.Linear base: the addmm path, two kernels
+                # The fused one-launch kernel (the reference has none: its two ops again),
+                # into addmm and over an opaque base (added into the base's output).
+                fused = twin(module, fused=True)
+                opaque = twin(module, OpaqueBase(module.base), fused=True)
+                if module is kernels:  # must be the fused kernel, else this checks nothing
+                    paths = {"fused": fused.forward_path(x), "opaque": opaque.forward_path(x)}
+                inference_fused, inference_opaque = fused(x), opaque(x)
             grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
-            results.append({"out": out, "inference": inference, "dx": xg.grad, **grads})
+            results.append(
+                {
+                    "out": out,
+                    "inference": inference,
+                    "inference_fused": inference_fused,
+                    "inference_opaque_fused": inference_opaque,
+                    "dx": xg.grad,
+                    **grads,
+                }
+            )
         errors = {key: relative_error(results[0][key], results[1][key]) for key in results[1]}
         worst = max(errors.values())
+        if paths != {"fused": "addmm_fused", "opaque": "base_fused"}:
+            worst = math.inf  # the fused kernel did not run: a failed check, not a passed one
         records.append(
             {
                 "M": rows,
@@ -268,6 +362,7 @@ def check_section() -> list[dict]:
                 "dtype": str(DTYPE),
                 "max_rel_error": worst,
                 "errors": errors,
+                "fused_paths": paths,
                 "ok": worst <= tolerance,
                 "tolerance": tolerance,
             }
@@ -394,15 +489,27 @@ def prefill_variants(x: torch.Tensor) -> dict:
             out_dtype=x.dtype,
         )
 
+    def adapter_only_fused():
+        return sign_adapter(
+            x,
+            packed.a,
+            packed.b,
+            HIDDEN,
+            rank_scale=lordba.scale_rank,
+            col_scale=lordba.scale_out,
+            out_dtype=x.dtype,
+        )
+
+    # Each LoRDBA variant with the two sign-GEMM kernels and with the fused one (same adapter).
     modules = {"lordba": lordba, "lordba_q": lordba_q, "lordba_opaque_base": lordba_opaque}
+    modules |= {f"{name}_fused": twin(module, fused=True) for name, module in modules.items()}
     variants = {
         "base": lambda: F.linear(x, weight),
         "lora_peft": lambda: F.linear(x, weight) + F.linear(F.linear(x, a), b) * scaling,
         "lora_addmm": lambda: torch.addmm(F.linear(F.linear(x, a), b_scaled), x, weight.t()),
-        "lordba": lambda: lordba(x),
-        "lordba_q": lambda: lordba_q(x),
-        "lordba_opaque_base": lambda: lordba_opaque(x),
+        **{name: (lambda module=module: module(x)) for name, module in modules.items()},
         "lordba_adapter_only": adapter_only,
+        "lordba_adapter_only_fused": adapter_only_fused,
     }
     return variants, modules
 
@@ -418,7 +525,7 @@ def reference_error(module: LoRDBALinear, x: torch.Tensor) -> float:
 def prefill_section() -> list[dict]:
     records = []
     for rows in TOKENS:
-        if over_budget(0.6):
+        if over_budget(0.5):
             records.append({"M": rows, "skipped": f"over budget at {elapsed():.0f} s"})
             continue
         x = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
@@ -437,6 +544,8 @@ def prefill_section() -> list[dict]:
                 }
                 if name in modules:
                     record["rel_error_vs_torch_path"] = reference_error(modules[name], x)
+                    with torch.no_grad():
+                        record["path"] = modules[name].forward_path(x)
                 records.append(record)
             except Exception as error:
                 traceback.print_exc()
@@ -454,6 +563,136 @@ def prefill_section() -> list[dict]:
         if r.get("variant") == "base" and HIDDEN == 4096 and r["M"] in ANCHOR_BF16_MS:
             r["anchor_bf16_ms"] = ANCHOR_BF16_MS[r["M"]]
             r["eager_vs_anchor"] = r["eager_ms"] / r["anchor_bf16_ms"]
+    return records
+
+
+def make_model(kind: str) -> tuple[nn.Module, dict[str, LoRDBALinear]]:
+    """A Llama-shaped decoder (random weights, no LM head) on the device, frozen, its linears
+    quantized as ``kind`` says and then every one adapted by a trained-like LoRDBA adapter
+    (rank RANK, no q). Returns the model and its adapters by name."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=MODEL.vocab,
+        hidden_size=MODEL.hidden,
+        intermediate_size=MODEL.ffn,
+        num_hidden_layers=MODEL.layers,
+        num_attention_heads=MODEL.heads,
+        num_key_value_heads=MODEL.heads,
+        max_position_embeddings=max(MODEL.tokens),
+    )
+    with torch.random.fork_rng(devices=[]), torch.device(DEVICE):
+        torch.manual_seed(0)
+        model = transformers.LlamaModel(config)
+    model = model.to(DTYPE).eval().requires_grad_(False)
+    if kind == "loka_fp8":
+        model = quantize_fp8_weights(model)
+    elif kind in ("int8", "fp8"):
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+        quantize_(model, Int8WeightOnlyConfig() if kind == "int8" else Float8WeightOnlyConfig())
+    model = convert_to_lordba(model, LoRDBAConfig(rank=RANK, backend="triton", fused=False))
+    adapters = {n: m for n, m in model.named_modules() if isinstance(m, LoRDBALinear)}
+    for seed, module in enumerate(adapters.values()):
+        trained_like(module, seed=seed).requires_grad_(False)
+    return model, adapters
+
+
+def set_model_variant(model: nn.Module, adapters: dict[str, LoRDBALinear], variant: str) -> None:
+    """``base``: the bare bases back in place; ``lordba_unfused`` / ``lordba_fused``: the
+    adapters, with ``LoRDBAConfig.fused`` off / on."""
+    if variant == "base":
+        replace_modules(model, {name: module.base for name, module in adapters.items()})
+        return
+    for module in adapters.values():
+        module.config = dataclasses.replace(module.config, fused=variant == "lordba_fused")
+    replace_modules(model, adapters)
+
+
+def model_paths(adapters: dict[str, LoRDBALinear]) -> dict[str, int]:
+    """How many adapters take each forward path (LoRDBALinear.forward_path) at inference."""
+    counts: dict[str, int] = {}
+    with torch.no_grad():
+        for module in adapters.values():
+            x = torch.zeros(1, module.in_features, device=DEVICE, dtype=DTYPE)
+            path = module.forward_path(x)
+            counts[path] = counts.get(path, 0) + 1
+    return counts
+
+
+def model_section() -> list[dict]:
+    """Prefill of the whole decoder per base kind: base alone, + LoRDBA unfused, + fused."""
+    records = []
+    for kind in MODEL.bases:
+        if over_budget(0.8):
+            records.append({"base_kind": kind, "skipped": f"over budget at {elapsed():.0f} s"})
+            continue
+        try:
+            model, adapters = make_model(kind)
+        except Exception as error:
+            traceback.print_exc()
+            records.append({"base_kind": kind, "error": f"{type(error).__name__}: {error}"})
+            continue
+        for rows in MODEL.tokens:
+            if over_budget(0.8):
+                records.append(
+                    {"base_kind": kind, "M": rows, "skipped": f"over budget at {elapsed():.0f} s"}
+                )
+                continue
+            gen = torch.Generator(device="cpu").manual_seed(rows)
+            ids = torch.randint(0, MODEL.vocab, (1, rows), generator=gen).to(DEVICE)
+
+            def forward(ids=ids, model=model):
+                return model(input_ids=ids, use_cache=False).last_hidden_state
+
+            outputs = {}
+            for variant in ("base", "lordba_unfused", "lordba_fused"):
+                record = {
+                    "base_kind": kind,
+                    "M": rows,
+                    "variant": variant,
+                    "hidden": MODEL.hidden,
+                    "ffn": MODEL.ffn,
+                    "layers": MODEL.layers,
+                    "rank": RANK,
+                    "adapters": len(adapters) if variant != "base" else 0,
+                }
+                try:
+                    set_model_variant(model, adapters, variant)
+                    if variant != "base":
+                        record["paths"] = model_paths(adapters)
+                    with torch.no_grad():
+                        outputs[variant] = forward()
+                        record.update(time_ms(forward))
+                except Exception as error:
+                    traceback.print_exc()
+                    record["error"] = f"{type(error).__name__}: {error}"
+                records.append(record)
+            if "lordba_fused" in outputs and "lordba_unfused" in outputs:
+                records[-1]["rel_error_vs_unfused"] = relative_error(
+                    outputs["lordba_fused"], outputs["lordba_unfused"]
+                )
+                if "base" in outputs:  # the adapters change the output: the update is there
+                    records[-1]["rel_change_vs_base"] = relative_error(
+                        outputs["lordba_unfused"], outputs["base"]
+                    )
+            print(f"  model {kind} M={rows} done at {elapsed():.0f} s")
+        set_model_variant(model, adapters, "base")
+        del model, adapters
+        if CUDA:
+            torch.cuda.empty_cache()
+    keys = ("eager_ms", "graph_ms", "host_ms")
+    base = {
+        (r["base_kind"], r["M"], key): r.get(key)
+        for r in records
+        if r.get("variant") == "base"
+        for key in keys
+    }
+    for r in records:
+        for key in keys:
+            ref = base.get((r.get("base_kind"), r.get("M"), key))
+            if r.get(key) is not None and ref:
+                r[key.replace("_ms", "_vs_base")] = r[key] / ref
     return records
 
 
@@ -582,6 +821,23 @@ def summarize(results: dict) -> dict:
         summary["prefill_aim_met"] = worst is not None and worst <= PREFILL_AIM
         errors = [r["rel_error_vs_torch_path"] for r in prefill if "rel_error_vs_torch_path" in r]
         summary["prefill_max_rel_error_vs_torch_path"] = max(errors, default=None)
+    model = [r for r in results.get("model", []) if "variant" in r and "error" not in r]
+    if model:
+        key = "graph_vs_base" if CUDA else "eager_vs_base"
+        summary["model_overhead"] = {
+            f"{r['base_kind']} M={r['M']} {r['variant']}": r.get(key)
+            for r in model
+            if r["variant"] != "base"
+        }
+        quantized = [
+            r[key]
+            for r in model
+            if r["variant"] == "lordba_fused" and r["base_kind"] != "plain" and key in r
+        ]
+        summary["model_worst_fused_vs_quantized_base"] = max(quantized, default=None)
+        summary["model_prefill_aim_met_fused"] = bool(quantized) and max(quantized) <= PREFILL_AIM
+        errors = [r["rel_error_vs_unfused"] for r in model if "rel_error_vs_unfused" in r]
+        summary["model_max_rel_error_fused_vs_unfused"] = max(errors, default=None)
     if results.get("bytes"):
         summary["bytes_ratio"] = {
             f"input_scale={r['input_scale']}": r["ratio"] for r in results["bytes"]
@@ -643,6 +899,31 @@ def print_tables(results: dict) -> None:
                         ratio = r.get(key.replace("_ms", "_vs_base"), float("nan"))
                         cells.append(f"{r[key]:>12.4f} ({ratio:>5.3f}x)".rjust(24))
                 print(f"{rows:>6}  " + "  ".join(cells))
+    model = [r for r in results.get("model", []) if "variant" in r]
+    if model:
+        print(
+            f"\nmodel prefill (Llama-shaped, hidden {MODEL.hidden}, FFN {MODEL.ffn}, "
+            f"{MODEL.layers} layers, LoRDBA rank {RANK} on every linear); ratio to the base "
+            f"model; aim <= {PREFILL_AIM}x"
+        )
+        keys = ("graph_ms", "eager_ms", "host_ms") if CUDA else ("eager_ms",)
+        print(f"{'base':<9} {'tokens':>6}  {'variant':<15} " + "  ".join(f"{k:>20}" for k in keys))
+        for r in model:
+            cells = []
+            for key in keys:
+                if r.get(key) is None:
+                    cells.append(f"{'-':>20}")
+                else:
+                    ratio = r.get(key.replace("_ms", "_vs_base"), float("nan"))
+                    cells.append(f"{r[key]:>10.4f} ({ratio:>5.3f}x)".rjust(20))
+            extra = f"  error: {r['error']}" if "error" in r else ""
+            if "rel_error_vs_unfused" in r:
+                extra += f"  fused vs unfused rel err {r['rel_error_vs_unfused']:.1e}"
+            if r.get("paths"):
+                extra += f"  paths {r['paths']}"
+            print(
+                f"{r['base_kind']:<9} {r['M']:>6}  {r['variant']:<15} " + "  ".join(cells) + extra
+            )
     for r in prefill:
         if "anchor_bf16_ms" in r:
             print(
@@ -690,6 +971,7 @@ def main(argv: list[str] | None = None) -> int:
             "bytes": lambda: bytes_section(Path(tmp)),
             "fit": fit_section,
             "prefill": prefill_section,
+            "model": model_section,
             "train": train_section,
         }
         for section in sections:
@@ -708,10 +990,11 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": elapsed(),
     }
     write_json(out / f"lordba_{MODE}_{stamp}.json", record)
-    prefill = [r for r in results.get("prefill", []) if "variant" in r]
-    if prefill:
-        fields = sorted({k for r in prefill for k in r})
-        write_csv(out / f"lordba_prefill_{MODE}_{stamp}.csv", prefill, fields)
+    for section in ("prefill", "model"):
+        rows = [r for r in results.get(section, []) if "variant" in r]
+        if rows:
+            fields = sorted({k for r in rows for k in r})
+            write_csv(out / f"lordba_{section}_{MODE}_{stamp}.csv", rows, fields)
     print_tables(results)
     print(f"\nwrote {out}/lordba_{MODE}_{stamp}.* in {elapsed():.0f} s")
     checks_ok = all(r["ok"] for r in results.get("check", []))

@@ -78,3 +78,25 @@ def test_reference_is_the_modules_adapter_and_checks_operands():
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="packed_b"):
         fused.sign_adapter_reference(x, packed.a, packed.b, 25)
+
+
+@pytest.mark.parametrize("split_n", [1, 3, 8])
+def test_column_ranges_cover_every_column_once(monkeypatch, split_n):
+    """SPLIT_N column ranges per row block (few tokens: more programs); 100 columns are 4
+    tiles of 32 under the interpreter: 1, 2 (not 3: none may be empty) and 4 ranges."""
+    tiles = 4
+    ranges = fused.column_ranges(100, 32, split_n)
+    assert ranges == {1: 1, 3: 2, 8: 4}[split_n]
+    per = -(-tiles // ranges)
+    assert (ranges - 1) * per < tiles <= ranges * per
+    config = fused.triton.Config({**fused._INTERPRETED.kwargs, "SPLIT_N": split_n})
+    monkeypatch.setattr(fused, "_INTERPRETED", config)
+    gen = torch.Generator().manual_seed(split_n)
+    x = torch.randn(21, 40, generator=gen).to(DEVICE)
+    packed_a = pack_signs(torch.randn(6, 40, generator=gen)).to(DEVICE)
+    packed_b = pack_signs(torch.randn(6, 100, generator=gen)).to(DEVICE)
+    options = {"col_scale": torch.rand(100, generator=gen).to(DEVICE), "alpha": 0.5}
+    options["addend"] = torch.randn(21, 100, generator=gen).to(DEVICE)
+    out = fused.sign_adapter(x, packed_a, packed_b, 100, **options)
+    expected = fused.sign_adapter_reference(x, packed_a, packed_b, 100, **options)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)

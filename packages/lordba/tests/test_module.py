@@ -68,7 +68,7 @@ def test_inference_uses_addmm_path_with_same_result():
     module = _trained_like(LoRDBALinear(nn.Linear(20, 12), LoRDBAConfig(rank=3, backend="torch")))
     x = torch.randn(7, 20)
     module.requires_grad_(False)
-    assert module._fused_linear_ok(x)
+    assert module._addmm_ok(x)
     torch.testing.assert_close(module(x), module.base(x) + x @ module.delta_weight().T)
 
 

@@ -80,8 +80,8 @@ def test_inference_over_quantized_base_matches_dequantized(kind, dtype):
     quantized.requires_grad_(False)
     reference.requires_grad_(False)
     x = torch.randn(3, 5, 48, dtype=dtype)
-    assert plain_weight(quantized.base) is None and not quantized._fused_linear_ok(x[0])
-    assert reference._fused_linear_ok(x[0])  # the dequantized copy keeps the fused addmm path
+    assert plain_weight(quantized.base) is None and not quantized._addmm_ok(x[0])
+    assert reference._addmm_ok(x[0])  # the dequantized copy keeps the fused addmm path
     with torch.no_grad():
         out = quantized(x)
         expected = reference(x)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 Backend = Literal["auto", "triton", "torch"]
+# The fused inference kernel keeps a [BLOCK_M, rank] float32 tile in registers: above this rank
+# it would spill, and LoRDBALinear keeps the two-kernel path.
+FUSED_MAX_RANK = 64
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,13 @@ class LoRDBAConfig:
         the clip stop receiving gradient and their signs freeze).
     backend: ``"triton"`` (sign-GEMM kernels), ``"torch"`` (the pure-torch references) or
         ``"auto"`` (Triton on CUDA tensors, torch elsewhere).
+    fused: inference forwards on the Triton kernels run the one-launch ``sign_adapter``
+        kernel (down-projection, rank scale and up-projection fused; the ``[M, r]`` rank
+        activations never reach memory) where it applies: no gradient needed, a Triton
+        backend, rank <= ``FUSED_MAX_RANK``. Elsewhere (training, the torch backend, larger
+        ranks) and with ``fused=False`` the two-kernel path runs. Both agree to float32
+        rounding (the fused kernel folds ``s`` into the rank activations before the
+        up-projection's dot); ``LoRDBALinear.forward_path(x)`` says which path an input takes.
     """
 
     rank: int = 16
@@ -37,6 +47,7 @@ class LoRDBAConfig:
     scaling: float = 1.0
     ste_clip: float = math.inf
     backend: Backend = "auto"
+    fused: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -47,6 +58,8 @@ class LoRDBAConfig:
             raise ValueError(
                 f"LoRDBAConfig.ste_clip must be > 0 (inf: plain STE), got {self.ste_clip}"
             )
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"LoRDBAConfig.fused must be a bool, got {self.fused!r}")
         if self.backend not in ("auto", "triton", "torch"):
             raise ValueError(
                 f"LoRDBAConfig.backend must be 'auto', 'triton' or 'torch', got {self.backend!r}"

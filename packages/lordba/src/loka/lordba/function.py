@@ -26,6 +26,7 @@ import torch
 
 from loka.lordba.kernels import (
     pack_signs,
+    sign_adapter,
     sign_down,
     sign_down_reference,
     sign_up,
@@ -36,14 +37,17 @@ from loka.lordba.kernels import (
 
 
 class SignOps(NamedTuple):
-    """One implementation of the three sign-GEMM ops (the kernels, or their references)."""
+    """One implementation of the three sign-GEMM ops (the kernels, or their references), and
+    the fused inference forward where one exists (``sign_adapter``: down + rank scale + up in
+    one launch; the references have none, their two ops are the fallback)."""
 
     down: Callable[..., Any]
     up: Callable[..., Any]
     wgrad: Callable[..., Any]
+    fused: Callable[..., Any] | None = None
 
 
-TRITON_OPS = SignOps(sign_down, sign_up, sign_wgrad)
+TRITON_OPS = SignOps(sign_down, sign_up, sign_wgrad, sign_adapter)
 TORCH_OPS = SignOps(sign_down_reference, sign_up_reference, sign_wgrad_reference)
 
 

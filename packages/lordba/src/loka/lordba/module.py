@@ -12,6 +12,10 @@ has rank one and ``|A|`` has rank one (with ``q``) or is constant along each row
 Training: the sign's gradient goes straight through to its latent, gated off where the
 latent has saturated (``|latent| > ste_clip * rms at init``); scales get exact gradients.
 Use an Adam-type optimizer: the sign gradient's scale is not the latent's.
+
+Inference on the Triton kernels runs the adapter as one fused launch (``sign_adapter``) where
+it applies (``LoRDBAConfig.fused``); :meth:`LoRDBALinear.forward_path` names the path an input
+takes.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from loka.lordba.config import LoRDBAConfig
+from loka.lordba.config import FUSED_MAX_RANK, LoRDBAConfig
 from loka.lordba.fit import LoRDBAFit, fit_lora
 from loka.lordba.function import (
     LoRDBAFunction,
@@ -32,6 +36,8 @@ from loka.lordba.function import (
 )
 from loka.lordba.quantized import plain_weight
 from loka.mods.weight_stamp import weight_stamp
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the sign kernels take
 
 
 def base_features(base: nn.Module) -> tuple[int, int]:
@@ -176,6 +182,28 @@ class LoRDBALinear(nn.Module):
             self._packed_cache = (key, pack_factor_signs(self.latent_a, self.latent_b))
         return self._packed_cache[1]
 
+    def forward_path(self, x: torch.Tensor) -> str:
+        """The path :meth:`forward` takes for ``x`` in the current grad/autocast state:
+
+        - ``"addmm_fused"``: inference over a plain ``nn.Linear`` base; the one-launch
+          ``sign_adapter`` kernel computes the update (bias added in its epilogue), which the
+          base GEMM's ``addmm`` reads as its accumulator;
+        - ``"addmm"``: the same with the two sign-GEMM kernels (``sign_down``, ``sign_up``);
+        - ``"base_fused"``: inference over any other base (quantized ones): the base's own
+          forward, then ``sign_adapter`` adds the update into its output;
+        - ``"base"``: the base's own forward, then the autograd function (two kernels, the
+          rank activations saved for the backward): training, and every other case.
+
+        The fused kernel has no backward, so it is taken only when no gradient is needed, on
+        a Triton backend (``backend="triton"``, or ``"auto"`` on CUDA: the torch references
+        have no fused op), with ``config.fused`` and ``rank <= FUSED_MAX_RANK``.
+        """
+        x2 = x.reshape(-1, self.in_features)
+        fused = self._fused_ok(x2, select_ops(self.config.backend, x.device))
+        if self._addmm_ok(x2):
+            return "addmm_fused" if fused else "addmm"
+        return "base_fused" if fused else "base"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(
@@ -191,12 +219,17 @@ class LoRDBALinear(nn.Module):
         ops = select_ops(self.config.backend, x.device)
         packed = self.packed_signs()
         x2 = x.reshape(-1, self.in_features)
-        if self._fused_linear_ok(x2):
-            return self._linear_inference(x2, packed, ops).reshape(*x.shape[:-1], -1)
+        fused = self._fused_ok(x2, ops)
+        if self._addmm_ok(x2):
+            return self._linear_inference(x2, packed, ops, fused).reshape(
+                *x.shape[:-1], self.out_features
+            )
         y = self.base(x)
         y2 = y.reshape(-1, self.out_features)
         # Under autocast the base runs in a lower precision than x: the adapter follows it.
         x2 = x2.to(y2.dtype)
+        if fused:
+            return self._fused_update(x2, packed, ops, addend=y2).reshape(y.shape)
         out = LoRDBAFunction.apply(
             x2,
             y2,
@@ -213,7 +246,23 @@ class LoRDBALinear(nn.Module):
         )
         return out.reshape(y.shape)
 
-    def _fused_linear_ok(self, x2: torch.Tensor) -> bool:
+    def _inference(self, x2: torch.Tensor) -> bool:
+        """No gradient will be asked of this forward (of x, the adapter or the base)."""
+        if not torch.is_grad_enabled():
+            return True
+        return not (x2.requires_grad or any(p.requires_grad for p in self.parameters()))
+
+    def _fused_ok(self, x2: torch.Tensor, ops) -> bool:
+        """The one-launch ``sign_adapter`` kernel applies (see :meth:`forward_path`)."""
+        return (
+            self.config.fused
+            and ops.fused is not None
+            and self.config.rank <= FUSED_MAX_RANK
+            and x2.dtype in _KERNEL_DTYPES
+            and self._inference(x2)
+        )
+
+    def _addmm_ok(self, x2: torch.Tensor) -> bool:
         """Inference on a plain ``nn.Linear`` base with an ordinary weight of x's dtype, outside
         autocast. A quantized weight (a tensor subclass such as torchao's, which implements
         ``F.linear`` but not ``t``/``addmm``) runs through the base's own forward."""
@@ -224,16 +273,41 @@ class LoRDBALinear(nn.Module):
             return False
         if torch.is_autocast_enabled(x2.device.type):
             return False
-        if not torch.is_grad_enabled():
-            return True
-        return not (x2.requires_grad or any(p.requires_grad for p in self.parameters()))
+        return self._inference(x2)
 
-    def _linear_inference(self, x2: torch.Tensor, packed: PackedSigns, ops) -> torch.Tensor:
+    def _fused_update(
+        self,
+        x2: torch.Tensor,
+        packed: PackedSigns,
+        ops,
+        addend: torch.Tensor | None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """``addend + s * p * (sign(B) @ (m * (sign(A) @ (q * x))))`` in one kernel launch."""
+        return ops.fused(
+            x2,
+            packed.a,
+            packed.b,
+            self.out_features,
+            in_scale=self.scale_in,
+            rank_scale=self.scale_rank,
+            col_scale=self.scale_out,
+            alpha=self.scaling,
+            addend=addend,
+            out_dtype=out_dtype,
+        )
+
+    def _linear_inference(
+        self, x2: torch.Tensor, packed: PackedSigns, ops, fused: bool
+    ) -> torch.Tensor:
         """The adapter output becomes the GEMM's accumulator input: one ``addmm`` reads it in
         its epilogue instead of a separate pass over ``y``; the bias rides in the adapter."""
         base: nn.Linear = self.base
-        t = ops.down(x2, packed.a, self.scale_in)
         bias = None if base.bias is None else base.bias.expand(x2.shape[0], -1)
+        if fused:
+            update = self._fused_update(x2, packed, ops, addend=bias, out_dtype=x2.dtype)
+            return torch.addmm(update, x2, base.weight.t())
+        t = ops.down(x2, packed.a, self.scale_in)
         update = ops.up(
             t,
             packed.b,

@@ -3,11 +3,14 @@
     out[M, N] = addend + alpha * col_scale[N] * ((((x * in_scale) @ A^T) * rank_scale) @ B)
 
 with ``A: [R, K]`` and ``B: [R, N]`` sign matrices packed along their long axis (``sign(A)``
-and ``sign(B)^T`` as LoRDBA stores them). Each program owns ``BLOCK_M`` rows: it reduces its
-``[BLOCK_M, R]`` rank activations over K in registers, scales them, then sweeps N in
-``BLOCK_N`` tiles, so the rank activations never reach memory and the two sign-GEMMs cost one
-launch (the separate kernels write and re-read ``t`` and launch twice: at 512 tokens their
-launch latency, not their work, is what the adapter costs on the H200). Inference only: the
+and ``sign(B)^T`` as LoRDBA stores them). Each program owns ``BLOCK_M`` rows and one of
+``SPLIT_N`` column ranges: it reduces its ``[BLOCK_M, R]`` rank activations over K in
+registers, scales them, then sweeps its columns in ``BLOCK_N`` tiles, so the rank activations
+never reach memory and the two sign-GEMMs cost one launch (the separate kernels write and
+re-read ``t`` and launch twice: at 512 tokens their launch latency, not their work, is what
+the adapter costs on the H200). ``SPLIT_N > 1`` buys parallelism for few tokens (512 tokens
+are only 8 row blocks of 64 for 132 SMs) at the price of recomputing the down-projection,
+i.e. reading ``x``'s rows once per column range (from L2 when they fit). Inference only: the
 backward keeps the separate kernels, which need ``t``.
 
 Not yet measured on a GPU (issue 19, item 3): the tiles below are a first guess, untuned.
@@ -56,6 +59,7 @@ def _sign_adapter_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SPLIT_N: tl.constexpr,  # the launch's column ranges (grid axis 1; read from the grid)
 ):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     ranks = tl.arange(0, BLOCK_R)
@@ -68,8 +72,14 @@ def _sign_adapter_kernel(
     if HAS_RANK_SCALE:
         t = t * tl.load(rank_scale_ptr + ranks, mask=ranks < R, other=0.0).to(tl.float32)[None, :]
     t = t * alpha
-    # Phase 2: out tile by tile over N; the rank activations stay in registers.
-    for n0 in range(0, N, BLOCK_N):
+    # Phase 2: out tile by tile over this program's columns (a whole number of BLOCK_N tiles,
+    # so every tile starts on a byte of the packed signs); t stays in registers.
+    splits = tl.num_programs(1)
+    tiles = (N + BLOCK_N - 1) // BLOCK_N
+    cols_per_split = (tiles + splits - 1) // splits * BLOCK_N
+    n_start = tl.program_id(1) * cols_per_split
+    n_end = tl.minimum(N, n_start + cols_per_split)
+    for n0 in range(n_start, n_end, BLOCK_N):
         outs = n0 + tl.arange(0, BLOCK_N)
         out_ok = outs < N
         signs_b = unpack_sign_tile(packed_b_ptr, ranks, n0 // 8, stride_pb, R, N, BLOCK_R, BLOCK_N)
@@ -94,18 +104,53 @@ def _sign_adapter_kernel(
 
 _sign_adapter_tuned = triton.autotune(
     configs=[
-        triton.Config({"BLOCK_M": bm, "BLOCK_C": bc, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bc, bn, w, s in [
-            (32, 128, 128, 4, 3),
-            (64, 128, 128, 4, 3),
-            (64, 128, 256, 8, 3),
-            (128, 64, 128, 8, 3),
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_C": bc, "BLOCK_N": bn, "SPLIT_N": split},
+            num_warps=w,
+            num_stages=s,
+        )
+        for bm, bc, bn, split, w, s in [
+            (32, 128, 128, 1, 4, 3),
+            (64, 128, 128, 1, 4, 3),
+            (64, 128, 256, 1, 8, 3),
+            (128, 64, 128, 1, 8, 3),
+            (32, 128, 128, 4, 4, 3),  # few tokens: more programs, x re-read per range
+            (64, 128, 128, 8, 4, 3),
         ]
     ],
     key=["K", "N", "R", "M_BUCKET", "HAS_IN_SCALE", "HAS_ADDEND"],
 )(_sign_adapter_kernel)
-_INTERPRETED = triton.Config({"BLOCK_M": 16, "BLOCK_C": 32, "BLOCK_N": 32})
-_HEURISTIC = triton.Config({"BLOCK_M": 64, "BLOCK_C": 128, "BLOCK_N": 128}, num_warps=4)
+# Two column ranges under the interpreter, so the tests run the split path too.
+_INTERPRETED = triton.Config({"BLOCK_M": 16, "BLOCK_C": 32, "BLOCK_N": 32, "SPLIT_N": 2})
+_TARGET_PROGRAMS = 128  # about one per SM of an H100/H200 (132)
+
+
+def _heuristic(rows: int, out_features: int) -> triton.Config:
+    """The one tile without autotuning: 64 x 128 tiles, and as many column ranges as bring
+    the grid near ``_TARGET_PROGRAMS`` programs when the row blocks alone do not."""
+    block_m, block_n = 64, 128
+    split = _TARGET_PROGRAMS // cdiv(rows, block_m)
+    split = max(1, min(split, cdiv(out_features, block_n), 8))
+    config = {"BLOCK_M": block_m, "BLOCK_C": 128, "BLOCK_N": block_n, "SPLIT_N": split}
+    return triton.Config(config, num_warps=4)
+
+
+def column_ranges(out_features: int, block_n: int, split_n: int) -> int:
+    """How many column ranges the kernel gets for ``split_n`` asked: ranges of a whole number
+    of ``block_n`` tiles each, as even as can be, none of them empty (the kernel gives range i
+    the tiles ``[i * per, (i + 1) * per)``, ``per = cdiv(tiles, ranges)``)."""
+    tiles = cdiv(out_features, block_n)
+    if tiles == 0:
+        return 1
+    return cdiv(tiles, cdiv(tiles, max(1, min(split_n, tiles))))
+
+
+def _grid(rows: int, out_features: int):
+    """Row blocks x column ranges."""
+    return lambda meta: (
+        cdiv(rows, meta["BLOCK_M"]),
+        column_ranges(out_features, meta["BLOCK_N"], meta["SPLIT_N"]),
+    )
 
 
 def _check_operands(x, packed_a, packed_b, out_features, in_scale, rank_scale, col_scale, addend):
@@ -176,11 +221,11 @@ def sign_adapter(
     _launch.launch(
         _sign_adapter_kernel,
         _sign_adapter_tuned,
-        lambda meta: (cdiv(rows, meta["BLOCK_M"]),),
+        _grid(rows, out_features),
         args,
         device=x.device,
         interpreted=_INTERPRETED,
-        heuristic=_HEURISTIC,
+        heuristic=_heuristic(rows, out_features),
         HAS_IN_SCALE=in_scale is not None,
         HAS_RANK_SCALE=rank_scale is not None,
         HAS_COL_SCALE=col_scale is not None,

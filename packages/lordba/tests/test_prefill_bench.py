@@ -1,0 +1,61 @@
+"""bench/lordba.py --smoke on the CPU (Triton interpreter): the fused and unfused LoRDBA paths
+side by side in the check, prefill and whole-model sections, over a plain and quantized bases.
+Times on the CPU mean nothing; what is checked is that every variant runs, takes the path it
+is named for, and that fused and unfused agree."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("torchao")
+
+_BENCH = Path(__file__).resolve().parents[3] / "bench"
+if str(_BENCH) not in sys.path:
+    sys.path.insert(0, str(_BENCH))  # the script imports bench/harness.py as `harness`
+harness = importlib.import_module("harness")
+bench = harness.load("lordba")  # importing it runs nothing
+
+
+def test_smoke_measures_fused_and_unfused_over_quantized_bases(tmp_path):
+    argv = ["--smoke", "--sections", "check,prefill,model", "--tokens", "8"]
+    argv += ["--model-bases", "plain,int8,loka_fp8", "--budget-s", "600", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    (result,) = tmp_path.glob("lordba_smoke_*.json")
+    record = json.loads(result.read_text())
+    assert sorted(p.name.split("_")[1] for p in tmp_path.glob("*.csv")) == ["model", "prefill"]
+    results = record["results"]
+
+    assert all(r["ok"] for r in results["check"])
+    assert all(r["errors"]["inference_opaque_fused"] < 1e-5 for r in results["check"])
+
+    paths = {r["variant"]: r.get("path") for r in results["prefill"]}
+    assert paths["lordba"] == "addmm" and paths["lordba_fused"] == "addmm_fused"
+    assert paths["lordba_opaque_base"] == "base"
+    assert paths["lordba_opaque_base_fused"] == "base_fused"
+    assert all(r["eager_ms"] > 0 for r in results["prefill"])
+
+    model = {(r["base_kind"], r["variant"]): r for r in results["model"]}
+    assert len(model) == 9 and not any("error" in r or "skipped" in r for r in model.values())
+    for kind, unfused, fused in [
+        ("plain", "addmm", "addmm_fused"),
+        ("int8", "base", "base_fused"),
+        ("loka_fp8", "base", "base_fused"),
+    ]:
+        adapters = model[kind, "lordba_fused"]["adapters"]
+        assert adapters == 7  # q, k, v, o, gate, up, down of the one layer
+        assert model[kind, "lordba_unfused"]["paths"] == {unfused: adapters}
+        assert model[kind, "lordba_fused"]["paths"] == {fused: adapters}
+        assert model[kind, "lordba_fused"]["rel_error_vs_unfused"] < 1e-5
+        assert model[kind, "lordba_fused"]["rel_change_vs_base"] > 0.01  # the adapters act
+        assert model[kind, "lordba_fused"]["eager_vs_base"] > 0
+    summary = record["summary"]
+    assert summary["model_max_rel_error_fused_vs_unfused"] < 1e-5
+    assert set(summary["model_overhead"]) == {
+        f"{kind} M=16 {variant}"
+        for kind in ("plain", "int8", "loka_fp8")
+        for variant in ("lordba_unfused", "lordba_fused")
+    }
