@@ -393,3 +393,64 @@ def test_profile_pack_measures_a_step_and_leaves_the_model_as_it_was(checkpoint)
     assert profile.rank_tokens == 4 * 2 * RUN_SEQ + 8 * RUN_SEQ
     assert profile.step_time_s > 0
     assert not any("lora_" in name for name, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("backend", ["loop", pytest.param("triton", marks=needs_kernels)])
+def test_jobs_of_different_lengths_pack_and_each_trains_as_if_alone(backend):
+    # Lengths 8, 3 and 4 in one pack: rows of 8 tokens hold two 3- or 4-token samples (the
+    # 3-token rows end in 2 pads, the 3rd sample of "short" gets a row of its own).
+    jobs = [
+        job("long", rank=4, batch_size=2, seed=1, seq_len=8),
+        job("short", rank=2, alpha=4, batch_size=3, seed=2, seq_len=3),
+        job("mid", rank=8, batch_size=2, seed=3, lr=3e-3, seq_len=4),
+    ]
+    g = torch.Generator().manual_seed(7)
+    batches = [
+        (i, torch.randint(2, VOCAB, (j.batch_size, j.seq_len + 1), generator=g))
+        for i, j in enumerate(jobs)
+    ]
+    model = tiny_llama()
+    packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend=backend))
+    randomize_b(packed)
+    opt = PerAdapterOptimizer(packed)
+    losses, _ = packed_train_step(packed, opt, batches)
+    layout = packed._batch.layout
+    # 2 rows for "long", 2 for "short" (2 + 1 samples), 1 for "mid": one segment each.
+    assert list(layout.token_starts) == [0, 16, 32] and list(layout.token_ends) == [16, 32, 40]
+    got = [params_of(packed, i) for i in range(3)]
+    packed.remove()
+    for i, j in enumerate(jobs):
+        solo = convert_to_packed_lora(model, [j], PackedLoraConfig(backend=backend))
+        randomize_b(solo)
+        with torch.no_grad():  # the packed run's B of this job, before its step
+            for module, start in zip(solo.modules.values(), _b_of(i, jobs), strict=True):
+                module.lora_B[0].copy_(start)
+        solo_losses, _ = packed_train_step(solo, PerAdapterOptimizer(solo), [(0, batches[i][1])])
+        assert losses[i] == pytest.approx(solo_losses[0], rel=1e-5)
+        for a, b in zip(got[i], params_of(solo, 0), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        solo.remove()
+
+
+def _b_of(index, jobs):
+    """Adapter `index`'s B factors as `randomize_b` sets them in a pack of `jobs`."""
+    model = tiny_llama()
+    packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend="loop"))
+    randomize_b(packed)
+    out = [module.lora_B[index].detach().clone() for module in packed.modules.values()]
+    packed.remove()
+    return out
+
+
+def test_pack_rows_and_the_runner_refuse_a_job_longer_than_the_data(tmp_path):
+    from loka.plora.config import pack_rows
+
+    jobs = [job("a", batch_size=3, seq_len=3), job("b", batch_size=2, seq_len=8), job("c")]
+    rows = pack_rows(jobs, 8)
+    assert (rows.row_len, rows.samples_per_row, rows.rows) == (8, (2, 1, 1), (2, 2, 1))
+    assert rows.tokens == (16, 16, 8) and rows.shares_rows
+    same = pack_rows([job("a", batch_size=3), job("b", batch_size=2)], 8)
+    assert same.tokens == (24, 16) and not same.shares_rows
+    with pytest.raises(ValueError, match=r"jobs \['b'\] have a seq_len above the runner's"):
+        train_packs(tiny_llama(), jobs[1:], [["b", "c"]], None, tmp_path,
+                    config=RunnerConfig(seq_len=4))  # fmt: skip

@@ -42,7 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="memory per GPU, e.g. 80GiB or 141GB (default: the current CUDA device's)",
     )
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sample (512)")
+    parser.add_argument(
+        "--seq-len", type=int, default=512, help="tokens per sample of jobs without a seq_len (512)"
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--throughput",
@@ -112,10 +114,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 def check_jobs(path: Path, jobs: list, seq_len: int) -> None:
     for job in jobs:
-        tokens = job.batch_size * seq_len
+        tokens = job.tokens_per_step(seq_len)
         if tokens > _MAX_TOKENS_PER_STEP:
             raise ValueError(
-                f"{path}: job {job.name!r}: batch_size {job.batch_size} x seq_len {seq_len} = "
+                f"{path}: job {job.name!r}: batch_size {job.batch_size} x seq_len "
+                f"{job.length(seq_len)} = "
                 f"{tokens} tokens per step, more than any GEMM takes ({_MAX_TOKENS_PER_STEP})"
             )
         if job.rank > _MAX_TOKENS_PER_STEP:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -20,7 +20,9 @@ class LoraJobConfig:
     """One LoRA fine-tuning configuration: its adapter shape, optimizer and length.
 
     Give the length as `steps` or as `tokens` (then steps = ceil(tokens / (batch_size *
-    seq_len))). `name` names the output folder, so it is restricted to letters, digits,
+    seq_len))). `seq_len` is the job's own tokens per sample; None takes the run's (the
+    runner's and the planner's `seq_len`). Jobs of different lengths pack together (see
+    `pack_rows`). `name` names the output folder, so it is restricted to letters, digits,
     `_`, `.` and `-`. `seed` fixes the adapter initialization and the job's data order, so a
     job trains the same whether it runs alone or in a pack.
     """
@@ -37,6 +39,7 @@ class LoraJobConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     seed: int = 0
+    seq_len: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -52,7 +55,7 @@ class LoraJobConfig:
             problems.append(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
         if (self.steps is None) == (self.tokens is None):
             problems.append("give exactly one of steps and tokens")
-        for key in ("steps", "tokens"):
+        for key in ("steps", "tokens", "seq_len"):
             value = getattr(self, key)
             if value is not None and (not _is_int(value) or value < 1):
                 problems.append(f"{key} must be an integer >= 1, got {value!r}")
@@ -71,13 +74,18 @@ class LoraJobConfig:
         """The LoRA scaling alpha / rank applied to the adapter's output."""
         return self.alpha / self.rank
 
+    def length(self, seq_len: int) -> int:
+        """Tokens per sample: the job's own `seq_len`, else the run's `seq_len`."""
+        return self.seq_len or seq_len
+
     def num_steps(self, seq_len: int) -> int:
         if self.steps is not None:
             return self.steps
-        return math.ceil(self.tokens / (self.batch_size * seq_len))
+        return math.ceil(self.tokens / (self.batch_size * self.length(seq_len)))
 
     def tokens_per_step(self, seq_len: int) -> int:
-        return self.batch_size * seq_len
+        """The job's own tokens per step (without the padding a pack may add: `pack_rows`)."""
+        return self.batch_size * self.length(seq_len)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -92,10 +100,48 @@ class LoraJobConfig:
                 f"LoRA job {data.get('name')!r}: unknown keys {unknown}; known: {sorted(known)}"
             )
         clean = {k: v for k, v in data.items() if v is not None and v == v}  # drop NaN cells
-        for key in ("rank", "batch_size", "steps", "tokens", "seed"):
+        for key in ("rank", "batch_size", "steps", "tokens", "seed", "seq_len"):
             if key in clean and isinstance(clean[key], float) and clean[key].is_integer():
                 clean[key] = int(clean[key])
         return cls(**clean)
+
+
+@dataclass(frozen=True)
+class PackRows:
+    """How a packed step lays out the samples of jobs of different lengths.
+
+    Every row of the packed batch is `row_len` tokens long (the longest job's length). Job i
+    puts `samples_per_row[i]` of its samples (`row_len // length_i`) one after another in
+    each of its `rows[i]` rows, the row's tail padded; a row never mixes jobs, so each job
+    owns one contiguous token segment, which is what the multi-LoRA kernels take. Position
+    ids restart at every sample, and attention stays within a sample (Hugging Face's packed
+    sequences; pads sit after the samples, causal attention never lets a real token see
+    them, and they are left out of the loss), so each job's gradient is the one it gets
+    alone at its own length. With one length this is the plain `[batch, seq_len]` batch.
+    """
+
+    row_len: int
+    samples_per_row: tuple[int, ...]
+    rows: tuple[int, ...]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Tokens each job occupies in the packed batch (its samples and its rows' pads)."""
+        return tuple(r * self.row_len for r in self.rows)
+
+    @property
+    def shares_rows(self) -> bool:
+        """Whether some row holds more than one sample (attention then needs a mask)."""
+        return any(k > 1 for k in self.samples_per_row)
+
+
+def pack_rows(jobs: Sequence[LoraJobConfig], seq_len: int) -> PackRows:
+    """The `PackRows` of jobs training together (`seq_len`: the length of jobs without one)."""
+    lengths = [job.length(seq_len) for job in jobs]
+    row_len = max(lengths, default=seq_len)
+    per_row = tuple(row_len // length for length in lengths)
+    rows = tuple(-(-job.batch_size // k) for job, k in zip(jobs, per_row, strict=True))
+    return PackRows(row_len, per_row, rows)
 
 
 @dataclass(frozen=True)

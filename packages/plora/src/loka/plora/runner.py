@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loka.plora.checkpoint import save_adapter
-from loka.plora.config import LoraJobConfig, PackedLoraConfig
+from loka.plora.config import LoraJobConfig, PackedLoraConfig, pack_rows
 from loka.plora.data import JobSampler, TokenBlocks, read_texts
 from loka.plora.model import PackedLora, convert_to_packed_lora
 from loka.plora.optim import AdapterStep, PerAdapterOptimizer
@@ -22,9 +22,10 @@ from loka.plora.optim import AdapterStep, PerAdapterOptimizer
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """seq_len: tokens per sample; dtype: the base model's dtype when loaded from a path;
-    device: where to train (default: CUDA when available); save_optimizer: also write each
-    job's AdamW state next to its adapter, to resume."""
+    """seq_len: tokens per sample (of jobs without their own `seq_len`; a job's own may only
+    be shorter: the data is cut into blocks of this length); dtype: the base model's dtype
+    when loaded from a path; device: where to train (default: CUDA when available);
+    save_optimizer: also write each job's AdamW state next to its adapter, to resume."""
 
     seq_len: int = 512
     packed: PackedLoraConfig = field(default_factory=PackedLoraConfig)
@@ -75,26 +76,30 @@ def packed_train_step(
 ) -> tuple[list[float], list[AdapterStep]]:
     """One forward/backward/step over the batches of several adapters at once.
 
-    batches: `(adapter index, [b, seq_len + 1] token ids)` per active adapter. Each
+    batches: `(adapter index, [b, length + 1] token ids)` per active adapter; lengths may
+    differ between adapters (laid out as `loka.plora.config.pack_rows` says). Each
     adapter's loss is the mean token cross-entropy over its own samples, and the summed
     loss gives each adapter exactly the gradient of its own loss. Returns the per-adapter
     losses (NaN for adapters not in the batch) and the optimizer's report.
     """
     device = packed.device
-    ids = torch.cat([b for _, b in batches]).to(device, non_blocking=True)
-    owners = [i for i, b in batches for _ in range(b.shape[0])]
-    seq_len = ids.shape[1] - 1
-    packed.set_batch(owners, seq_len)
+    inputs, labels, positions, owners = _packed_rows(batches)
+    row_len = inputs.shape[1]
+    packed.set_batch(owners, row_len)
     active = [i for i, _ in batches]
     try:
-        logits = packed.model(input_ids=ids[:, :-1], use_cache=False).logits
+        extra = {} if positions is None else {"position_ids": positions.to(device)}
+        logits = packed.model(input_ids=inputs.to(device), use_cache=False, **extra).logits
+        labels = labels.to(device)
         token_loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none"
-        )
-        owner = torch.tensor(owners, device=device).repeat_interleave(seq_len)
+            logits.flatten(0, 1).float(), labels.flatten(), reduction="none"
+        )  # 0 at the pads (label -100)
+        owner = torch.tensor(owners, device=device).repeat_interleave(row_len)
         n = packed.num_adapters
         sums = torch.zeros(n, device=device).index_add(0, owner, token_loss)
-        losses = sums / torch.bincount(owner, minlength=n).clamp_min(1)
+        real = (labels.flatten() != _PAD_LABEL).float()
+        counts = torch.zeros(n, device=device).index_add(0, owner, real)
+        losses = sums / counts.clamp_min(1)
         losses[active].sum().backward()
     except BaseException:
         optimizer.zero_grad()  # a half-done backward must not leak into the next step
@@ -103,6 +108,44 @@ def packed_train_step(
     host = losses.detach().cpu().tolist()
     present = set(active)
     return [v if i in present else math.nan for i, v in enumerate(host)], reports
+
+
+_PAD_LABEL = -100  # cross_entropy's ignore_index
+
+
+def _packed_rows(
+    batches: Sequence[tuple[int, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int]]:
+    """Input ids, labels, position ids (None: one sample per row, no padding) and the
+    adapter of each row: each adapter's samples `row_len // length` to a row (`PackRows`)."""
+    lengths = [ids.shape[1] - 1 for _, ids in batches]
+    if min(lengths) < 1:
+        raise ValueError("packed_train_step: every sample needs at least 2 token ids")
+    if len(set(lengths)) == 1:
+        ids = torch.cat([b for _, b in batches])
+        owners = [i for i, b in batches for _ in range(b.shape[0])]
+        return ids[:, :-1], ids[:, 1:], None, owners
+    row_len = max(lengths)
+    inputs, labels, positions, owners = [], [], [], []
+    for (i, ids), length in zip(batches, lengths, strict=True):
+        per_row = row_len // length
+        for start in range(0, ids.shape[0], per_row):
+            chunk = ids[start : start + per_row]
+            used = chunk.shape[0] * length
+            row = torch.zeros(row_len, dtype=ids.dtype)
+            label = torch.full((row_len,), _PAD_LABEL, dtype=ids.dtype)
+            row[:used] = chunk[:, :-1].reshape(-1)
+            label[:used] = chunk[:, 1:].reshape(-1)
+            # Positions restart at each sample (attention stays within it); the pads
+            # continue the last sample's, after it, where no real token attends.
+            position = torch.cat(
+                [torch.arange(length).repeat(chunk.shape[0]), torch.arange(row_len - used) + length]
+            )
+            inputs.append(row)
+            labels.append(label)
+            positions.append(position)
+            owners.append(i)
+    return torch.stack(inputs), torch.stack(labels), torch.stack(positions), owners
 
 
 def train_packs(
@@ -126,6 +169,12 @@ def train_packs(
     """
     config = config or RunnerConfig()
     by_name = _check_packs(jobs, packs)
+    longer = [job.name for job in jobs if job.length(config.seq_len) > config.seq_len]
+    if longer:
+        raise ValueError(
+            f"jobs {longer} have a seq_len above the runner's seq_len {config.seq_len}; "
+            "the data is cut into blocks of the runner's seq_len: raise it to the longest job's"
+        )
     model, tokenizer, source = _load_model(model, tokenizer, config)
     blocks = _load_data(data, tokenizer, config.seq_len)
     output_dir = Path(output_dir)
@@ -141,6 +190,7 @@ def _train_pack(model, jobs, pack, blocks, output_dir, config, source, on_step) 
     try:
         optimizer = PerAdapterOptimizer(packed)
         samplers = [JobSampler(blocks, job) for job in jobs]
+        lengths = [job.length(config.seq_len) for job in jobs]
         remaining = [job.num_steps(config.seq_len) for job in jobs]
         losses: list[list[float]] = [[] for _ in jobs]
         status = ["running"] * len(jobs)
@@ -151,7 +201,7 @@ def _train_pack(model, jobs, pack, blocks, output_dir, config, source, on_step) 
             active = [i for i in range(len(jobs)) if remaining[i] > 0 and status[i] == "running"]
             if not active:
                 break
-            batches = [(i, samplers[i].next_batch()) for i in active]
+            batches = [(i, samplers[i].next_batch()[:, : lengths[i] + 1]) for i in active]
             step_losses, reports = packed_train_step(packed, optimizer, batches)
             now = time.perf_counter() - start
             for report in reports:
@@ -216,7 +266,7 @@ def profile_pack(
         optimizer = PerAdapterOptimizer(packed)
         gen = torch.Generator().manual_seed(0)
         batches = [
-            (i, torch.randint(0, vocab, (job.batch_size, seq_len + 1), generator=gen))
+            (i, torch.randint(0, vocab, (job.batch_size, job.length(seq_len) + 1), generator=gen))
             for i, job in enumerate(jobs)
         ]
         if device.type == "cuda":
@@ -232,7 +282,7 @@ def profile_pack(
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     finally:
         packed.remove()
-    tokens = [job.batch_size * seq_len for job in jobs]
+    tokens = pack_rows(jobs, seq_len).tokens  # what the step processed, pads included
     return StepProfile(
         n_adapters=len(jobs),
         tokens=sum(tokens),

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from loka.plora.config import LoraJobConfig
+from loka.plora.config import LoraJobConfig, pack_rows
 from loka.plora.plan.shape import ModelShape
 
 GIB = 1024**3
@@ -20,10 +20,14 @@ class MemoryModel:
     - per job: its adapter parameters, their gradients (both `adapter_bytes`) and AdamW's
       two moments (`optimizer_bytes` per parameter), plus the copy of the factors in the
       activation dtype that the packed GEMMs read;
-    - activations: `activation_bytes_per_token` for each token of the packed batch, plus
-      the adapters' rank-sized intermediates; the default per-token figure is an analytic
-      estimate for Llama layers with LoRA on every linear and the logits of the loss, and
-      `calibrated` replaces it by measured peaks;
+    - activations: `activation_bytes_per_token` for each token of the packed batch (each
+      job's tokens as `loka.plora.config.pack_rows` lays them out, its rows' pads included),
+      plus the adapters' rank-sized intermediates; the default per-token figure is an
+      analytic estimate for Llama layers with LoRA on every linear and the logits of the
+      loss, and `calibrated` replaces it by measured peaks;
+    - attention_mask (only when there is one): when a pack mixes lengths and some row holds
+      several samples, the `[rows, row_len, row_len]` mask that keeps attention within a
+      sample (a boolean and its additive copy in the activation dtype);
     - workspace: CUDA context, cuBLAS workspace and allocator slack.
     """
 
@@ -57,15 +61,23 @@ class MemoryModel:
         return float(s.num_layers * per_layer + logits)
 
     def job_state_bytes(self, job: LoraJobConfig) -> int:
-        params = self.shape.adapter_params(job.rank)
+        return job.rank * self.job_state_bytes_per_rank()
+
+    def job_state_bytes_per_rank(self) -> int:
+        """A job's adapter state bytes per unit of rank (they are linear in the rank)."""
+        params = self.shape.adapter_params(1)
         return params * (
             2 * self.adapter_bytes + self.optimizer_bytes + self.activation_dtype_bytes
         )
 
     def breakdown(self, jobs: Sequence[LoraJobConfig]) -> dict[str, int]:
         """Bytes per part for a pack of `jobs` running together."""
-        tokens = sum(job.tokens_per_step(self.seq_len) for job in jobs)
-        rank_tokens = sum(job.rank * job.tokens_per_step(self.seq_len) for job in jobs)
+        rows = pack_rows(jobs, self.seq_len)
+        tokens = sum(rows.tokens)
+        rank_tokens = sum(job.rank * t for job, t in zip(jobs, rows.tokens, strict=True))
+        mask = 0
+        if rows.shares_rows:
+            mask = tokens * rows.row_len * (1 + self.activation_dtype_bytes)
         lora_intermediates = (
             rank_tokens
             * self.shape.num_layers
@@ -73,12 +85,16 @@ class MemoryModel:
             * 2
             * self.activation_dtype_bytes
         )
-        return {
+        per_rank = self.job_state_bytes_per_rank()
+        parts = {
             "base_weights": self.shape.num_params * self.weight_bytes,
-            "adapter_states": sum(self.job_state_bytes(job) for job in jobs),
+            "adapter_states": per_rank * sum(job.rank for job in jobs),
             "activations": int(tokens * self.per_token_bytes()) + lora_intermediates,
             "workspace": self.workspace_bytes,
         }
+        if mask:
+            parts["attention_mask"] = mask
+        return parts
 
     def pack_bytes(self, jobs: Sequence[LoraJobConfig]) -> int:
         return sum(self.breakdown(jobs).values())

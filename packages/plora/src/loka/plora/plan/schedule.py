@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from loka.plora.config import LoraJobConfig
+from loka.plora.config import LoraJobConfig, pack_rows
 from loka.plora.plan.memory import GIB, MemoryModel
 from loka.plora.plan.solver import (
     Assignment,
     PackingProblem,
     candidate_packs,
+    improve,
     one_job_per_pack,
     solve_greedy,
     solve_milp,
@@ -31,10 +32,11 @@ SCHEDULE_SCHEMA = {
     "alpha": pl.Float64,
     "lr": pl.Float64,
     "batch_size": pl.Int32,
+    "seq_len": pl.Int32,  # the job's tokens per sample
     "steps": pl.Int64,
     "job_tokens": pl.Int64,
     "pack_jobs": pl.Int32,
-    "pack_tokens_per_step": pl.Int64,
+    "pack_tokens_per_step": pl.Int64,  # all jobs active, pads of shared rows included
     "pack_step_time_s": pl.Float64,
     "pack_start_s": pl.Float64,
     "pack_end_s": pl.Float64,
@@ -94,6 +96,7 @@ def plan_lora_jobs(
     time_limit_s: float = 20.0,
     max_pack_size: int | None = None,
     max_candidates: int = 4000,
+    search: bool = True,
 ) -> LoraPlan:
     """Pack `jobs` onto `num_gpus` GPUs of `gpu_memory_bytes` each, minimizing makespan.
 
@@ -101,7 +104,10 @@ def plan_lora_jobs(
     even alone is reported with status "does_not_fit" and a reason; the others are planned.
     solver: "milp" (error if it fails), "greedy", or "auto" (the ILP, falling back to
     greedy when it fails or has more than `max_candidates` candidate packs; the better
-    of the two is kept).
+    of the two is kept). search: then improve the result by local search over packs of any
+    jobs (`loka.plora.plan.solver.improve`); its solver name ends in "+ local search" when
+    that shortened the makespan. Jobs may have different `seq_len`s: a pack's step time and
+    memory count each job's tokens as `loka.plora.config.pack_rows` lays them out.
     """
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
@@ -127,6 +133,8 @@ def plan_lora_jobs(
     else:
         baseline = one_job_per_pack(problem, fitting)
         assignment = _solve(problem, fitting, solver, time_limit_s, max_candidates, baseline)
+        if search:
+            assignment = improve(problem, assignment)
     return LoraPlan(
         schedule=_schedule(problem, assignment),
         makespan_s=problem.makespan(assignment),
@@ -147,14 +155,15 @@ def simulate_makespan(
 ) -> float:
     """Replay a schedule step by step: each GPU runs its packs in `pack_order`; every step of
     a pack costs the throughput model's time for the jobs still active, and a job leaves
-    after its own number of steps. Returns the busiest GPU's finishing time."""
+    after its own number of steps. `seq_len` is the length of jobs without their own.
+    Returns the busiest GPU's finishing time."""
     by_name = {job.name: job for job in jobs}
     planned = schedule.filter(pl.col("status") == "planned")
     finish = 0.0
     for _, gpu_rows in planned.group_by("gpu"):
         clock = 0.0
-        for _, pack_rows in gpu_rows.sort("pack_order").group_by("pack_order", maintain_order=True):
-            left = {name: by_name[name].num_steps(seq_len) for name in pack_rows["job"]}
+        for _, rows in gpu_rows.sort("pack_order").group_by("pack_order", maintain_order=True):
+            left = {name: by_name[name].num_steps(seq_len) for name in rows["job"]}
             while left:
                 clock += throughput.step_time([by_name[n] for n in left], seq_len)
                 left = {n: k - 1 for n, k in left.items() if k > 1}
@@ -208,7 +217,7 @@ def _schedule(problem: PackingProblem, assignment: Assignment) -> pl.DataFrame:
         # Shortest packs first: the same makespan, and results arrive as early as possible.
         for order, pack in enumerate(sorted(by_gpu[gpu], key=problem.duration)):
             timing = problem.timing(pack)
-            tokens = sum(problem.jobs[i].tokens_per_step(problem.seq_len) for i in pack)
+            tokens = sum(pack_rows([problem.jobs[i] for i in pack], problem.seq_len).tokens)
             for i in pack:
                 rows.append(
                     _row(problem, i, "planned", "")
@@ -243,6 +252,7 @@ def _row(problem: PackingProblem, i: int, status: str, reason: str) -> dict:
         "alpha": float(job.alpha),
         "lr": float(job.lr),
         "batch_size": job.batch_size,
+        "seq_len": problem.length[i],
         "steps": problem.steps[i],
         "job_tokens": problem.steps[i] * job.tokens_per_step(problem.seq_len),
         "memory_budget_bytes": problem.budget_bytes,

@@ -5,15 +5,20 @@ early leaves the pack, so later steps are cheaper (`pack_timing`). Packs on one 
 after another; the makespan is the busiest GPU's total.
 
 The ILP (scipy.optimize.milp, HiGHS) picks from candidate packs (windows of the jobs sorted
-by steps, plus the greedy solution's packs, all within the memory budget) a set that covers
-every job once, and assigns each to a GPU, minimizing the largest GPU load. The greedy
-places the longest jobs first, each either into an existing pack (if it fits) or into a
-new pack on the least-loaded GPU, whichever gives the smaller makespan.
+by steps, tokens, rank and length, plus the greedy solution's packs, all within the memory
+budget) a set that covers every job once, and assigns each to a GPU, minimizing the largest
+GPU load. The greedy places the longest jobs first, each either into an existing pack (if
+it fits) or into a new pack on the least-loaded GPU, whichever gives the smaller makespan.
+`improve` then searches beyond those packs: from the best assignment found, it moves single
+jobs between packs, swaps two jobs, merges two packs or moves a pack to another GPU, taking
+the best such move while it shortens the makespan (or, at equal makespan, the total GPU
+time); every pack it makes fits the budget, and it never returns a longer makespan than it
+started from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -65,6 +70,7 @@ class PackingProblem:
         self.max_pack_size = max_pack_size or len(self.jobs)
         self.seq_len = memory.seq_len
         self.steps = [job.num_steps(self.seq_len) for job in self.jobs]
+        self.length = [job.length(self.seq_len) for job in self.jobs]
         self.timing: Callable[[Pack], PackTiming] = cache(self._timing)
         self.bytes: Callable[[Pack], int] = cache(self._bytes)
 
@@ -88,16 +94,14 @@ class PackingProblem:
 
     def _timing(self, pack: Pack) -> PackTiming:
         active = sorted(pack, key=lambda i: self.steps[i])
+        times = self.throughput.leaving_step_times([self.jobs[i] for i in active], self.seq_len)
         clock, done, ends = 0.0, 0, {}
-        first = self.throughput.step_time([self.jobs[i] for i in active], self.seq_len)
-        while active:
-            steps = self.steps[active[0]]
-            step = self.throughput.step_time([self.jobs[i] for i in active], self.seq_len)
-            clock += (steps - done) * step
-            done = steps
-            while active and self.steps[active[0]] == steps:
-                ends[active.pop(0)] = clock
-        return PackTiming(clock, first, ends)
+        for k, i in enumerate(active):
+            if self.steps[i] != done:  # jobs k, k+1, ... train the steps from done on
+                clock += (self.steps[i] - done) * times[k]
+                done = self.steps[i]
+            ends[i] = clock
+        return PackTiming(clock, times[0], ends)
 
 
 def solve_greedy(problem: PackingProblem, indices: Sequence[int]) -> Assignment:
@@ -141,7 +145,8 @@ def candidate_packs(
     problem: PackingProblem, indices: Sequence[int], seeds: Sequence[Pack] = ()
 ) -> list[Pack]:
     """Packs that fit: consecutive runs of the jobs sorted by steps (jobs that end together
-    waste least), by tokens per step and by rank, plus `seeds`."""
+    waste least), by tokens per step, by rank and by sequence length (jobs of one length
+    pad least), plus `seeds`."""
     orders = [
         sorted(indices, key=lambda i: (-problem.steps[i], problem.jobs[i].name)),
         sorted(
@@ -150,6 +155,10 @@ def candidate_packs(
         ),
         sorted(
             indices, key=lambda i: (-problem.steps[i], -problem.jobs[i].rank, problem.jobs[i].name)
+        ),
+        sorted(
+            indices,
+            key=lambda i: (-problem.length[i], -problem.steps[i], problem.jobs[i].name),
         ),
     ]
     found: set[Pack] = {(i,) for i in indices} | set(seeds)
@@ -248,3 +257,92 @@ def _longest_first(packs: Sequence[Pack], problem: PackingProblem, solver: str) 
         loads[g] += problem.duration(pack)
         placed.append((pack, g))
     return Assignment(tuple(p for p, _ in placed), tuple(g for _, g in placed), solver)
+
+
+def improve(
+    problem: PackingProblem, assignment: Assignment, *, max_evaluations: int = 5_000
+) -> Assignment:
+    """Local search from `assignment` over packs of any jobs, not only the candidates.
+
+    The moves: a job to another pack or alone onto any GPU, two packs merged, a pack to
+    another GPU, two jobs of different packs swapped; a move counts only when its packs fit
+    the memory budget. The first move that lowers (makespan, total GPU time) is applied and
+    the next scan starts at the pack where it was found, until a whole scan finds none or
+    `max_evaluations` moves were looked at (a count, not a clock: the plan does not depend
+    on the machine's speed). Returns `assignment` itself when nothing improves it.
+    """
+    packs = list(assignment.packs)
+    gpus = list(assignment.gpus)
+    loads = problem.loads(assignment)
+    start = max(loads, default=0.0)
+    left, moved, offset = max_evaluations, False, 0
+    while left > 0:
+        current = (max(loads), sum(loads))
+        tol = 1e-9 * max(current[0], 1e-30)
+        found = None
+        for where, removed, added in _moves(problem, packs, gpus, offset):
+            left -= 1
+            if left < 0:
+                break
+            if not all(problem.fits(pack) for pack, _ in added):
+                continue
+            trial = list(loads)
+            for q in removed:
+                trial[gpus[q]] -= problem.duration(packs[q])
+            for pack, g in added:
+                trial[g] += problem.duration(pack)
+            key = (max(trial), sum(trial))
+            if key[0] < current[0] - tol or (
+                key[0] <= current[0] + tol and key[1] < current[1] - tol
+            ):
+                found = (where, removed, added)
+                break
+        if found is None:
+            break
+        offset, removed, added = found
+        kept = [q for q in range(len(packs)) if q not in removed]
+        packs = [packs[q] for q in kept] + [pack for pack, _ in added]
+        gpus = [gpus[q] for q in kept] + [g for _, g in added]
+        loads = problem.loads(Assignment(tuple(packs), tuple(gpus), ""))
+        moved = True
+    result = Assignment(tuple(packs), tuple(gpus), f"{assignment.solver} + local search")
+    if not moved or problem.makespan(result) > start:
+        return assignment
+    return result
+
+
+Move = tuple[int, tuple[int, ...], tuple[tuple[Pack, int], ...]]  # (pack, removed, added)
+
+
+def _moves(
+    problem: PackingProblem, packs: list[Pack], gpus: list[int], offset: int
+) -> Iterator[Move]:
+    """Every move of `improve` from this state, the packs taken from `offset` on (then
+    wrapping round), cheapest kinds first: (the pack it starts from, the indices of the
+    packs it removes, the packs it adds with their GPUs)."""
+    n_packs, n_gpus = len(packs), problem.num_gpus
+    order = [(offset + k) % n_packs for k in range(n_packs)] if n_packs else []
+    for p in order:  # one job to another pack, or alone onto any GPU
+        for job in packs[p]:
+            others = tuple(i for i in packs[p] if i != job)
+            kept = ((others, gpus[p]),) if others else ()
+            for q in range(n_packs):
+                if q != p:
+                    yield p, (p, q), (*kept, (tuple(sorted((*packs[q], job))), gpus[q]))
+            for g in range(n_gpus):
+                if others or g != gpus[p]:
+                    yield p, (p,), (*kept, ((job,), g))
+    for p in order:  # two packs merged, on either's GPU; a pack to another GPU
+        for q in range(n_packs):
+            if q != p:
+                yield p, (p, q), ((tuple(sorted((*packs[p], *packs[q]))), gpus[p]),)
+        for g in range(n_gpus):
+            if g != gpus[p]:
+                yield p, (p,), ((packs[p], g),)
+    for p in order:  # two jobs of different packs swapped
+        for q in range(p + 1, n_packs):
+            for a in packs[p]:
+                for b in packs[q]:
+                    one = tuple(sorted((*(i for i in packs[p] if i != a), b)))
+                    two = tuple(sorted((*(i for i in packs[q] if i != b), a)))
+                    yield p, (p, q), ((one, gpus[p]), (two, gpus[q]))

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from loka.plora.config import LoraJobConfig
+from loka.plora.config import LoraJobConfig, pack_rows
 from loka.plora.plan.shape import ModelShape
 
 FEATURES = ("n_adapters", "tokens", "rank_tokens")
@@ -19,13 +19,20 @@ FEATURES = ("n_adapters", "tokens", "rank_tokens")
 
 @dataclass(frozen=True)
 class ThroughputModel:
-    """Step time of a pack = overhead + per token + per adapter + per (rank x token).
+    """Step time of a pack = overhead + per token + per adapter + per (rank x token)
+    (+ per token x row length: attention).
 
     `overhead_s` is what a step costs whatever its size (kernel launches, the frozen base's
     fixed costs), `per_adapter_s` what each job adds (its optimizer step, its slice of the
     launches), `per_token_s` the base model's work per token and `per_rank_token_s` the
     adapters' GEMMs. The model is linear so that packing's gain is explicit: a pack of n
     jobs pays the overhead once instead of n times, and the GPU runs larger GEMMs.
+
+    Tokens are those each job occupies in the packed batch (`loka.plora.config.pack_rows`:
+    its own, plus the pads of its rows when the pack mixes lengths). `per_context_token_s`
+    charges attention, whose cost per token grows with the row's length: the analytic
+    model sets it; a fit on steps profiled at one length cannot tell it from `per_token_s`
+    and leaves it at 0 (attention is then charged as at the profiled length).
     """
 
     overhead_s: float
@@ -33,9 +40,11 @@ class ThroughputModel:
     per_token_s: float
     per_rank_token_s: float
     source: str
+    per_context_token_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("overhead_s", "per_adapter_s", "per_token_s", "per_rank_token_s"):
+        keys = ("overhead_s", "per_adapter_s", "per_token_s", "per_rank_token_s")
+        for key in (*keys, "per_context_token_s"):
             value = getattr(self, key)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"ThroughputModel.{key} must be finite and >= 0, got {value!r}")
@@ -43,13 +52,39 @@ class ThroughputModel:
             raise ValueError("ThroughputModel predicts zero step time; the fit is degenerate")
 
     def step_time(self, jobs: Sequence[LoraJobConfig], seq_len: int) -> float:
-        tokens = [job.tokens_per_step(seq_len) for job in jobs]
+        """One step with `jobs` active (`seq_len`: the length of jobs without their own)."""
+        rows = pack_rows(jobs, seq_len)
+        tokens = rows.tokens
         return (
             self.overhead_s
             + self.per_adapter_s * len(jobs)
-            + self.per_token_s * sum(tokens)
+            + (self.per_token_s + self.per_context_token_s * rows.row_len) * sum(tokens)
             + self.per_rank_token_s * sum(job.rank * t for job, t in zip(jobs, tokens, strict=True))
         )
+
+    def leaving_step_times(self, jobs: Sequence[LoraJobConfig], seq_len: int) -> list[float]:
+        """`step_time(jobs[k:], seq_len)` for every k: the step times of a pack whose jobs
+        leave in the order given. One pass per distinct row length, not one per k."""
+        n = len(jobs)
+        lengths = [job.length(seq_len) for job in jobs]
+        row_len, longest = [0] * n, 0
+        for k in range(n - 1, -1, -1):
+            longest = max(longest, lengths[k])
+            row_len[k] = longest
+        suffix: dict[int, list[float]] = {}
+        for r in set(row_len):
+            per_token = self.per_token_s + self.per_context_token_s * r
+            sums, total = [0.0] * n, 0.0
+            for k in range(n - 1, -1, -1):
+                job = jobs[k]
+                # (jobs longer than r are never in a suffix whose rows are r long)
+                tokens = -(-job.batch_size // (r // lengths[k])) * r if lengths[k] <= r else 0
+                total += (per_token + self.per_rank_token_s * job.rank) * tokens
+                sums[k] = total
+            suffix[r] = sums
+        return [
+            self.overhead_s + self.per_adapter_s * (n - k) + suffix[row_len[k]][k] for k in range(n)
+        ]
 
     @classmethod
     def fit(
@@ -140,20 +175,23 @@ class ThroughputModel:
         training runs the base forward and its input gradient (4 FLOPs per weight per
         token, no weight gradient) plus causal attention; each adapter GEMM costs 6 FLOPs
         per rank per (in + out) per token over its forward and three backward products.
+        `seq_len` only names the run's length: attention's cost per token follows each
+        pack's row length (`per_context_token_s`).
         """
         linears = shape.linear_shapes()
         base = (
             shape.num_layers * sum(i * o for i, o in linears.values()) + shape.vocab * shape.hidden
         )
-        attention = shape.num_layers * 6 * seq_len * shape.num_heads * shape.head_dim
+        attention = shape.num_layers * 6 * shape.num_heads * shape.head_dim  # x row length
         lora = shape.num_layers * sum(6 * sum(linears[m]) for m in shape.target_modules)
         rate = peak_flops * efficiency
         launches_per_layer = 40 + 12 * len(shape.target_modules)
         return cls(
             overhead_s=shape.num_layers * launches_per_layer * launch_s,
             per_adapter_s=shape.num_layers * len(shape.target_modules) * 4 * launch_s,
-            per_token_s=(4 * base + attention) / rate,
+            per_token_s=4 * base / rate,
             per_rank_token_s=lora / rate,
+            per_context_token_s=attention / rate,
             source=f"analytic estimate ({peak_flops / 1e12:.0f} TFLOP/s peak x {efficiency:.0%}); "
             "not measured",
         )
