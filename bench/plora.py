@@ -13,11 +13,21 @@ sizes 1-4, lr, alpha, 12-20 steps each); everything in one run:
             records (plora_steps_*.csv) are what `loka lora-plan --throughput` fits.
 - makespan: 8 and 32 jobs trained to their step counts: packed (one pack: jobs leave it as
             they finish) against each job alone with peft, one after another, wall clock.
+- plan:     the schedule `loka lora-plan` makes for the 32 jobs (`plan_lora_jobs`: step
+            times fit on this run's packed step profiles, else profiled here; the analytic
+            memory model against this device's memory; --plan-gpus GPUs; --plan-lengths
+            gives the jobs different sequence lengths), then run: each pack trained to its
+            jobs' step counts (jobs leaving as they finish; one untimed warm-up step
+            first), GPU by GPU in the schedule's order on this one device, so a GPU's
+            measured time is the sum of its packs and the measured makespan the largest;
+            predicted beside measured, per pack and in all.
 
     python bench/plora.py --smoke     # CPU, Triton interpreter, tiny model, < 1 min
     python bench/plora.py             # one H200, about 4 min
+    python bench/plora.py --sections steps,plan --plan-gpus 2 --plan-lengths 512,256
 Results in --out (default $OUT, else bench/results/): plora_<mode>_<utc>.json (every raw
-record, the summary, the metadata), plora_steps_<mode>_<utc>.csv (step profiles).
+record, the summary, the metadata), plora_steps_<mode>_<utc>.csv (step profiles),
+plora_schedule_<mode>_<utc>.csv (the plan section's schedule, with measured pack times).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 from harness import Budget, metadata, parser, rel_err, time_ms, version, write_csv, write_json
@@ -37,8 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)  # --out, --budget-s (270 s; smoke 60)
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (Triton interpreter)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (512; smoke 16)")
-    p.add_argument("--sections", default="kernels,steps,makespan")
+    p.add_argument("--sections", default="kernels,steps,makespan,plan")
     p.add_argument("--no-autotune", action="store_true", help="heuristic kernel tiles only")
+    p.add_argument("--plan-gpus", type=int, default=1, help="GPUs the plan section plans for")
+    p.add_argument("--plan-lengths", default=None,
+                   help="comma-separated seq_len cycled over the plan's jobs (default: --seq-len; "
+                        "smoke: 8,4)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -59,6 +74,13 @@ from loka.plora.kernels import (  # noqa: E402
     MultiLoraLayout,
     multi_lora_linear,
     multi_lora_linear_reference,
+)
+from loka.plora.plan import (  # noqa: E402
+    MemoryModel,
+    ModelShape,
+    ThroughputModel,
+    plan_lora_jobs,
+    profile_throughput,
 )
 from loka.plora.runner import packed_train_step  # noqa: E402
 
@@ -406,11 +428,117 @@ def bench_makespan(model, jobs) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------
+# plan: the planner's schedule, run pack by pack; predicted vs measured makespan
+# ---------------------------------------------------------------------------------------
+
+
+def plan_jobs(jobs: list[LoraJobConfig]) -> list[LoraJobConfig]:
+    """The jobs with --plan-lengths cycled over them (the run's length when not given)."""
+    text = ARGS.plan_lengths or ("8,4" if ARGS.smoke else None)
+    if not text:
+        return list(jobs)
+    lengths = [int(v) for v in text.split(",")]
+    if not lengths or min(lengths) < 1:
+        raise SystemExit(f"--plan-lengths takes positive integers, got {text!r}")
+    return [replace(j, seq_len=lengths[n % len(lengths)]) for n, j in enumerate(jobs)]
+
+
+def plan_throughput(model, steps: list[dict], jobs) -> ThroughputModel:
+    """Fit on this run's packed Triton step profiles, else profile a few packs here."""
+    records = [r for r in steps if "error" not in r and r["kind"] == "packed"
+               and r["backend"] == "triton"]  # fmt: skip
+    if len(records) >= 2:
+        return ThroughputModel.fit(records, source=f"fit on this run's {len(records)} packed steps")
+    fitted, _, _ = profile_throughput(model, jobs, SEQ, config=PackedLoraConfig(backend="triton"),
+                                      max_jobs=8, steps=TIMED)  # fmt: skip
+    return fitted
+
+
+def run_pack(model, jobs: list[LoraJobConfig], seed: int) -> dict:
+    """Train one pack to its jobs' step counts (each job at its own length), jobs leaving
+    as they finish, after one untimed warm-up step of the whole pack."""
+    packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend="triton"))
+    try:
+        opt = PerAdapterOptimizer(packed)
+        gens = [torch.Generator().manual_seed(seed + i) for i in range(len(jobs))]
+        lengths = [j.length(SEQ) for j in jobs]
+
+        def batch(i):
+            shape = (jobs[i].batch_size, lengths[i] + 1)
+            return i, torch.randint(0, MODEL["vocab_size"], shape, generator=gens[i])
+
+        packed_train_step(packed, opt, [batch(i) for i in range(len(jobs))])  # warm-up
+        sync()
+        begin = time.perf_counter()
+        left = [j.num_steps(SEQ) for j in jobs]
+        steps = 0
+        while any(left):
+            active = [i for i, n in enumerate(left) if n > 0]
+            packed_train_step(packed, opt, [batch(i) for i in active])
+            for i in active:
+                left[i] -= 1
+            steps += 1
+        sync()
+        wall = time.perf_counter() - begin
+    finally:
+        packed.remove()
+    return {"pack_steps": steps, "measured_s": wall}
+
+
+def bench_plan(model, jobs, steps: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Plan `jobs`, run every pack of the schedule; returns (rows, the schedule's rows)."""
+    jobs = plan_jobs(jobs)
+    throughput = plan_throughput(model, steps, jobs)
+    memory = MemoryModel(ModelShape.from_hf_config(model.config), seq_len=SEQ)
+    if DEVICE.type == "cuda":
+        gpu_memory = torch.cuda.get_device_properties(DEVICE).total_memory
+    else:
+        gpu_memory = 1024**4  # no limit that matters on the CPU
+    begin = time.perf_counter()
+    plan = plan_lora_jobs(jobs, memory, throughput, gpu_memory_bytes=gpu_memory,
+                          num_gpus=ARGS.plan_gpus)  # fmt: skip
+    planning_s = time.perf_counter() - begin
+    schedule = plan.schedule.filter(plan.schedule["status"] == "planned")
+    by_name = {j.name: j for j in jobs}
+    rows, measured_by_gpu, sched_rows = [], {}, []
+    for (gpu, order), group in schedule.sort(["gpu", "pack_order"]).group_by(
+        ["gpu", "pack_order"], maintain_order=True
+    ):
+        names = group["job"].to_list()
+        predicted = float(group["pack_end_s"][0] - group["pack_start_s"][0])
+        context = {"kind": "plan_pack", "gpu": gpu, "pack_order": order, "jobs": names,
+                   "predicted_s": predicted}  # fmt: skip
+        row = _guarded(lambda n=names, g=gpu, o=order: run_pack(model, [by_name[x] for x in n],
+                                                                 seed=1000 * g + 100 * o), context)  # fmt: skip
+        row = {**context, **row}
+        if "measured_s" in row:
+            row["measured_over_predicted"] = row["measured_s"] / predicted
+            measured_by_gpu[gpu] = measured_by_gpu.get(gpu, 0.0) + row["measured_s"]
+        rows.append(row)
+        for r in group.iter_rows(named=True):
+            sched_rows.append({**r, "measured_pack_s": row.get("measured_s")})
+    complete = all("measured_s" in r for r in rows) and rows
+    measured = max(measured_by_gpu.values()) if complete else None
+    rows.append({
+        "kind": "plan", "jobs": len(jobs), "gpus": ARGS.plan_gpus, "packs": len(rows),
+        "solver": plan.solver, "planning_s": planning_s,
+        "throughput_source": throughput.source, "memory_source": memory.source,
+        "predicted_makespan_s": plan.makespan_s,
+        "predicted_baseline_makespan_s": plan.baseline_makespan_s,
+        "measured_makespan_s": measured,
+        "measured_by_gpu_s": measured_by_gpu,
+        "predicted_over_measured": plan.makespan_s / measured if measured else None,
+        "unfit": plan.unfit, "lengths": sorted({j.length(SEQ) for j in jobs}),
+    })  # fmt: skip
+    return rows, sched_rows
+
+
+# ---------------------------------------------------------------------------------------
 # summary, metadata, output
 # ---------------------------------------------------------------------------------------
 
 
-def summarize(kernels, steps, makespans, jobs) -> dict:
+def summarize(kernels, steps, makespans, jobs, plan_rows=()) -> dict:
     ok_steps = [r for r in steps if "error" not in r]
     packed = {
         (r["backend"], r["n_adapters"]): r
@@ -454,6 +582,11 @@ def summarize(kernels, steps, makespans, jobs) -> dict:
         if "error" not in r:
             keys = ("shape", "t_triton_ms", "t_loop_ms", "t_base_ms", "loop_over_triton", "ok")
             summary["kernels"].append({k: r[k] for k in keys})
+    summary["plan"] = [
+        {k: r[k] for k in ("jobs", "gpus", "packs", "solver", "predicted_makespan_s",
+                           "measured_makespan_s", "predicted_over_measured")}
+        for r in plan_rows if r["kind"] == "plan"
+    ]  # fmt: skip
     return summary
 
 
@@ -482,6 +615,12 @@ def print_summary(summary: dict) -> None:
     for r in summary["makespan"]:
         print(f"  makespan {r['jobs']:2d} jobs: packed {r['packed_s']:7.2f} s  sequential {r['sequential_s']:7.2f} s  "
               f"{r['ratio']:5.2f}x shorter")  # fmt: skip
+    for r in summary.get("plan", []):
+        measured = r["measured_makespan_s"]
+        tail = (f"measured {measured:7.2f} s  predicted/measured {r['predicted_over_measured']:5.2f}"
+                if measured else "measured: incomplete (see errors)")  # fmt: skip
+        print(f"  plan {r['jobs']:2d} jobs on {r['gpus']} GPU(s), {r['packs']} packs ({r['solver']}): "
+              f"predicted {r['predicted_makespan_s']:7.2f} s  {tail}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -495,27 +634,31 @@ def main(argv: list[str] | None = None) -> int:
     stamp = utc_stamp()
     jobs = make_jobs(max(JOB_COUNTS))
     kernels = bench_kernels(jobs) if "kernels" in sections else []
-    model = build_model() if sections & {"steps", "makespan"} else None
+    model = build_model() if sections & {"steps", "makespan", "plan"} else None
     steps = bench_steps(model, jobs) if "steps" in sections else []
     makespans = bench_makespan(model, jobs) if "makespan" in sections else []
-    summary = summarize(kernels, steps, makespans, jobs)
+    plan_rows, schedule = bench_plan(model, jobs, steps) if "plan" in sections else ([], [])
+    summary = summarize(kernels, steps, makespans, jobs, plan_rows)
     meta = run_metadata(BUDGET.elapsed())
     record = {"meta": meta, "jobs": [j.to_dict() for j in jobs], "kernels": kernels, "steps": steps,
-              "makespan": makespans, "summary": summary}  # fmt: skip
+              "makespan": makespans, "plan": plan_rows, "summary": summary}  # fmt: skip
     write_json(out / f"plora_{MODE}_{stamp}.json", record, indent=2)
     fields = ["kind", "backend", "n_adapters", "rank", "batch_size", "tokens", "rank_tokens",
               "step_time_s", "tokens_per_s", "peak_memory_bytes", "device"]  # fmt: skip
     rows = [r for r in steps if "error" not in r]
     write_csv(out / f"plora_steps_{MODE}_{stamp}.csv", rows, fields)
+    if schedule:
+        write_csv(out / f"plora_schedule_{MODE}_{stamp}.csv", schedule, list(schedule[0]))
     print_summary(summary)
-    errors = [r for r in (*kernels, *steps, *makespans) if "error" in r]
+    errors = [r for r in (*kernels, *steps, *makespans, *plan_rows) if "error" in r]
     for r in errors:
         context = {k: v for k, v in r.items() if k not in ("error", "trace")}
         print(f"  error: {context}: {r['error']}")
     bad = [r["shape"] for r in kernels if "error" not in r and not r["ok"]]
     if bad:
         print(f"  CORRECTNESS FAILED for {bad}")
-    print(f"wrote {out}/plora_{MODE}_{stamp}.json and plora_steps_{MODE}_{stamp}.csv "
+    also = f", plora_schedule_{MODE}_{stamp}.csv" if schedule else ""
+    print(f"wrote {out}/plora_{MODE}_{stamp}.json, plora_steps_{MODE}_{stamp}.csv{also} "
           f"({BUDGET.elapsed():.0f} s)")  # fmt: skip
     return 1 if bad or (errors and ARGS.smoke) else 0
 

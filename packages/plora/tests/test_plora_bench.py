@@ -1,0 +1,53 @@
+"""bench/plora.py --smoke on the CPU (Triton interpreter): the plan section runs the schedule
+`plan_lora_jobs` makes (jobs of two lengths, two GPUs run one after another on this device)
+and records predicted beside measured makespan. Times on the CPU mean nothing; what is
+checked is that the planner's packs are what ran, each to its jobs' steps."""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+pytest.importorskip("transformers")
+
+_BENCH = Path(__file__).resolve().parents[3] / "bench"
+if str(_BENCH) not in sys.path:
+    sys.path.insert(0, str(_BENCH))  # the script imports bench/harness.py as `harness`
+harness = importlib.import_module("harness")
+bench = harness.load("plora")  # importing it runs nothing
+
+
+def test_smoke_runs_the_planners_schedule_and_records_predicted_and_measured(tmp_path):
+    argv = ["--smoke", "--sections", "plan", "--plan-gpus", "2", "--plan-lengths", "8,4"]
+    assert bench.main([*argv, "--budget-s", "600", "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("plora_smoke_*.json")
+    record = json.loads(result.read_text())
+    (summary,) = [r for r in record["plan"] if r["kind"] == "plan"]
+    packs = [r for r in record["plan"] if r["kind"] == "plan_pack"]
+    assert summary["lengths"] == [4, 8] and summary["gpus"] == 2
+    assert summary["throughput_source"].startswith("fit on")  # profiled here: no steps section
+    assert summary["packs"] == len(packs) and "error" not in summary
+    # What ran is the schedule: its packs, GPU by GPU, each job to its own step count.
+    (schedule_file,) = tmp_path.glob("plora_schedule_smoke_*.csv")
+    schedule = pl.read_csv(schedule_file)
+    assert sorted(schedule["seq_len"].to_list()) == [4, 8]
+    planned = {
+        tuple(sorted(g["job"].to_list())): g for _, g in schedule.group_by(["gpu", "pack_order"])
+    }
+    assert sorted(tuple(sorted(p["jobs"])) for p in packs) == sorted(planned)
+    by_gpu: dict[int, float] = {}
+    for p in packs:
+        rows = planned[tuple(sorted(p["jobs"]))]
+        assert p["gpu"] == rows["gpu"][0] and p["pack_order"] == rows["pack_order"][0]
+        assert p["pack_steps"] == rows["steps"].max() and p["measured_s"] > 0
+        assert p["predicted_s"] == pytest.approx(rows["pack_end_s"][0] - rows["pack_start_s"][0])
+        assert rows["measured_pack_s"][0] == pytest.approx(p["measured_s"])
+        by_gpu[p["gpu"]] = by_gpu.get(p["gpu"], 0.0) + p["measured_s"]
+    assert summary["measured_makespan_s"] == pytest.approx(max(by_gpu.values()))
+    assert summary["predicted_over_measured"] == pytest.approx(
+        summary["predicted_makespan_s"] / summary["measured_makespan_s"]
+    )
+    assert record["summary"]["plan"][0]["measured_makespan_s"] == summary["measured_makespan_s"]
