@@ -149,3 +149,19 @@ def test_yaml_jobs_without_pyyaml_name_the_yaml_extra(monkeypatch, capsys, tmp_p
     assert rc == 1
     (line,) = _lines(capsys)
     assert line == "error: reading jobs.yaml (YAML) needs PyYAML: pip install 'loka-plora[yaml]'"
+
+
+def test_jobs_with_their_own_lengths_plan_from_a_csv(files, capsys):
+    rows = ["name,rank,alpha,lr,batch_size,steps,seq_len"]
+    rows += [f"s{n},8,16,0.0001,4,50,128" for n in range(2)] + ["l0,8,16,0.0001,2,50,"]
+    (files / "jobs.csv").write_text("\n".join(rows) + "\n")
+    out = files / "schedule.csv"
+    assert main(_lora(files, "--seq-len", "256", "--out", str(out), jobs="jobs.csv")) == 0
+    schedule = pl.read_csv(out).sort("job")
+    assert schedule["seq_len"].to_list() == [256, 128, 128]  # l0 takes --seq-len
+    assert schedule["job_tokens"].to_list() == [50 * 2 * 256, 50 * 4 * 128, 50 * 4 * 128]
+    capsys.readouterr()
+    (files / "long.csv").write_text(rows[0] + "\na,8,16,0.0001,4096,5,1048576\n")
+    assert main(_lora(files, jobs="long.csv")) == 1
+    (line,) = _lines(capsys)
+    assert "batch_size 4096 x seq_len 1048576" in line and "tokens per step" in line

@@ -88,9 +88,12 @@ def packed_train_step(
     packed.set_batch(owners, row_len)
     active = [i for i, _ in batches]
     try:
-        extra = {} if positions is None else {"position_ids": positions.to(device)}
-        logits = packed.model(input_ids=inputs.to(device), use_cache=False, **extra).logits
-        labels = labels.to(device)
+        # One copy to the device for inputs and labels (and positions when rows are shared).
+        staged = torch.stack([inputs, labels] + ([] if positions is None else [positions]))
+        on_device = staged.to(device, non_blocking=True)
+        inputs, labels = on_device[0], on_device[1]
+        extra = {} if positions is None else {"position_ids": on_device[2]}
+        logits = packed.model(input_ids=inputs, use_cache=False, **extra).logits
         token_loss = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="none"
         )  # 0 at the pads (label -100)
