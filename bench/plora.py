@@ -14,13 +14,13 @@ sizes 1-4, lr, alpha, 12-20 steps each); everything in one run:
 - makespan: 8 and 32 jobs trained to their step counts: packed (one pack: jobs leave it as
             they finish) against each job alone with peft, one after another, wall clock.
 - plan:     the schedule `loka lora-plan` makes for the 32 jobs (`plan_lora_jobs`: step
-            times fit on this run's packed step profiles, else profiled here; the analytic
-            memory model against this device's memory; --plan-gpus GPUs; --plan-lengths
-            gives the jobs different sequence lengths), then run: each pack trained to its
-            jobs' step counts (jobs leaving as they finish; one untimed warm-up step
-            first), GPU by GPU in the schedule's order on this one device, so a GPU's
-            measured time is the sum of its packs and the measured makespan the largest;
-            predicted beside measured, per pack and in all.
+            times fit on this run's packed step profiles, else profiled here; memory
+            calibrated on their peaks, against this device's memory; --plan-gpus GPUs;
+            --plan-lengths gives the jobs different sequence lengths), then run: each pack
+            trained to its jobs' step counts (jobs leaving as they finish; one untimed
+            warm-up step first), GPU by GPU in the schedule's order on this one device, so
+            a GPU's measured time is the sum of its packs and the measured makespan the
+            largest; predicted beside measured, per pack and in all.
 
     python bench/plora.py --smoke     # CPU, Triton interpreter, tiny model, < 1 min
     python bench/plora.py             # one H200, about 4 min
@@ -443,15 +443,29 @@ def plan_jobs(jobs: list[LoraJobConfig]) -> list[LoraJobConfig]:
     return [replace(j, seq_len=lengths[n % len(lengths)]) for n, j in enumerate(jobs)]
 
 
-def plan_throughput(model, steps: list[dict], jobs) -> ThroughputModel:
-    """Fit on this run's packed Triton step profiles, else profile a few packs here."""
+def plan_models(model, steps: list[dict], base_jobs, jobs) -> tuple[ThroughputModel, MemoryModel]:
+    """Step times fit on this run's packed Triton step profiles (packs of the first n of
+    `base_jobs`), else on a few packs profiled here; memory calibrated on their measured
+    peaks where there are some (a GPU), else the analytic estimate."""
+    memory = MemoryModel(ModelShape.from_hf_config(model.config), seq_len=SEQ)
     records = [r for r in steps if "error" not in r and r["kind"] == "packed"
                and r["backend"] == "triton"]  # fmt: skip
     if len(records) >= 2:
-        return ThroughputModel.fit(records, source=f"fit on this run's {len(records)} packed steps")
-    fitted, _, _ = profile_throughput(model, jobs, SEQ, config=PackedLoraConfig(backend="triton"),
-                                      max_jobs=8, steps=TIMED)  # fmt: skip
-    return fitted
+        throughput = ThroughputModel.fit(
+            records, source=f"fit on this run's {len(records)} packed steps"
+        )
+        packs = [base_jobs[: r["n_adapters"]] for r in records]
+        keep = [k for k, r in enumerate(records)
+                if r["tokens"] == sum(j.tokens_per_step(SEQ) for j in packs[k])]  # fmt: skip
+        records, packs = [records[k] for k in keep], [packs[k] for k in keep]
+    else:
+        throughput, profiles, packs = profile_throughput(
+            model, jobs, SEQ, config=PackedLoraConfig(backend="triton"), max_jobs=8, steps=TIMED
+        )
+        records = [p.to_dict() for p in profiles]
+    if any(r.get("peak_memory_bytes") for r in records):  # none on the CPU: stay analytic
+        memory = memory.calibrated(records, packs)
+    return throughput, memory
 
 
 def run_pack(model, jobs: list[LoraJobConfig], seed: int) -> dict:
@@ -487,9 +501,8 @@ def run_pack(model, jobs: list[LoraJobConfig], seed: int) -> dict:
 
 def bench_plan(model, jobs, steps: list[dict]) -> tuple[list[dict], list[dict]]:
     """Plan `jobs`, run every pack of the schedule; returns (rows, the schedule's rows)."""
-    jobs = plan_jobs(jobs)
-    throughput = plan_throughput(model, steps, jobs)
-    memory = MemoryModel(ModelShape.from_hf_config(model.config), seq_len=SEQ)
+    base_jobs, jobs = jobs, plan_jobs(jobs)
+    throughput, memory = plan_models(model, steps, base_jobs, jobs)
     if DEVICE.type == "cuda":
         gpu_memory = torch.cuda.get_device_properties(DEVICE).total_memory
     else:
