@@ -33,8 +33,11 @@ smoke test of the script itself; its times say nothing of GPU speed.
 
     python bench/realized.py --models dhen --modes compiled,eager
 Results: realized_<utc>.json under --out (default $OUT, else bench/results/): metadata,
-every row (model, mode, variant, step_ms, blocks, speedup_vs_bf16, ratio spread, and for LoKA
-predicted_speedup, ceiling, g, s, sites, passes, demoted), the plans' summaries.
+every row (model, preset, mode, dynamic, variant, step_ms or fwd_ms, blocks,
+speedup_vs_bf16, ratio spread, grad_ok, quality and quality_ok with --quality-steps,
+vs_anchor where a recorded anchor exists, and for LoKA predicted_speedup, ceiling, g, s,
+sites, passes, demoted), the plans' summaries. This is the project's end-to-end benchmark
+(it replaced bench/e2e.py, which ran variants one after another; its results stay recorded).
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ MODES = ("eager", "compiled", "cudagraphs")
 VARIANTS = ("bf16", "bf16-seed1", "bf16-seed2", "torchao-tensorwise-auto",
             "torchao-rowwise-auto", "loka")  # fmt: skip
 
+
+# The recorded bf16 steps this bench is held against (/work/shared/anchors/README.md: a
+# DHEN-style model like the zoo's DHEN large, compiled, B=16384, three seeds; H200):
+# (model, preset, mode) -> the band in ms. Rows of that model and mode get `vs_anchor`.
+ANCHORS = {("dhen", "large", "compiled"): (30.3, 32.6)}
 
 _T0 = time.monotonic()
 
@@ -260,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 try:
                     new = run_mode(args, name, mode, variants, tables, plans, left, dynamic)
-                    rows += [r | {"dynamic": dynamic} for r in new]
+                    rows += [r | {"dynamic": dynamic, "preset": args.preset} for r in new]
                 except Exception as exc:
                     rows.append({"model": name, "mode": mode, "dynamic": dynamic,
                                  "error": f"{type(exc).__name__}: {exc}",
@@ -271,6 +279,11 @@ def main(argv: list[str] | None = None) -> None:
                     torch.cuda.empty_cache()
                 torch._dynamo.reset()
 
+    for r in rows:
+        anchor = ANCHORS.get((r.get("model"), args.preset, r.get("mode")))
+        if anchor and r.get("step_ms"):
+            r["vs_anchor"] = (anchor[0] / r["step_ms"], anchor[1] / r["step_ms"])
+    meta["anchors_ms"] = {"/".join(k): v for k, v in ANCHORS.items()}
     path = out / f"realized_{meta['date_utc']}.json"
     write_json(path, {"meta": meta, "runs": rows, "plans": plans})
     print(f"\n== realized step speed ({args.preset}) ==")
