@@ -454,3 +454,39 @@ def test_pack_rows_and_the_runner_refuse_a_job_longer_than_the_data(tmp_path):
     with pytest.raises(ValueError, match=r"jobs \['b'\] have a seq_len above the runner's"):
         train_packs(tiny_llama(), jobs[1:], [["b", "c"]], None, tmp_path,
                     config=RunnerConfig(seq_len=4))  # fmt: skip
+
+
+def test_train_packs_and_profile_pack_run_each_job_at_its_own_length(tmp_path, monkeypatch):
+    from loka.plora import TokenBlocks, runner
+
+    shapes = []  # the [samples, length + 1] of every job's batch at every step
+    rows = runner._packed_rows
+
+    def spy(batches):
+        shapes.append({i: tuple(b.shape) for i, b in batches})
+        return rows(batches)
+
+    monkeypatch.setattr(runner, "_packed_rows", spy)
+
+    jobs = [
+        LoraJobConfig("long", rank=4, alpha=8, lr=1e-2, batch_size=1, steps=3),
+        LoraJobConfig("short", rank=2, alpha=4, lr=1e-2, batch_size=3, steps=2, seq_len=4, seed=1),
+        LoraJobConfig("by-tokens", rank=2, alpha=4, lr=1e-2, batch_size=2, tokens=40, seq_len=5),
+    ]
+    ids = torch.randint(0, VOCAB, (2000,), generator=torch.Generator().manual_seed(3)).tolist()
+    data = TokenBlocks.from_token_ids(ids, seq_len=SEQ)
+    config = RunnerConfig(seq_len=SEQ, dtype=torch.float32, device="cpu",
+                          packed=PackedLoraConfig(backend="loop"))  # fmt: skip
+    results = {r.name: r for r in train_packs(tiny_llama(), jobs, [[j.name for j in jobs]], data,
+                                              tmp_path, config=config)}  # fmt: skip
+    assert {n: r.status for n, r in results.items()} == dict.fromkeys(results, "done")
+    # tokens at the job's own length: 40 tokens of 2 x 5 per step are 4 steps
+    assert {n: (r.steps, r.tokens) for n, r in results.items()} == {
+        "long": (3, 3 * SEQ), "short": (2, 2 * 3 * 4), "by-tokens": (4, 4 * 2 * 5)}  # fmt: skip
+    assert all(math.isfinite(r.final_loss) for r in results.values())
+    assert shapes[0] == {0: (1, SEQ + 1), 1: (3, 5), 2: (2, 6)}
+    assert shapes[2:] == [{0: (1, SEQ + 1), 2: (2, 6)}, {2: (2, 6)}]  # jobs leave when done
+    profile = profile_pack(tiny_llama(), jobs[:2], SEQ, config=PackedLoraConfig(backend="loop"),
+                           steps=1, warmup=0)  # fmt: skip
+    # "short" puts 2 samples to a row of 8: 2 rows; the step processed 8 + 16 tokens.
+    assert (profile.tokens, profile.rank_tokens) == (8 + 16, 4 * 8 + 2 * 16)
