@@ -292,9 +292,8 @@ def improve(
             for pack, g in added:
                 trial[g] += problem.duration(pack)
             key = (max(trial), sum(trial))
-            if key[0] < current[0] - tol or (
-                key[0] <= current[0] + tol and key[1] < current[1] - tol
-            ):
+            # Shorter makespan, or the same (never longer by a rounding) and less GPU time.
+            if key[0] < current[0] - tol or (key[0] <= current[0] and key[1] < current[1] - tol):
                 found = (where, removed, added)
                 break
         if found is None:
