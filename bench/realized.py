@@ -288,13 +288,14 @@ def main(argv: list[str] | None = None) -> None:
     write_json(path, {"meta": meta, "runs": rows, "plans": plans})
     print(f"\n== realized step speed ({args.preset}) ==")
     print(f"{'model':<7} {'mode':<10} {'variant':<24} {'fp8':>4} {'ms':>8} {'x bf16':>7} "
-          f"{'ratio min..max':>15} {'pred':>6} {'quality':>8}")  # fmt: skip
+          f"{'ratio min..max':>15} {'pred':>6} {'pstep':>6} {'quality':>8}")  # fmt: skip
     for r in rows:
         if "step_ms" not in r and "fwd_ms" not in r:
             print(f"{r.get('model', ''):<7} {r.get('mode', ''):<10} {r.get('variant', ''):<24} "
                   f"{r.get('skipped') or r.get('error', '')[:80]}")  # fmt: skip
             continue
         pred = r.get("predicted_speedup")
+        pstep = "" if r.get("predicted_from_step") is None else f"{r['predicted_from_step']:.3f}"
         quality = (
             ""
             if "quality" not in r
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['model']:<7} {r['mode']:<10} {r['variant']:<24} {r.get('fp8_layers', ''):>4} "
               f"{r.get('step_ms', r.get('fwd_ms')):>8.2f} {r['speedup_vs_bf16']:>7.3f} "
               f"{r['ratio_min']:>7.3f}..{r['ratio_max']:<7.3f} "
-              f"{'' if pred is None else f'{pred:.3f}':>6} {quality:>8}")  # fmt: skip
+              f"{'' if pred is None else f'{pred:.3f}':>6} {pstep:>6} {quality:>8}")  # fmt: skip
     print(f"wrote {path} ({time.monotonic() - start:.0f} s)")
 
 
@@ -438,6 +439,10 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
         if variant in times and times[variant] and base:
             row |= {"step_ms": statistics.median(times[variant]), "blocks_ms": times[variant],
                     **block_stats(base, times[variant])}  # fmt: skip
+            if variant in loka_plans:
+                row["predicted_from_step"] = predicted_from_step(
+                    loka_plans[variant], row.get("demoted", {}), statistics.median(base)
+                )
         if "error" not in row and "skipped" not in row:
             row["steps_timed"] = v.get("steps", 0)
         rows.append(row)
@@ -469,6 +474,15 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
 
 
 QUALITY_SEEDS = {"bf16": 0, "bf16-seed1": 1, "bf16-seed2": 2}
+
+
+def predicted_from_step(plan, demoted, bf16_step_ms: float) -> float | None:
+    """The plan's speedup predicted from this run's bf16 step: step / (step - the kernel time
+    its FP8 sites, less the demoted, save), as verification predicts it."""
+    from loka.dispatch.verify import site_gains
+
+    saving = sum(ms for site, ms in site_gains(plan.table).items() if site not in demoted)
+    return bf16_step_ms / (bf16_step_ms - saving) if saving < bf16_step_ms else None
 
 
 def loka_options(variant: str) -> dict:

@@ -184,6 +184,27 @@ def test_predictions_of_subsets_split_the_saving_by_kernel_gain() -> None:
     assert verifier.predicted_for([]) == pytest.approx(1.0)
 
 
+def test_predictions_from_the_measured_bf16_step_use_the_kernel_time_saved() -> None:
+    # bf16 step 100 ms; the kernels of a save 10 ms (and it does), of b 2 ms (it costs 1%).
+    factors = {"a": 0.9, "b": 1.01}
+    verifier = run(FakeStep(factors), saving_ms={"a": 10.0, "b": 2.0}, gains={"a": 10.0, "b": 2.0},
+                   predicted=1.01)  # fmt: skip
+    result = verifier.result
+    assert verifier.predicted_for(["a"], 100.0) == pytest.approx(100 / 90)
+    assert verifier.predicted_for(["a", "b"], 100.0) == pytest.approx(100 / 88)
+    assert result.bf16_step_ms == pytest.approx(100.0)
+    # Round 0 (a and b: 1.100x measured against 1.136x predicted from the step) gains less
+    # than predicted: the search keeps a alone, which meets its step-based prediction.
+    assert result.rounds[0].predicted == pytest.approx(100 / 88)
+    assert "below the prediction" in result.rounds[0].verdict
+    assert result.kept == ["a"] and result.predicted_kept == pytest.approx(100 / 90)
+    # Without a saving per site the share-based prediction stands (1.01: met at once, and
+    # b stays in FP8 though it costs 1%).
+    share = run(FakeStep(factors), gains={"a": 10.0, "b": 2.0}, predicted=1.01).result
+    assert share.rounds[0].verdict == "not slower than bf16" and len(share.rounds) == 1
+    assert share.predicted == pytest.approx(1.01)
+
+
 def test_rounds_are_bounded_and_unmeasured_sites_say_so() -> None:
     fake = FakeStep({f"s{i}": 1.02 for i in range(8)})
     config = VerifyConfig(steps_per_block=4, drop=1, blocks=3, max_rounds=3)

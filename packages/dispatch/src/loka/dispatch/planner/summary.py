@@ -39,6 +39,10 @@ class PlanSummary:
     verified_sites: list[str] | None = None
     verify_demoted: dict[str, str] = field(default_factory=dict)
     verify_rounds: list[dict] = field(default_factory=list)
+    # The bf16 step verification measured (ms) and the prediction for the kept sites from
+    # it: step / (step - kernel time the kept sites save), no share measured elsewhere.
+    measured_bf16_step_ms: float | None = None
+    predicted_from_step: float | None = None
     # FP8 candidates refused only because their verdict was undecided, and about how many
     # sampled batches would decide them (`undecided_note`); None when there were none.
     undecided: str | None = None
@@ -87,6 +91,11 @@ class PlanSummary:
             f"; predicted {self.predicted_speedup:.3f}x"
             if self.predicted_speedup is not None else ""
         )  # fmt: skip
+        if self.predicted_from_step is not None:
+            predicted += (
+                f", {self.predicted_from_step:.3f}x for the kept sites from the measured bf16 "
+                f"step ({self.measured_bf16_step_ms:.2f} ms)"
+            )
         out = [
             f"end-to-end: measured on the real step {measured}{predicted} "
             f"({self.measured_steps} steps, {self.measured_method})"
