@@ -344,6 +344,8 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
         log(f"{name}/{mode}: {variant} plan {s.sites_fp8} sites / {s.passes_fp8} passes, "
             f"predicted {s.predicted_speedup}, ceiling {s.ceiling}")  # fmt: skip
 
+    if gpu:
+        check_memory(name, args.preset, variants)
     made: dict[str, dict] = {}
     for variant in variants:
         seed = {"bf16-seed1": 1, "bf16-seed2": 2}.get(variant, 0)
@@ -474,6 +476,29 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
 
 
 QUALITY_SEEDS = {"bf16": 0, "bf16-seed1": 1, "bf16-seed2": 2}
+
+
+def check_memory(name: str, preset: str, variants: list[str]) -> None:
+    """Refuse, in one line, a run whose variants cannot all be held on the GPU at once (the
+    interleaved blocks need every model and optimizer resident; one step's activations at a
+    time): `zoo.estimate_step`'s state and FP8 bytes per variant, its activations once.
+    InterFormer xl with six variants (estimate 6 x 25 GB + 27 GB) ran out of an H200."""
+    import torch
+
+    import loka.zoo as zoo
+
+    est = zoo.estimate_step(name, preset)
+    need = len(variants) * (est.state_bytes + est.fp8_bytes)
+    need += est.activation_bytes + est.transient_bytes
+    free, _ = torch.cuda.mem_get_info()
+    if need > 0.95 * free:
+        per = (est.state_bytes + est.fp8_bytes) / 1e9
+        fit = max(0, int((0.95 * free - est.activation_bytes - est.transient_bytes) / 1e9 / per))
+        raise MemoryError(
+            f"{name} {preset}: {len(variants)} variants need about {need / 1e9:.0f} GB held at "
+            f"once ({per:.0f} GB each, estimated), {free / 1e9:.0f} GB free: run at most {fit} "
+            "per call (--variants)"
+        )
 
 
 def predicted_from_step(plan, demoted, bf16_step_ms: float) -> float | None:

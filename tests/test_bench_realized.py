@@ -116,3 +116,13 @@ def test_loka_variants_name_their_plan_options():
         realized.loka_options("loka+quick")
     with pytest.raises(ValueError, match="not a LoKA variant"):
         realized.loka_options("lokax")
+
+
+def test_variants_that_cannot_all_be_held_on_the_gpu_are_refused_in_one_line(monkeypatch):
+    # Wukong xl: about 14 GB of weights and optimizer state per variant, 14 GB of activations.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60e9, 141e9))
+    with pytest.raises(
+        MemoryError, match=r"wukong xl: 6 variants need about \d+ GB .*run at most 3"
+    ):
+        realized.check_memory("wukong", "xl", ["v"] * 6)
+    realized.check_memory("wukong", "xl", ["v"] * 3)  # fits: no error
