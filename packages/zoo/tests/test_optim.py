@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import loka.zoo as zoo
+from loka.zoo import rowwise_adagrad
 from loka.zoo.layers import global_rows
 from loka.zoo.optim import (
     DENSE_EMBEDDINGS,
@@ -22,10 +23,19 @@ from loka.zoo.optim import (
     HybridOptimizer,
     OptimizerConfig,
     RowWiseAdagrad,
+    coalesce_rows,
     embedding_update,
+    lookup_rows,
     make_optimizer,
 )
-from loka.zoo.rowwise_adagrad import rowwise_adagrad_reference_, rowwise_adagrad_triton_
+from loka.zoo.rowwise_adagrad import (
+    CHUNK,
+    dedupe_rows,
+    rowwise_adagrad_reference_,
+    rowwise_adagrad_sparse_reference_,
+    rowwise_adagrad_sparse_triton_,
+    rowwise_adagrad_triton_,
+)
 
 LR, EPS = 0.1, 1e-8
 
@@ -49,10 +59,11 @@ def _sparse_grad(lookups, shape):
         return torch.sparse_coo_tensor(rows, values, shape)
 
 
-def test_update_matches_a_hand_written_reference_over_steps() -> None:
+@pytest.mark.parametrize("dedupe", ["sort", "coalesce"])
+def test_update_matches_a_hand_written_reference_over_steps(dedupe: str) -> None:
     g = torch.Generator().manual_seed(0)
     table = nn.Parameter(torch.randn(10, 4, generator=g))
-    optimizer = RowWiseAdagrad([table], lr=LR, eps=EPS)
+    optimizer = RowWiseAdagrad([table], lr=LR, eps=EPS, dedupe=dedupe)
     weight, state = table.detach().clone(), torch.zeros(10)
     for rows in ([1, 4, 4, 7], [4, 2], [9, 1, 1, 1]):
         lookups = [(row, torch.randn(4, generator=g)) for row in rows]
@@ -96,6 +107,10 @@ def test_rejects_dense_gradients_and_bad_settings() -> None:
         RowWiseAdagrad([nn.Parameter(torch.zeros(4))])
     with pytest.raises(ValueError, match="embedding_lr"):
         OptimizerConfig(embedding_lr=-1.0)
+    with pytest.raises(ValueError, match="dedupe"):
+        RowWiseAdagrad([table], dedupe="hash")
+    with pytest.raises(ValueError, match="embedding_dedupe"):
+        OptimizerConfig(embedding_dedupe="hash")
 
 
 def test_make_optimizer_splits_tables_from_dense_parameters() -> None:
@@ -214,17 +229,146 @@ def test_triton_kernel_matches_the_reference(dim: int, dtype: torch.dtype) -> No
     assert torch.equal(weight[untouched], want_weight[untouched])
 
 
+def _lookups(g, rows, dim, *, hot=(), hot_count=0):
+    """Lookups `[N]` over `rows` table rows (random, plus `hot_count` lookups of each `hot`
+    row, shuffled) and their gradients `[N, dim]`."""
+    ids = torch.cat([torch.randint(0, rows, (rows,), generator=g), *(
+        torch.full((hot_count,), row) for row in hot
+    )])  # fmt: skip
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    return ids, torch.randn(ids.numel(), dim, generator=g)
+
+
+def test_sorted_dedupe_matches_coalesce_over_several_tables_and_steps() -> None:
+    """The default path (no coalesce) against the first one (coalesce, then the distinct
+    rows) and the hand-written reference: several tables, duplicates, empty gradients."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(12, 4), (30, 7), (5, 3)]
+    starts = [torch.randn(shape, generator=g) for shape in shapes]
+    tables = {d: [nn.Parameter(w.clone()) for w in starts] for d in ("sort", "coalesce")}
+    optimizers = {d: RowWiseAdagrad(tables[d], lr=LR, eps=EPS, dedupe=d) for d in tables}
+    want = [(w.clone(), torch.zeros(w.size(0))) for w in starts]
+    for step in range(4):
+        grads = []
+        for i, (rows, dim) in enumerate(shapes):
+            count = 0 if (step + i) % 3 == 0 else 3 * rows  # an empty gradient now and then
+            ids = torch.randint(0, rows, (count,), generator=g)
+            ids[: count // 2] = step % rows  # a hot row
+            grads.append((ids, torch.randn(count, dim, generator=g)))
+        for dedupe, params in tables.items():
+            for table, (ids, values) in zip(params, grads, strict=True):
+                table.grad = torch.sparse_coo_tensor(ids[None], values, table.shape)
+                assert dedupe == "coalesce" or len(ids) == 0 or not table.grad.is_coalesced()
+            optimizers[dedupe].step()
+        for i, (ids, values) in enumerate(grads):
+            want[i] = _reference(*want[i], list(zip(ids.tolist(), values, strict=True)))
+    for i, (weight, state) in enumerate(want):
+        for dedupe in tables:
+            torch.testing.assert_close(tables[dedupe][i].detach(), weight)
+            torch.testing.assert_close(optimizers[dedupe].state[tables[dedupe][i]]["sum"], state)
+
+
+def test_dedupe_rows_sums_like_coalesce() -> None:
+    g = torch.Generator().manual_seed(4)
+    ids, values = _lookups(g, 50, 6, hot=(7, 0), hot_count=40)
+    rows, summed = dedupe_rows(ids, values)
+    want_rows, want_summed = coalesce_rows(torch.sparse_coo_tensor(ids[None], values, (50, 6)))
+    assert torch.equal(rows, want_rows)
+    torch.testing.assert_close(summed, want_summed)
+    empty_rows, empty_summed = dedupe_rows(ids[:0], values[:0])
+    assert empty_rows.numel() == 0 and empty_summed.shape == (0, 6)
+
+
+@pytest.mark.parametrize(
+    ("rows", "dim", "dtype", "hot_count"),
+    [
+        (40, 5, torch.float32, 0),  # few duplicates
+        (3, 4, torch.float32, 3 * CHUNK + 5),  # rows spanning chunks
+        (20, 128, torch.float32, CHUNK),
+        (10, 48, torch.bfloat16, 7),
+        (6, 2, torch.float32, 5 * CHUNK + 3),  # more chunk partials than HEADS (2 here)
+    ],
+)
+def test_triton_segment_update_matches_the_references(
+    rows, dim, dtype, hot_count, monkeypatch
+) -> None:
+    """The sort + segment-sum kernels (no coalesce) against the pure-torch path and against
+    coalescing first: the same table and accumulator, untouched rows bit-identical, and the
+    same result on a second run (fixed order of sums)."""
+    pytest.importorskip("triton")
+    if hot_count > 3 * CHUNK + 5:  # a row's partials read HEADS at a time, several times
+        monkeypatch.setattr(rowwise_adagrad, "HEADS", 2)
+    g = torch.Generator().manual_seed(rows * dim + hot_count)
+    weight = torch.randn(rows, dim, generator=g).to(dtype)
+    state = torch.rand(rows, generator=g)
+    ids, values = _lookups(g, rows, dim, hot=(rows - 1, 0), hot_count=hot_count)
+    ids = ids[ids != 1]  # a row never looked up
+    values = values[: ids.numel()]
+    results = []
+    for update in ("triton", "triton", "reference", "coalesce"):
+        w, s = weight.clone(), state.clone()
+        if update == "triton":
+            rowwise_adagrad_sparse_triton_(w, s, ids, values, lr=LR, eps=EPS)
+        elif update == "reference":
+            rowwise_adagrad_sparse_reference_(w, s, ids, values, lr=LR, eps=EPS)
+        else:
+            distinct, summed = coalesce_rows(torch.sparse_coo_tensor(ids[None], values, w.shape))
+            rowwise_adagrad_reference_(w, s, distinct, summed, lr=LR, eps=EPS)
+        results.append((w, s))
+    (w, s), again, *references = results
+    assert torch.equal(w, again[0]) and torch.equal(s, again[1])
+    for want_w, want_s in references:  # the same sums, in another order
+        torch.testing.assert_close(s, want_s, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w, want_w)
+    assert torch.equal(w[1], weight[1]) and s[1] == state[1]
+
+
+def test_triton_segment_update_of_a_model_gradient_and_of_nothing() -> None:
+    """A real EmbeddingBag gradient (uncoalesced, padding left out) through the kernels,
+    against coalescing it first; an empty gradient changes nothing."""
+    pytest.importorskip("triton")
+    setup = zoo.create("dlrm", sparse_embeddings=True, batch_size=16)
+    setup.loss(setup.model, next(setup.train_batches())).backward()
+    table = setup.model.inputs.embeddings.bags.weight
+    assert not table.grad.is_coalesced()
+    ids, values = lookup_rows(table.grad)
+    assert ids.numel() > ids.unique().numel()  # duplicates
+    state = torch.rand(table.size(0))
+    got_w, got_s = table.detach().clone(), state.clone()
+    rowwise_adagrad_sparse_triton_(got_w, got_s, ids, values, lr=LR, eps=EPS)
+    want_w, want_s = table.detach().clone(), state.clone()
+    rowwise_adagrad_reference_(want_w, want_s, *coalesce_rows(table.grad), lr=LR, eps=EPS)
+    torch.testing.assert_close(got_s, want_s)
+    torch.testing.assert_close(got_w, want_w)
+    before = got_w.clone(), got_s.clone()
+    rowwise_adagrad_sparse_triton_(got_w, got_s, ids[:0], values[:0], lr=LR, eps=EPS)
+    assert torch.equal(got_w, before[0]) and torch.equal(got_s, before[1])
+    with pytest.raises(ValueError, match="one gradient row per lookup"):
+        rowwise_adagrad_sparse_triton_(got_w, got_s, ids, values[:, :2], lr=LR, eps=EPS)
+
+
 _COMPILE_FOR_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from loka.zoo.rowwise_adagrad import _kernel
+from loka.zoo.rowwise_adagrad import _kernel, _segment_kernels
+target, options = GPUTarget("cuda", 90, 32), {"num_warps": 4}
 for table in ("*fp32", "*bf16"):
     signature = dict(weight_ptr=table, state_ptr="*fp32", rows_ptr="*i64", grads_ptr="*fp32",
                      dim="i32", weight_stride="i64", grad_stride="i64", lr="fp32", eps="fp32",
                      BLOCK="constexpr")
     source = ASTSource(_kernel(), signature, {"BLOCK": 256})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    triton.compile(source, target=target, options=options)
+    partials, update = _segment_kernels()
+    signature = dict(sorted_ptr="*i32", order_ptr="*i64", values_ptr=table, partial_ptr="*fp32",
+                     n="i64", dim="i32", value_stride="i64", CHUNK="constexpr", BLOCK="constexpr")
+    triton.compile(ASTSource(partials, signature, {"CHUNK": 32, "BLOCK": 128}), target=target,
+                   options={"num_warps": 1})
+    signature = dict(weight_ptr=table, state_ptr="*fp32", sorted_ptr="*i32", ends_ptr="*i64",
+                     partial_ptr="*fp32", n="i64", dim="i32", weight_stride="i64", lr="fp32",
+                     eps="fp32", CHUNK="constexpr", HEADS="constexpr", BLOCK="constexpr")
+    triton.compile(ASTSource(update, signature, {"CHUNK": 32, "HEADS": 32, "BLOCK": 128}),
+                   target=target, options=options)
     print("OK", table)
 """
 

@@ -317,8 +317,8 @@ def _embedding_costs(
         looked_up = lookups[id(module)] * dim * 4  # fp32 rows
         moved += 2 * looked_up  # gather, and write the (pooled) output at most as much
         if sparse:
-            # Row gradients written, sorted and summed (coalesce), then read by the update,
-            # which reads and writes the rows and their accumulators.
+            # Row gradients written, gathered in sorted order and summed per row (partials
+            # written and read), then the update reads and writes the rows and accumulators.
             moved += 6 * looked_up
             transient += 2 * looked_up
         else:

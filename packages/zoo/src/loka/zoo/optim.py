@@ -6,12 +6,15 @@ fused table-batched embeddings).
 Row-wise Adagrad keeps one accumulator per table row: `state[r] += mean(g_r ** 2)` over the
 row's D values, then `w_r -= lr * g_r / (sqrt(state[r]) + eps)`. Only the rows a batch
 looked up change; a row looked up several times in a batch is updated once, with the sum of
-its gradients (duplicates are coalesced first). The optimizer state is thus 4 bytes per
+its gradients (duplicates summed first, as a coalesced gradient would give, but without
+`coalesce()`: see `loka.zoo.rowwise_adagrad`). The optimizer state is thus 4 bytes per
 row instead of AdamW's 8 bytes per value, and no step touches the rest of the table.
 
 The update runs in `step()`, outside any compiled region: `torch.compile(model)` still
 compiles the whole forward and backward (embedding bags with `sparse=True` included). On
-CUDA it is one Triton kernel (`loka.zoo.rowwise_adagrad`), elsewhere a few torch ops.
+CUDA it is a sort of the lookups and two Triton kernels (`loka.zoo.rowwise_adagrad`; no
+host sync), elsewhere a few torch ops. `dedupe="coalesce"` keeps the first version
+(`grad.coalesce()`, then one kernel over the distinct rows) for comparison.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from loka.zoo.rowwise_adagrad import rowwise_adagrad_
+from loka.zoo.rowwise_adagrad import rowwise_adagrad_, rowwise_adagrad_sparse_
 
 DENSE_EMBEDDINGS = "dense-adamw"
 SPARSE_EMBEDDINGS = "sparse-rowwise-adagrad"
+# How RowWiseAdagrad sums a row's duplicate lookups: "sort" (sort the lookups, segment-sum
+# them in the update's kernels) or "coalesce" (`grad.coalesce()` first, the first version).
+DEDUPES = ("sort", "coalesce")
 
 
 class OptimizerLike(Protocol):
@@ -40,14 +46,16 @@ class OptimizerLike(Protocol):
 @dataclass(frozen=True)
 class OptimizerConfig:
     """`lr`, `weight_decay`: AdamW on the dense parameters (the tables too on the dense
-    path); `embedding_lr`, `embedding_eps`: row-wise Adagrad on sparse tables; `fused`: the
-    fused AdamW kernel (None: on CUDA, where it is several times faster than foreach)."""
+    path); `embedding_lr`, `embedding_eps`, `embedding_dedupe` (one of `DEDUPES`): row-wise
+    Adagrad on sparse tables; `fused`: the fused AdamW kernel (None: on CUDA, where it is
+    several times faster than foreach)."""
 
     lr: float = 1e-3
     weight_decay: float = 0.01
     embedding_lr: float = 0.05
     embedding_eps: float = 1e-8
     fused: bool | None = None
+    embedding_dedupe: str = "sort"
 
     def __post_init__(self) -> None:
         for name in ("lr", "embedding_lr", "embedding_eps"):
@@ -55,6 +63,10 @@ class OptimizerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be non-negative, got {self.weight_decay}")
+        if self.embedding_dedupe not in DEDUPES:
+            raise ValueError(
+                f"embedding_dedupe must be one of {DEDUPES}, got {self.embedding_dedupe!r}"
+            )
 
 
 def sparse_embedding_weights(model: nn.Module) -> list[nn.Parameter]:
@@ -72,15 +84,26 @@ def embedding_update(model: nn.Module) -> str:
     return SPARSE_EMBEDDINGS if sparse_embedding_weights(model) else DENSE_EMBEDDINGS
 
 
-def coalesce_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(rows [U], summed gradients [U, D])` of a sparse table gradient; duplicates summed."""
+def _check_sparse(grad: torch.Tensor) -> None:
     if not grad.is_sparse:
         raise ValueError(
             "row-wise Adagrad needs sparse table gradients: build the model with "
             "sparse_embeddings=True (nn.Embedding/nn.EmbeddingBag with sparse=True)"
         )
+
+
+def coalesce_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rows [U], summed gradients [U, D])` of a sparse table gradient; duplicates summed."""
+    _check_sparse(grad)
     grad = grad.coalesce()
     return grad.indices()[0], grad.values()
+
+
+def lookup_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rows [N], gradients [N, D])` of a sparse table gradient as it is: one entry per
+    lookup, duplicates not summed (no `coalesce()`)."""
+    _check_sparse(grad)
+    return grad._indices()[0], grad._values()
 
 
 def _evaluate(closure: Callable[[], Any] | None) -> Any:
@@ -93,7 +116,12 @@ def _evaluate(closure: Callable[[], Any] | None) -> Any:
 
 class RowWiseAdagrad(torch.optim.Optimizer):
     """Row-wise Adagrad for embedding tables with sparse gradients: one float32 accumulator
-    per row, only looked-up rows change, duplicate lookups coalesced."""
+    per row, only looked-up rows change, a row's duplicate lookups summed first.
+
+    `dedupe="sort"` (the default) takes the gradient uncoalesced and sums duplicates in the
+    update (`rowwise_adagrad_sparse_`); `"coalesce"` calls `grad.coalesce()` first and
+    updates the distinct rows (`rowwise_adagrad_`). Both give the same update up to the
+    order of float32 sums."""
 
     def __init__(
         self,
@@ -101,13 +129,18 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         lr: float = 0.05,
         eps: float = 1e-8,
         initial_accumulator_value: float = 0.0,
+        dedupe: str = "sort",
     ) -> None:
         if not lr > 0 or not eps > 0 or initial_accumulator_value < 0:
             raise ValueError(
                 f"need lr > 0, eps > 0, initial_accumulator_value >= 0; got {lr}, {eps}, "
                 f"{initial_accumulator_value}"
             )
-        defaults = dict(lr=lr, eps=eps, initial_accumulator_value=initial_accumulator_value)
+        if dedupe not in DEDUPES:
+            raise ValueError(f"dedupe must be one of {DEDUPES}, got {dedupe!r}")
+        defaults = dict(
+            lr=lr, eps=eps, initial_accumulator_value=initial_accumulator_value, dedupe=dedupe
+        )
         super().__init__(params, defaults)
         for group in self.param_groups:
             for weight in group["params"]:
@@ -129,10 +162,15 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                         (weight.size(0),), float(group["initial_accumulator_value"]),
                         dtype=torch.float32, device=weight.device,
                     )  # fmt: skip
-                rows, grads = coalesce_rows(weight.grad)
-                rowwise_adagrad_(
-                    weight, state["sum"], rows, grads, lr=group["lr"], eps=group["eps"]
-                )
+                lr, eps = group["lr"], group["eps"]
+                _check_sparse(weight.grad)
+                # A coalesced gradient (e.g. one set by hand) has its rows distinct already.
+                if group.get("dedupe", "sort") == "coalesce" or weight.grad.is_coalesced():
+                    rows, grads = coalesce_rows(weight.grad)
+                    rowwise_adagrad_(weight, state["sum"], rows, grads, lr=lr, eps=eps)
+                else:
+                    rows, grads = lookup_rows(weight.grad)
+                    rowwise_adagrad_sparse_(weight, state["sum"], rows, grads, lr=lr, eps=eps)
         return loss
 
 
@@ -190,5 +228,11 @@ def make_optimizer(
     if not tables:
         return adamw
     return HybridOptimizer(
-        adamw, RowWiseAdagrad(tables, lr=config.embedding_lr, eps=config.embedding_eps)
+        adamw,
+        RowWiseAdagrad(
+            tables,
+            lr=config.embedding_lr,
+            eps=config.embedding_eps,
+            dedupe=config.embedding_dedupe,
+        ),
     )

@@ -7,6 +7,17 @@ in one pass, a program per row (read the gradient, read and write the accumulato
 row); the reference takes a handful of torch kernels. `rowwise_adagrad_` picks the kernel for
 CUDA tensors when Triton is installed, the reference otherwise.
 
+The sparse gradient of a table holds one row per lookup, duplicates included (an uncoalesced
+COO tensor). `rowwise_adagrad_sparse_` takes it as it is, without `coalesce()`: on CUDA the
+lookups are sorted once by row (`torch.sort`, a radix sort) and two Triton kernels do the rest
+with no host sync: `segment_partials` sums each run of equal rows within fixed chunks of the
+sorted lookups (CHUNK of them, in order), and `segment_rowwise_adagrad` gives each distinct
+row one program that adds its chunk partials (a hot row looked up 20k times reads ~650 of
+them, HEADS at a time) and applies the update. Every chunk's work is bounded, so a hot row
+costs no long serial loop (coalesce's value kernel sums a row's duplicates in one warp, one
+after the other), and the order of the sums is fixed: the result is deterministic. Elsewhere
+the pure-torch `dedupe_rows` (`torch.unique` with inverse, `index_add_`) feeds the reference.
+
 Triton decides between compiling and interpreting when a kernel is defined, so the kernel
 is defined at its first launch: with TRITON_INTERPRET=1 set before that, it runs on the CPU
 in Triton's interpreter (the tests do this).
@@ -67,6 +78,15 @@ def _kernel() -> Any:
     return rowwise_adagrad_kernel
 
 
+def _check_table(weight: torch.Tensor, state: torch.Tensor) -> None:
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(
+            f"weight must be a 2-D table with contiguous rows, got {tuple(weight.shape)}"
+        )
+    if state.dtype != torch.float32 or not state.is_contiguous() or state.shape != weight.shape[:1]:
+        raise ValueError("state must be a contiguous float32 vector, one value per table row")
+
+
 def rowwise_adagrad_triton_(
     weight: torch.Tensor,
     state: torch.Tensor,
@@ -77,12 +97,7 @@ def rowwise_adagrad_triton_(
     eps: float,
 ) -> None:
     """The reference's update in one Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
-    if weight.dim() != 2 or weight.stride(1) != 1:
-        raise ValueError(
-            f"weight must be a 2-D table with contiguous rows, got {tuple(weight.shape)}"
-        )
-    if state.dtype != torch.float32 or not state.is_contiguous() or state.shape != weight.shape[:1]:
-        raise ValueError("state must be a contiguous float32 vector, one value per table row")
+    _check_table(weight, state)
     if rows.numel() == 0:
         return
     grads = grads.contiguous()
@@ -112,3 +127,163 @@ def rowwise_adagrad_(
         rowwise_adagrad_triton_(weight, state, rows, grads, lr=lr, eps=eps)
     else:
         rowwise_adagrad_reference_(weight, state, rows, grads, lr=lr, eps=eps)
+
+
+# Sorted lookups per chunk of the partial-sum kernel, and chunk partials a row's program
+# adds at a time.
+CHUNK = 32
+HEADS = 32
+
+
+def dedupe_rows(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(distinct rows [U], their summed gradients [U, D] in float32)` of the lookups
+    `rows [N]` with gradients `values [N, D]`, duplicates summed: what `coalesce()` gives,
+    by `torch.unique` and `index_add_` (pure torch; the rows come out sorted)."""
+    distinct, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    summed = torch.zeros(
+        distinct.numel(), values.size(1), dtype=torch.float32, device=values.device
+    )
+    return distinct, summed.index_add_(0, inverse, values.float())
+
+
+def rowwise_adagrad_sparse_reference_(
+    weight: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    lr: float,
+    eps: float,
+) -> None:
+    """Row-wise Adagrad from lookups `rows [N]` (duplicates allowed) and their gradients
+    `values [N, D]`: duplicates summed first (`dedupe_rows`), then the reference update."""
+    if rows.numel() == 0:
+        return
+    distinct, summed = dedupe_rows(rows, values)
+    rowwise_adagrad_reference_(weight, state, distinct, summed, lr=lr, eps=eps)
+
+
+@functools.cache
+def _segment_kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def segment_partials_kernel(
+        sorted_ptr, order_ptr, values_ptr, partial_ptr, n, dim, value_stride,
+        CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # Sum each run of equal rows inside this chunk of the sorted lookups, in order; a
+        # run's sum goes to the partial slot of its first lookup in the chunk. Unrolled: the
+        # CHUNK gathers of gradient rows do not wait on one another.
+        first = tl.program_id(0).to(tl.int64) * CHUNK
+        cols = tl.arange(0, BLOCK)
+        inside = cols < dim
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        head = first
+        for k in tl.static_range(CHUNK):
+            j = first + k
+            valid = j < n
+            src = tl.load(order_ptr + j, mask=valid, other=0)
+            v = tl.load(values_ptr + src * value_stride + cols, mask=inside & valid, other=0.0)
+            acc += v.to(tl.float32)
+            row = tl.load(sorted_ptr + j, mask=valid, other=-2)
+            following = tl.load(sorted_ptr + j + 1, mask=(j + 1 < n) & (k + 1 < CHUNK), other=-1)
+            ends = valid & (following != row)
+            tl.store(partial_ptr + head * dim + cols, acc, mask=inside & ends)
+            acc = tl.where(ends, 0.0, acc)
+            head = tl.where(ends, j + 1, head)
+
+    @triton.jit
+    def segment_rowwise_adagrad_kernel(
+        weight_ptr, state_ptr, sorted_ptr, ends_ptr, partial_ptr, n, dim, weight_stride, lr,
+        eps, CHUNK: tl.constexpr, HEADS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # A program per sorted lookup; the first lookup of each row does the row's update.
+        i = tl.program_id(0).to(tl.int64)
+        row = tl.load(sorted_ptr + i).to(tl.int64)
+        before = tl.load(sorted_ptr + i - 1, mask=i > 0, other=-1).to(tl.int64)
+        if row != before:
+            cols = tl.arange(0, BLOCK)
+            inside = cols < dim
+            # The row's first chunk partial, then the one at the start of each later chunk
+            # its lookups reach.
+            g = tl.load(partial_ptr + i * dim + cols, mask=inside, other=0.0)
+            last_chunk = (tl.load(ends_ptr + i) - 1) // CHUNK
+            # (A while loop: its trip count is data, which Triton's interpreter cannot
+            # take as a range bound.)
+            c = i // CHUNK + 1
+            while c <= last_chunk:
+                chunks = c + tl.arange(0, HEADS).to(tl.int64)
+                tile = tl.load(
+                    partial_ptr + (chunks * CHUNK * dim)[:, None] + cols[None, :],
+                    mask=(chunks <= last_chunk)[:, None] & inside[None, :], other=0.0,
+                )  # fmt: skip
+                g += tl.sum(tile, axis=0)
+                c += HEADS
+            accumulated = tl.load(state_ptr + row) + tl.sum(g * g, axis=0) / dim
+            tl.store(state_ptr + row, accumulated)
+            row_ptrs = weight_ptr + row * weight_stride + cols
+            w = tl.load(row_ptrs, mask=inside).to(tl.float32)
+            w = w - g * (lr / (tl.sqrt(accumulated) + eps))
+            tl.store(row_ptrs, w.to(weight_ptr.dtype.element_ty), mask=inside)
+
+    return segment_partials_kernel, segment_rowwise_adagrad_kernel
+
+
+def rowwise_adagrad_sparse_triton_(
+    weight: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    lr: float,
+    eps: float,
+) -> None:
+    """The sparse reference's update without `coalesce()` and without a host sync: sort the
+    lookups once, sum runs of equal rows in chunks, one program per distinct row adds its
+    chunk partials and updates the row (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    _check_table(weight, state)
+    n = rows.numel()
+    if n == 0:
+        return
+    if values.shape != (n, weight.size(1)):
+        raise ValueError(
+            f"values must be [{n}, {weight.size(1)}] (one gradient row per lookup), "
+            f"got {tuple(values.shape)}"
+        )
+    # int32 keys sort in half the radix passes of int64 ones.
+    keys = rows.to(torch.int32) if weight.size(0) < 2**31 else rows
+    sorted_rows, order = torch.sort(keys, stable=True)
+    ends = torch.searchsorted(sorted_rows, sorted_rows, right=True)
+    values = values.contiguous()
+    dim = weight.size(1)
+    partials = torch.empty(n, dim, dtype=torch.float32, device=values.device)
+    block = 1 << (dim - 1).bit_length()
+    partials_kernel, update_kernel = _segment_kernels()
+    # A gathered row per step: one warp reads 128 values 16 bytes a thread.
+    partials_kernel[(-(-n // CHUNK),)](
+        sorted_rows, order, values, partials, n, dim, values.stride(0),
+        CHUNK=CHUNK, BLOCK=block, num_warps=max(1, min(8, block // 128)),
+    )  # fmt: skip
+    update_kernel[(n,)](
+        weight, state, sorted_rows, ends, partials, n, dim, weight.stride(0), float(lr),
+        float(eps), CHUNK=CHUNK, HEADS=HEADS, BLOCK=block, num_warps=4 if block <= 1024 else 8,
+    )  # fmt: skip
+
+
+def rowwise_adagrad_sparse_(
+    weight: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    lr: float,
+    eps: float,
+) -> None:
+    """Row-wise Adagrad from uncoalesced lookups (`rows [N]` with duplicates, `values
+    [N, D]`): the Triton kernels on CUDA when Triton is installed, else the reference."""
+    if weight.is_cuda and triton_available():
+        rowwise_adagrad_sparse_triton_(weight, state, rows, values, lr=lr, eps=eps)
+    else:
+        rowwise_adagrad_sparse_reference_(weight, state, rows, values, lr=lr, eps=eps)
