@@ -10,7 +10,8 @@ B=16384: ~530k lookups of ~47k distinct rows, the hottest row ~20k times). Each 
 - coalesce:   `grad.coalesce()` (sort + coalesceValuesKernel), then one Triton program per row;
 - sort:       the default: sort the lookups, segment-sum them in chunks and update each row in
               two Triton kernels (CUDA); on the CPU the pure-torch path below;
-- sort-torch: `torch.unique(return_inverse)` + `index_add_` + the torch update (CUDA only).
+- sort-torch: `torch.unique(return_inverse)` + `index_add_` + the torch update (CUDA only);
+- sort[...]:  the sort path with other tuning constants (`--variants`; CUDA only).
 Each is checked against coalesce on the rows the batch touched (weights and accumulators from
 the same start) before it is timed: the median device time of a step (do_bench on CUDA) and
 its host time (the call returning, no sync: a step that syncs waits for the GPU there). The
@@ -26,14 +27,18 @@ Results in --out (default $OUT, else bench/results/): sparse_update_<mode>_<utc>
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from harness import Budget, metadata, parser, stamp, time_ms, write_json
 
 METHODS = ("coalesce", "sort", "sort-torch")
+# The sort path's tuning constants in loka.zoo.rowwise_adagrad that --variants may set.
+TUNABLE = ("CHUNK", "HEADS", "UPDATE_ROWS")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +49,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="lookups of (the preset's)")
     p.add_argument("--device", default=None, help="cuda when there is one, else cpu")
     p.add_argument("--reps", type=int, default=5, help="host-time repetitions per method")
+    p.add_argument("--variants", default="UPDATE_ROWS=4;UPDATE_ROWS=16;CHUNK=64;HEADS=8",
+                   help=f"sort-path tunings to time too (CUDA), ';' between variants, ',' "
+                   f"between settings of {TUNABLE}; '' for none")  # fmt: skip
     return p.parse_args(argv)
+
+
+def parse_variants(text: str) -> list[dict[str, int]]:
+    """`"UPDATE_ROWS=4;CHUNK=64,HEADS=8"` -> `[{"UPDATE_ROWS": 4}, {"CHUNK": 64, "HEADS": 8}]`."""
+    variants = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        settings = {}
+        for item in part.split(","):
+            name, _, value = item.partition("=")
+            name = name.strip().upper()
+            if name not in TUNABLE or not value.strip().isdigit() or int(value) < 1:
+                raise ValueError(f"a variant sets {TUNABLE} to positive integers, got {item!r}")
+            settings[name] = int(value)
+        variants.append(settings)
+    return variants
+
+
+def variant_name(settings: dict[str, int]) -> str:
+    return "sort[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]"
+
+
+@contextlib.contextmanager
+def tuned(settings: dict[str, int]) -> Iterator[None]:
+    """The sort path's launches with `settings` in place of its constants, then restored."""
+    from loka.zoo import rowwise_adagrad
+
+    saved = {name: getattr(rowwise_adagrad, name) for name in settings}
+    try:
+        for name, value in settings.items():
+            setattr(rowwise_adagrad, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(rowwise_adagrad, name, value)
 
 
 def lookup_stats(rows: Any) -> dict[str, int]:
@@ -69,6 +111,15 @@ def make_step(method: str, weight: Any) -> Any:
     if method in ("coalesce", "sort"):
         optimizer = RowWiseAdagrad([weight], dedupe=method)
         return optimizer.step, lambda: optimizer.state[weight]["sum"]
+    if method.startswith("sort[") and method.endswith("]"):
+        settings = parse_variants(method[5:-1])[0]
+        optimizer = RowWiseAdagrad([weight], dedupe="sort")
+
+        def tuned_step() -> None:
+            with tuned(settings):
+                optimizer.step()
+
+        return tuned_step, lambda: optimizer.state[weight]["sum"]
     if method != "sort-torch":
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     import torch
@@ -134,6 +185,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **lookup_stats(grad._indices()[0]),
     }
     methods = [m for m in METHODS if m != "sort-torch" or device.type == "cuda"]
+    if device.type == "cuda":  # the tunings are the Triton kernels'
+        methods += [variant_name(v) for v in parse_variants(args.variants)]
     touched = grad._indices()[0].unique()
     start = weight.detach()[touched].clone()
     steps, after = {}, {}

@@ -287,6 +287,7 @@ def test_dedupe_rows_sums_like_coalesce() -> None:
         (20, 128, torch.float32, CHUNK),
         (10, 48, torch.bfloat16, 7),
         (6, 2, torch.float32, 5 * CHUNK + 3),  # more chunk partials than HEADS (2 here)
+        (7, 3, torch.float32, 2 * CHUNK),  # UPDATE_ROWS = 3: rows per update program
     ],
 )
 def test_triton_segment_update_matches_the_references(
@@ -298,6 +299,8 @@ def test_triton_segment_update_matches_the_references(
     pytest.importorskip("triton")
     if hot_count > 3 * CHUNK + 5:  # a row's partials read HEADS at a time, several times
         monkeypatch.setattr(rowwise_adagrad, "HEADS", 2)
+    if rows == 7:  # programs of the update kernel that see several lookups, the last ones
+        monkeypatch.setattr(rowwise_adagrad, "UPDATE_ROWS", 3)  # past the end
     g = torch.Generator().manual_seed(rows * dim + hot_count)
     weight = torch.randn(rows, dim, generator=g).to(dtype)
     state = torch.rand(rows, generator=g)
@@ -366,9 +369,11 @@ for table in ("*fp32", "*bf16"):
                    options={"num_warps": 1})
     signature = dict(weight_ptr=table, state_ptr="*fp32", sorted_ptr="*i32", ends_ptr="*i64",
                      partial_ptr="*fp32", n="i64", dim="i32", weight_stride="i64", lr="fp32",
-                     eps="fp32", CHUNK="constexpr", HEADS="constexpr", BLOCK="constexpr")
-    triton.compile(ASTSource(update, signature, {"CHUNK": 32, "HEADS": 32, "BLOCK": 128}),
-                   target=target, options=options)
+                     eps="fp32", CHUNK="constexpr", HEADS="constexpr", ROWS="constexpr",
+                     BLOCK="constexpr")
+    for rows in (1, 8):
+        constants = {"CHUNK": 32, "HEADS": 32, "ROWS": rows, "BLOCK": 128}
+        triton.compile(ASTSource(update, signature, constants), target=target, options=options)
     print("OK", table)
 """
 

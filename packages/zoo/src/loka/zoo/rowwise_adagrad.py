@@ -129,10 +129,12 @@ def rowwise_adagrad_(
         rowwise_adagrad_reference_(weight, state, rows, grads, lr=lr, eps=eps)
 
 
-# Sorted lookups per chunk of the partial-sum kernel, and chunk partials a row's program
-# adds at a time.
+# Tuning, read at each launch (bench/sparse_update.py --variants tries others): sorted
+# lookups per chunk of the partial-sum kernel, chunk partials a row's program adds at a time,
+# sorted lookups per program of the update kernel.
 CHUNK = 32
 HEADS = 32
+UPDATE_ROWS = 1
 
 
 def dedupe_rows(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,36 +199,37 @@ def _segment_kernels() -> tuple[Any, Any]:
     @triton.jit
     def segment_rowwise_adagrad_kernel(
         weight_ptr, state_ptr, sorted_ptr, ends_ptr, partial_ptr, n, dim, weight_stride, lr,
-        eps, CHUNK: tl.constexpr, HEADS: tl.constexpr, BLOCK: tl.constexpr,
+        eps, CHUNK: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # A program per sorted lookup; the first lookup of each row does the row's update.
-        i = tl.program_id(0).to(tl.int64)
-        row = tl.load(sorted_ptr + i).to(tl.int64)
-        before = tl.load(sorted_ptr + i - 1, mask=i > 0, other=-1).to(tl.int64)
-        if row != before:
-            cols = tl.arange(0, BLOCK)
-            inside = cols < dim
-            # The row's first chunk partial, then the one at the start of each later chunk
-            # its lookups reach.
-            g = tl.load(partial_ptr + i * dim + cols, mask=inside, other=0.0)
-            last_chunk = (tl.load(ends_ptr + i) - 1) // CHUNK
-            # (A while loop: its trip count is data, which Triton's interpreter cannot
-            # take as a range bound.)
-            c = i // CHUNK + 1
-            while c <= last_chunk:
-                chunks = c + tl.arange(0, HEADS).to(tl.int64)
-                tile = tl.load(
-                    partial_ptr + (chunks * CHUNK * dim)[:, None] + cols[None, :],
-                    mask=(chunks <= last_chunk)[:, None] & inside[None, :], other=0.0,
-                )  # fmt: skip
-                g += tl.sum(tile, axis=0)
-                c += HEADS
-            accumulated = tl.load(state_ptr + row) + tl.sum(g * g, axis=0) / dim
-            tl.store(state_ptr + row, accumulated)
-            row_ptrs = weight_ptr + row * weight_stride + cols
-            w = tl.load(row_ptrs, mask=inside).to(tl.float32)
-            w = w - g * (lr / (tl.sqrt(accumulated) + eps))
-            tl.store(row_ptrs, w.to(weight_ptr.dtype.element_ty), mask=inside)
+        # A program per ROWS sorted lookups; the first lookup of each row does its update.
+        cols = tl.arange(0, BLOCK)
+        inside = cols < dim
+        for r in range(ROWS):
+            i = tl.program_id(0).to(tl.int64) * ROWS + r
+            row = tl.load(sorted_ptr + i, mask=i < n, other=-1).to(tl.int64)
+            before = tl.load(sorted_ptr + i - 1, mask=(i > 0) & (i < n), other=-1).to(tl.int64)
+            if row != before:
+                # The row's first chunk partial, then the one at the start of each later
+                # chunk its lookups reach.
+                g = tl.load(partial_ptr + i * dim + cols, mask=inside, other=0.0)
+                last_chunk = (tl.load(ends_ptr + i) - 1) // CHUNK
+                # (A while loop: its trip count is data, which Triton's interpreter cannot
+                # take as a range bound.)
+                c = i // CHUNK + 1
+                while c <= last_chunk:
+                    chunks = c + tl.arange(0, HEADS).to(tl.int64)
+                    tile = tl.load(
+                        partial_ptr + (chunks * CHUNK * dim)[:, None] + cols[None, :],
+                        mask=(chunks <= last_chunk)[:, None] & inside[None, :], other=0.0,
+                    )  # fmt: skip
+                    g += tl.sum(tile, axis=0)
+                    c += HEADS
+                accumulated = tl.load(state_ptr + row) + tl.sum(g * g, axis=0) / dim
+                tl.store(state_ptr + row, accumulated)
+                row_ptrs = weight_ptr + row * weight_stride + cols
+                w = tl.load(row_ptrs, mask=inside).to(tl.float32)
+                w = w - g * (lr / (tl.sqrt(accumulated) + eps))
+                tl.store(row_ptrs, w.to(weight_ptr.dtype.element_ty), mask=inside)
 
     return segment_partials_kernel, segment_rowwise_adagrad_kernel
 
@@ -266,9 +269,10 @@ def rowwise_adagrad_sparse_triton_(
         sorted_rows, order, values, partials, n, dim, values.stride(0),
         CHUNK=CHUNK, BLOCK=block, num_warps=max(1, min(8, block // 128)),
     )  # fmt: skip
-    update_kernel[(n,)](
+    update_kernel[(-(-n // UPDATE_ROWS),)](
         weight, state, sorted_rows, ends, partials, n, dim, weight.stride(0), float(lr),
-        float(eps), CHUNK=CHUNK, HEADS=HEADS, BLOCK=block, num_warps=4 if block <= 1024 else 8,
+        float(eps), CHUNK=CHUNK, HEADS=HEADS, ROWS=UPDATE_ROWS, BLOCK=block,
+        num_warps=4 if block <= 1024 else 8,
     )  # fmt: skip
 
 
