@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="dhen")
     p.add_argument("--modes", default="compiled,eager")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma list; LoKA variants take options: loka+fast, loka+min=1.15")  # fmt: skip
+                   help="comma list; LoKA variants take options: loka+fast, loka+min=1.15, loka+x=GLOB/pass")  # fmt: skip
     p.add_argument("--preset", default="large")
     p.add_argument("--probe-steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=6, help="untimed steps per variant")
@@ -513,7 +513,9 @@ def predicted_from_step(plan, demoted, bf16_step_ms: float) -> float | None:
 def loka_options(variant: str) -> dict:
     """`PlanConfig` fields of a LoKA variant: ``loka`` is the default plan; options follow
     ``+``: ``fast`` (allow fast accumulation, `torch.native.fast` timed too), ``min=X``
-    (`min_speedup`), e.g. ``loka+fast+min=1.15``; several LoKA variants run side by side."""
+    (`min_speedup`), ``x=GLOB`` (`exclude`: a site glob, or ``site-glob/pass``; repeatable),
+    e.g. ``loka+fast+min=1.15``, ``loka+min=1.05+x=*.mlp.1/wgrad``: several LoKA variants
+    side by side, to see which passes pay inside the real step."""
     head, *opts = variant.split("+")
     if head != "loka":
         raise ValueError(f"not a LoKA variant: {variant!r}")
@@ -523,8 +525,10 @@ def loka_options(variant: str) -> dict:
             out["allow_fast_accum"] = True
         elif opt.startswith("min="):
             out["min_speedup"] = float(opt[4:])
+        elif opt.startswith("x="):
+            out["exclude"] = (*out.get("exclude", ()), opt[2:])
         else:
-            raise ValueError(f"{variant!r}: unknown LoKA option {opt!r} (fast, min=X)")
+            raise ValueError(f"{variant!r}: unknown LoKA option {opt!r} (fast, min=X, x=GLOB)")
     return out
 
 

@@ -112,6 +112,10 @@ def test_loka_variants_name_their_plan_options():
         "allow_fast_accum": True,
         "min_speedup": 1.15,
     }
+    assert realized.loka_options("loka+min=1.05+x=*.mlp.1/wgrad+x=head.*") == {
+        "min_speedup": 1.05,
+        "exclude": ("*.mlp.1/wgrad", "head.*"),
+    }
     with pytest.raises(ValueError, match="unknown LoKA option 'quick'"):
         realized.loka_options("loka+quick")
     with pytest.raises(ValueError, match="not a LoKA variant"):

@@ -127,3 +127,18 @@ def test_fast_accumulation_is_a_compiled_backend_taken_only_when_allowed():
     allowed = PlanConfig(mode="compiled", allow_fast_accum=True)
     rows = plan_rows(make_plan(SITES, ERRORS, fast, allowed))
     assert {r["backend"] for r in rows.values()} == {"torch.native.fast"}
+
+
+def test_exclude_takes_a_site_or_one_pass_of_it():
+    config = PlanConfig(exclude=("f*/wgrad", "head.*"))
+    assert config.excluded("fc", "wgrad") and not config.excluded("fc", "fwd")
+    assert (
+        not config.excluded("fc") and config.excluded("head.0") and config.excluded("head.0", "fwd")
+    )
+    rows = plan_rows(
+        make_plan(SITES, ERRORS, TIMED, PlanConfig(mode="compiled", exclude=("fc/wgrad",)))
+    )
+    assert [rows[p]["recipe"] for p in PASSES] == [ROW, ROW, "bf16"]
+    assert "excluded by PlanConfig.exclude" in str(rows["wgrad"]["rejected"])
+    with pytest.raises(ValueError, match="names no pass"):
+        PlanConfig(exclude=("fc/backward",))

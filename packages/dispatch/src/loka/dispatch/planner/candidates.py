@@ -259,7 +259,8 @@ def site_candidates(
                 verdict, why = (SAFE if bound <= budget else "unsafe"), ""
             if (
                 verdict == UNDECIDED and not config.allow_undecided
-                and not config.excluded(site["site"]) and not (config.inference and pass_ != "fwd")
+                and not config.excluded(site["site"], pass_)
+                and not (config.inference and pass_ != "fwd")
             ):  # fmt: skip
                 choice.undecided.append({**err, "budget": budget})
             for r in timed:
@@ -269,8 +270,8 @@ def site_candidates(
                     bound, budget,
                 )  # fmt: skip
                 reason = None
-                if config.excluded(site["site"]):
-                    reason = "site excluded by PlanConfig.exclude"
+                if config.excluded(site["site"], pass_):
+                    reason = "excluded by PlanConfig.exclude"
                 elif config.inference and pass_ != "fwd":
                     reason = "inference plan: only the forward pass runs"
                 elif verdict == INVALID:

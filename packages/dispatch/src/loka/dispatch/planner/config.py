@@ -41,7 +41,8 @@ class PlanConfig:
     error_budget_total: float | None = None
     # Weight of each site's error in that sum (glob pattern -> weight; default 1).
     sensitivity: Mapping[str, float] = field(default_factory=dict)
-    # Site name patterns never planned for FP8.
+    # Patterns never planned for FP8: a site name glob ("head.*"), or a site glob and a
+    # pass ("layers.*.mlp.1/wgrad": that pass only; the others stay candidates).
     exclude: tuple[str, ...] = ()
     # Credit quantizations shared between passes (see `loka.dispatch.planner.sharing`).
     share_quantization: bool = True
@@ -70,6 +71,12 @@ class PlanConfig:
         for pass_, value in (self.budgets or {}).items():
             if pass_ not in PASSES or not value > 0:
                 raise ValueError(f"budgets: bad entry {pass_!r}: {value!r}")
+        for pattern in self.exclude:
+            _, slash, pass_pattern = pattern.partition("/")
+            if slash and not any(fnmatch.fnmatchcase(p, pass_pattern) for p in PASSES):
+                raise ValueError(
+                    f"exclude: {pattern!r} names no pass ({', '.join(PASSES)}) after the '/'"
+                )
         for pattern, weight in self.sensitivity.items():
             if not (math.isfinite(weight) and weight >= 0):
                 raise ValueError(f"sensitivity[{pattern!r}] must be >= 0, got {weight}")
@@ -86,5 +93,12 @@ class PlanConfig:
                 value = weight
         return value
 
-    def excluded(self, site: str) -> bool:
-        return any(fnmatch.fnmatchcase(site, p) for p in self.exclude)
+    def excluded(self, site: str, pass_: str | None = None) -> bool:
+        """Whether `site` (with `pass_`: that pass of it) is excluded from FP8."""
+        for pattern in self.exclude:
+            site_pattern, _, pass_pattern = pattern.partition("/")
+            if not fnmatch.fnmatchcase(site, site_pattern):
+                continue
+            if not pass_pattern or (pass_ is not None and fnmatch.fnmatchcase(pass_, pass_pattern)):
+                return True
+        return False
