@@ -12,6 +12,7 @@ B=16384: ~530k lookups of ~47k distinct rows, the hottest row ~20k times). Each 
               two Triton kernels (CUDA); on the CPU the pure-torch path below;
 - sort-torch: `torch.unique(return_inverse)` + `index_add_` + the torch update (CUDA only);
 - sort[...]:  the sort path with other tuning constants (`--variants`; CUDA only).
+The fused option (the update inside the lookup's backward) is timed with the lookups.
 Each is checked against coalesce on the rows the batch touched (weights and accumulators from
 the same start) before it is timed: the median device time of a step (do_bench on CUDA) and
 its host time (the call returning, no sync: a step that syncs waits for the GPU there). The
@@ -225,11 +226,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def lookup_context(bags: Any, batch: Any, upstream: Any, args: argparse.Namespace) -> dict:
     """The lookup's forward + backward, device and host time: as the model runs it
     (`padding_idx=0`: the sparse backward drops padding lookups with a boolean mask, whose
-    size the host must learn) and, for the host-time question only, the same bag with no
-    padding index (every lookup kept: no mask, but not the model's gradient)."""
+    size the host must learn), for the host-time question only the same bag with no
+    padding index (every lookup kept: no mask, but not the model's gradient), and the fused
+    option (`OptimizerConfig(fused_tables=True)`: the row-wise update inside the backward, so
+    its time is the lookup's and the update's together; compare it with the model's lookup
+    plus a step of the rows above)."""
+    import torch
     import torch.nn.functional as F
 
     from loka.zoo.layers import global_rows
+    from loka.zoo.rowwise_adagrad import FusedBagUpdate
 
     weight = bags.bags.weight
     rows = global_rows(batch, bags.row_offsets).flatten(0, 1)
@@ -246,6 +252,18 @@ def lookup_context(bags: Any, batch: Any, upstream: Any, args: argparse.Namespac
             "ms": time_ms(lookup_backward, device),
             "host_ms": host_ms(lookup_backward, device, args.reps),
         }
+    trigger = torch.zeros((), device=device, requires_grad=True)
+    table = weight.detach()  # updated in place by the backward, as a fused table is
+    state = torch.zeros(table.size(0), dtype=torch.float32, device=device)
+
+    def fused_backward() -> None:
+        out = FusedBagUpdate.apply(trigger, table, rows, state, 0.05, 1e-8, 0)
+        out.backward(upstream.flatten(0, 1))
+
+    context["fused update in backward"] = {
+        "ms": time_ms(fused_backward, device),
+        "host_ms": host_ms(fused_backward, device, args.reps),
+    }
     return context
 
 

@@ -19,6 +19,7 @@ from loka.zoo import rowwise_adagrad
 from loka.zoo.layers import global_rows
 from loka.zoo.optim import (
     DENSE_EMBEDDINGS,
+    FUSED_EMBEDDINGS,
     SPARSE_EMBEDDINGS,
     HybridOptimizer,
     OptimizerConfig,
@@ -172,10 +173,13 @@ def test_untouched_rows_stay_bit_identical_through_training() -> None:
     assert all(p is not table for p in optimizer.dense.state)
 
 
-def test_state_dict_round_trip_resumes_identically() -> None:
+@pytest.mark.parametrize("fused_tables", [False, True])
+def test_state_dict_round_trip_resumes_identically(fused_tables: bool) -> None:
+    config = OptimizerConfig(fused_tables=fused_tables)
+
     def run(resume: bool) -> torch.Tensor:
         setup = zoo.create("dlrm", sparse_embeddings=True, batch_size=32)
-        optimizer = make_optimizer(setup.model)
+        optimizer = make_optimizer(setup.model, config)
         batches = [b for b, _ in zip(setup.train_batches(), range(4), strict=False)]
         for batch in batches[:2]:
             zoo.training_step(setup, setup.model, optimizer, batch)
@@ -184,7 +188,7 @@ def test_state_dict_round_trip_resumes_identically() -> None:
                 optimizer.state_dict(),
                 {k: v.clone() for k, v in setup.model.state_dict().items()},
             )
-            optimizer = make_optimizer(setup.model)
+            optimizer = make_optimizer(setup.model, config)
             setup.model.load_state_dict(saved[1])
             optimizer.load_state_dict(saved[0])
         for batch in batches[2:]:
@@ -346,8 +350,90 @@ def test_triton_segment_update_of_a_model_gradient_and_of_nothing() -> None:
     before = got_w.clone(), got_s.clone()
     rowwise_adagrad_sparse_triton_(got_w, got_s, ids[:0], values[:0], lr=LR, eps=EPS)
     assert torch.equal(got_w, before[0]) and torch.equal(got_s, before[1])
-    with pytest.raises(ValueError, match="one gradient row per lookup"):
+    with pytest.raises(ValueError, match="one gradient row per bag"):
         rowwise_adagrad_sparse_triton_(got_w, got_s, ids, values[:, :2], lr=LR, eps=EPS)
+
+
+@pytest.mark.parametrize("bag", [1, 3])
+def test_triton_kernels_read_one_gradient_per_bag_and_skip_the_padding_row(bag: int) -> None:
+    """The fused path's form: one gradient row per bag of `bag` lookups, padding lookups
+    (row 0) sorted with the rest but neither read nor updated; against the reference and
+    against per-lookup gradients with the padding dropped, coalesced first."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(bag)
+    weight, state = torch.randn(12, 6, generator=g), torch.rand(12, generator=g)
+    rows = torch.randint(0, 12, (40, bag), generator=g)
+    rows[::3, -1] = 0  # padding
+    rows[1::4] = 5  # a hot row
+    grad_out = torch.randn(40, 6, generator=g)
+    results = []
+    for update in (rowwise_adagrad_sparse_triton_, rowwise_adagrad_sparse_reference_):
+        w, s = weight.clone(), state.clone()
+        update(w, s, rows.flatten(), grad_out, lr=LR, eps=EPS, bag=bag, skip_row=0)
+        results.append((w, s))
+    flat, values = rows.flatten(), grad_out.repeat_interleave(bag, 0)
+    keep = flat != 0
+    want_w, want_s = weight.clone(), state.clone()
+    with torch.sparse.check_sparse_tensor_invariants():
+        lookups = torch.sparse_coo_tensor(flat[keep][None], values[keep], weight.shape)
+    distinct, summed = coalesce_rows(lookups)
+    rowwise_adagrad_reference_(want_w, want_s, distinct, summed, lr=LR, eps=EPS)
+    for w, s in results:
+        torch.testing.assert_close(s, want_s, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w, want_w)
+        assert torch.equal(w[0], weight[0]) and s[0] == state[0]
+
+
+def _train_fused(fused: bool, *, compiled: bool = False, steps: int = 3):
+    setup = zoo.create("dlrm", sparse_embeddings=True, batch_size=32)
+    optimizer = make_optimizer(setup.model, OptimizerConfig(lr=3e-3, fused_tables=fused))
+    model = setup.model
+    if compiled:
+        torch._dynamo.reset()
+        model = torch.compile(setup.model, fullgraph=True, backend="aot_eager")
+    before = setup.model.inputs.embeddings.bags.weight.detach().clone()
+    losses = zoo.train(setup, steps, optimizer=optimizer, model=model)
+    return setup, optimizer, losses, before
+
+
+def test_fused_tables_train_like_the_step_path_eager_and_compiled() -> None:
+    """The option: the table's update in the lookup's backward gives the same training as
+    the update in `step()`, in eager mode and compiled as one graph; the table gets no
+    gradient, the padding row never moves."""
+    step_setup, _, want_losses, _ = _train_fused(False)
+    want = step_setup.model.inputs.embeddings.bags.weight
+    for compiled in (False, True):
+        setup, optimizer, losses, before = _train_fused(True, compiled=compiled)
+        embeddings = setup.model.inputs.embeddings
+        assert embedding_update(setup.model) == FUSED_EMBEDDINGS and embeddings.fused
+        torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(embeddings.bags.weight, want)
+        assert embeddings.bags.weight.grad is None and embeddings.update_trigger.grad is None
+        assert torch.equal(embeddings.bags.weight[0], before[0])
+        state = optimizer.sparse.state[embeddings.bags.weight]["sum"]
+        assert state.count_nonzero() > 0  # the accumulator the optimizer saves is the one used
+
+
+def test_fused_tables_backward_runs_the_triton_kernels(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setattr(
+        rowwise_adagrad, "rowwise_adagrad_sparse_", rowwise_adagrad_sparse_triton_
+    )  # what CUDA takes; here in the interpreter
+    setup, _, losses, _ = _train_fused(True, steps=2)
+    step_setup, _, want_losses, _ = _train_fused(False, steps=2)
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        setup.model.inputs.embeddings.bags.weight, step_setup.model.inputs.embeddings.bags.weight
+    )
+
+
+def test_fused_tables_need_sparse_feature_embeddings() -> None:
+    with pytest.raises(ValueError, match="fused_tables"):
+        make_optimizer(zoo.create("dlrm").model, OptimizerConfig(fused_tables=True))
+    with pytest.raises(ValueError, match="fused_tables"):
+        make_optimizer(
+            zoo.create("hstu", sparse_embeddings=True).model, OptimizerConfig(fused_tables=True)
+        )
 
 
 _COMPILE_FOR_SM90 = """
@@ -364,12 +450,13 @@ for table in ("*fp32", "*bf16"):
     triton.compile(source, target=target, options=options)
     partials, update = _segment_kernels()
     signature = dict(sorted_ptr="*i32", order_ptr="*i64", values_ptr=table, partial_ptr="*fp32",
-                     n="i64", dim="i32", value_stride="i64", CHUNK="constexpr", BLOCK="constexpr")
+                     n="i64", dim="i32", value_stride="i64", bag="i64", skip_row="i64",
+                     CHUNK="constexpr", BLOCK="constexpr")
     triton.compile(ASTSource(partials, signature, {"CHUNK": 32, "BLOCK": 128}), target=target,
                    options={"num_warps": 1})
     signature = dict(weight_ptr=table, state_ptr="*fp32", sorted_ptr="*i32", ends_ptr="*i64",
                      partial_ptr="*fp32", n="i64", dim="i32", weight_stride="i64", lr="fp32",
-                     eps="fp32", CHUNK="constexpr", HEADS="constexpr", ROWS="constexpr",
+                     eps="fp32", skip_row="i64", CHUNK="constexpr", HEADS="constexpr", ROWS="constexpr",
                      BLOCK="constexpr")
     for rows in (1, 8):
         constants = {"CHUNK": 32, "HEADS": 32, "ROWS": rows, "BLOCK": 128}

@@ -8,10 +8,12 @@ before it, so module order shows the norm -> linear pairs that Mods may fuse.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
+
+from loka.zoo.rowwise_adagrad import FusedBagUpdate
 
 NormKind = Literal["layernorm", "rmsnorm"]
 Activation = Literal["relu", "gelu", "silu"]
@@ -101,11 +103,39 @@ class FeatureEmbeddings(nn.Module):
             # Small init keeps the dot interaction's products near unit scale.
             self.bags.weight.normal_(0.0, dim**-0.5)
             self.bags.weight[0].zero_()
+        self._fused: tuple[torch.Tensor, dict[str, Any]] | None = None
+
+    def fuse_rowwise_adagrad(self, state: torch.Tensor, group: dict[str, Any]) -> None:
+        """Update the table in the lookup's backward from now on (`FusedBagUpdate`):
+        row-wise Adagrad with accumulator `state [rows]` and `group["lr"]`, `group["eps"]`
+        (read at each forward). The table stops requiring grad and gets no `.grad`; a 0-dim
+        parameter `update_trigger` (never given a gradient) makes autograd run the update.
+        `loka.zoo.make_optimizer(model, OptimizerConfig(fused_tables=True))` calls this."""
+        weight = self.bags.weight
+        if not self.bags.sparse:
+            raise ValueError("fused row-wise updates need sparse tables (sparse_embeddings=True)")
+        if state.shape != weight.shape[:1] or state.dtype != torch.float32:
+            raise ValueError("state must be float32, one value per table row")
+        weight.requires_grad_(False)
+        if not hasattr(self, "update_trigger"):
+            self.update_trigger = nn.Parameter(torch.zeros((), device=weight.device))
+        self._fused = (state, group)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the table is updated in the lookup's backward (`fuse_rowwise_adagrad`)."""
+        return self._fused is not None
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
         check_sparse_ids(sparse, self.cardinalities)
         batch, features, bag = sparse.shape
         rows = global_rows(sparse, self.row_offsets).reshape(batch * features, bag)
+        if self._fused is not None:
+            state, group = self._fused
+            pooled = FusedBagUpdate.apply(
+                self.update_trigger, self.bags.weight, rows, state, group["lr"], group["eps"], 0
+            )
+            return pooled.view(batch, features, self.dim)
         return self.bags(rows).view(batch, features, self.dim)
 
 

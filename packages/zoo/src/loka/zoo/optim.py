@@ -30,6 +30,8 @@ from loka.zoo.rowwise_adagrad import rowwise_adagrad_, rowwise_adagrad_sparse_
 
 DENSE_EMBEDDINGS = "dense-adamw"
 SPARSE_EMBEDDINGS = "sparse-rowwise-adagrad"
+# The option: the row-wise update applied in the lookup's backward (OptimizerConfig.fused_tables).
+FUSED_EMBEDDINGS = "fused-rowwise-adagrad"
 # How RowWiseAdagrad sums a row's duplicate lookups: "sort" (sort the lookups, segment-sum
 # them in the update's kernels) or "coalesce" (`grad.coalesce()` first, the first version).
 DEDUPES = ("sort", "coalesce")
@@ -48,7 +50,9 @@ class OptimizerConfig:
     """`lr`, `weight_decay`: AdamW on the dense parameters (the tables too on the dense
     path); `embedding_lr`, `embedding_eps`, `embedding_dedupe` (one of `DEDUPES`): row-wise
     Adagrad on sparse tables; `fused`: the fused AdamW kernel (None: on CUDA, where it is
-    several times faster than foreach)."""
+    several times faster than foreach); `fused_tables`: the option to update the tables of
+    `FeatureEmbeddings` in the lookup's backward instead of in `step()` (see
+    `FeatureEmbeddings.fuse_rowwise_adagrad`; off by default)."""
 
     lr: float = 1e-3
     weight_decay: float = 0.01
@@ -56,6 +60,7 @@ class OptimizerConfig:
     embedding_eps: float = 1e-8
     fused: bool | None = None
     embedding_dedupe: str = "sort"
+    fused_tables: bool = False
 
     def __post_init__(self) -> None:
         for name in ("lr", "embedding_lr", "embedding_eps"):
@@ -79,8 +84,11 @@ def sparse_embedding_weights(model: nn.Module) -> list[nn.Parameter]:
 
 
 def embedding_update(model: nn.Module) -> str:
-    """How `make_optimizer` updates the model's tables: `"sparse-rowwise-adagrad"` or
-    `"dense-adamw"` (the name benchmark rows carry)."""
+    """How the model's tables are updated: `"sparse-rowwise-adagrad"`,
+    `"fused-rowwise-adagrad"` (in the lookup's backward) or `"dense-adamw"` (the name
+    benchmark rows carry)."""
+    if any(getattr(module, "fused", False) is True for module in model.modules()):
+        return FUSED_EMBEDDINGS
     return SPARSE_EMBEDDINGS if sparse_embedding_weights(model) else DENSE_EMBEDDINGS
 
 
@@ -149,19 +157,35 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                         f"row-wise Adagrad updates 2-D tables, got {tuple(weight.shape)}"
                     )
 
+    def accumulator(self, weight: torch.Tensor) -> torch.Tensor:
+        """The float32 accumulator of `weight`'s rows (made on first use)."""
+        group = next(g for g in self.param_groups if any(p is weight for p in g["params"]))
+        state = self.state[weight]
+        if "sum" not in state:
+            state["sum"] = torch.full(
+                (weight.size(0),), float(group["initial_accumulator_value"]),
+                dtype=torch.float32, device=weight.device,
+            )  # fmt: skip
+        return state["sum"]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but accumulators that exist already are refilled in place, so a table
+        updated in its lookup's backward (which holds its accumulator) sees the loaded one."""
+        held = {id(w): s["sum"] for w, s in self.state.items() if "sum" in s}
+        super().load_state_dict(state_dict)
+        for weight, state in self.state.items():
+            if id(weight) in held and "sum" in state:
+                held[id(weight)].copy_(state["sum"])
+                state["sum"] = held[id(weight)]
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = _evaluate(closure)
         for group in self.param_groups:
             for weight in group["params"]:
-                if weight.grad is None:
+                if weight.grad is None:  # also the tables updated in their backward
                     continue
-                state = self.state[weight]
-                if "sum" not in state:
-                    state["sum"] = torch.full(
-                        (weight.size(0),), float(group["initial_accumulator_value"]),
-                        dtype=torch.float32, device=weight.device,
-                    )  # fmt: skip
+                state = {"sum": self.accumulator(weight)}
                 lr, eps = group["lr"], group["eps"]
                 _check_sparse(weight.grad)
                 # A coalesced gradient (e.g. one set by hand) has its rows distinct already.
@@ -219,20 +243,28 @@ def make_optimizer(
     Adagrad on the sparse tables). `embedding_update(model)` names which."""
     config = OptimizerConfig() if config is None else config
     tables = sparse_embedding_weights(model)
+    sparse = None
+    if tables:
+        sparse = RowWiseAdagrad(
+            tables,
+            lr=config.embedding_lr,
+            eps=config.embedding_eps,
+            dedupe=config.embedding_dedupe,
+        )
+    if config.fused_tables:
+        bags = [m for m in model.modules() if hasattr(m, "fuse_rowwise_adagrad")]
+        if sparse is None or not bags:
+            raise ValueError(
+                "fused_tables needs FeatureEmbeddings with sparse tables (sparse_embeddings=True)"
+            )
+        for module in bags:
+            weight = module.bags.weight
+            group = next(g for g in sparse.param_groups if any(p is weight for p in g["params"]))
+            module.fuse_rowwise_adagrad(sparse.accumulator(weight), group)
     in_tables = {id(p) for p in tables}
     dense = [p for p in model.parameters() if id(p) not in in_tables]
     fused = config.fused
     if fused is None:
         fused = any(p.is_cuda for p in dense)
     adamw = torch.optim.AdamW(dense, lr=config.lr, weight_decay=config.weight_decay, fused=fused)
-    if not tables:
-        return adamw
-    return HybridOptimizer(
-        adamw,
-        RowWiseAdagrad(
-            tables,
-            lr=config.embedding_lr,
-            eps=config.embedding_eps,
-            dedupe=config.embedding_dedupe,
-        ),
-    )
+    return adamw if sparse is None else HybridOptimizer(adamw, sparse)

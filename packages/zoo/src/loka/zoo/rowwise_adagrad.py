@@ -156,9 +156,18 @@ def rowwise_adagrad_sparse_reference_(
     *,
     lr: float,
     eps: float,
+    bag: int = 1,
+    skip_row: int = -1,
 ) -> None:
     """Row-wise Adagrad from lookups `rows [N]` (duplicates allowed) and their gradients
-    `values [N, D]`: duplicates summed first (`dedupe_rows`), then the reference update."""
+    `values [N // bag, D]` (lookup j's is row `j // bag`: one per bag of `bag` lookups),
+    leaving out lookups of `skip_row` (a padding row; -1: none): duplicates summed first
+    (`dedupe_rows`), then the reference update."""
+    if bag > 1:
+        values = values.repeat_interleave(bag, 0)
+    if skip_row >= 0:
+        keep = rows != skip_row  # a host sync on CUDA: the reference's, not the kernels'
+        rows, values = rows[keep], values[keep]
     if rows.numel() == 0:
         return
     distinct, summed = dedupe_rows(rows, values)
@@ -172,7 +181,7 @@ def _segment_kernels() -> tuple[Any, Any]:
 
     @triton.jit
     def segment_partials_kernel(
-        sorted_ptr, order_ptr, values_ptr, partial_ptr, n, dim, value_stride,
+        sorted_ptr, order_ptr, values_ptr, partial_ptr, n, dim, value_stride, bag, skip_row,
         CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # Sum each run of equal rows inside this chunk of the sorted lookups, in order; a
@@ -186,10 +195,12 @@ def _segment_kernels() -> tuple[Any, Any]:
         for k in tl.static_range(CHUNK):
             j = first + k
             valid = j < n
-            src = tl.load(order_ptr + j, mask=valid, other=0)
-            v = tl.load(values_ptr + src * value_stride + cols, mask=inside & valid, other=0.0)
-            acc += v.to(tl.float32)
             row = tl.load(sorted_ptr + j, mask=valid, other=-2)
+            # Lookup src's gradient is row src // bag of the values (one per bag).
+            src = tl.load(order_ptr + j, mask=valid, other=0) // bag
+            wanted = inside & valid & (row != skip_row)
+            v = tl.load(values_ptr + src * value_stride + cols, mask=wanted, other=0.0)
+            acc += v.to(tl.float32)
             following = tl.load(sorted_ptr + j + 1, mask=(j + 1 < n) & (k + 1 < CHUNK), other=-1)
             ends = valid & (following != row)
             tl.store(partial_ptr + head * dim + cols, acc, mask=inside & ends)
@@ -199,7 +210,8 @@ def _segment_kernels() -> tuple[Any, Any]:
     @triton.jit
     def segment_rowwise_adagrad_kernel(
         weight_ptr, state_ptr, sorted_ptr, ends_ptr, partial_ptr, n, dim, weight_stride, lr,
-        eps, CHUNK: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        eps, skip_row, CHUNK: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):  # fmt: skip
         # A program per ROWS sorted lookups; the first lookup of each row does its update.
         cols = tl.arange(0, BLOCK)
@@ -208,7 +220,7 @@ def _segment_kernels() -> tuple[Any, Any]:
             i = tl.program_id(0).to(tl.int64) * ROWS + r
             row = tl.load(sorted_ptr + i, mask=i < n, other=-1).to(tl.int64)
             before = tl.load(sorted_ptr + i - 1, mask=(i > 0) & (i < n), other=-1).to(tl.int64)
-            if row != before:
+            if (row != before) & (row != skip_row):
                 # The row's first chunk partial, then the one at the start of each later
                 # chunk its lookups reach.
                 g = tl.load(partial_ptr + i * dim + cols, mask=inside, other=0.0)
@@ -242,18 +254,21 @@ def rowwise_adagrad_sparse_triton_(
     *,
     lr: float,
     eps: float,
+    bag: int = 1,
+    skip_row: int = -1,
 ) -> None:
     """The sparse reference's update without `coalesce()` and without a host sync: sort the
     lookups once, sum runs of equal rows in chunks, one program per distinct row adds its
-    chunk partials and updates the row (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    chunk partials and updates the row (CUDA, or the CPU under TRITON_INTERPRET=1). Lookups
+    of `skip_row` are sorted with the others but neither read nor updated."""
     _check_table(weight, state)
     n = rows.numel()
     if n == 0:
         return
-    if values.shape != (n, weight.size(1)):
+    if bag < 1 or n % bag or values.shape != (n // bag, weight.size(1)):
         raise ValueError(
-            f"values must be [{n}, {weight.size(1)}] (one gradient row per lookup), "
-            f"got {tuple(values.shape)}"
+            f"values must be [{n} // {bag}, {weight.size(1)}] (one gradient row per bag of "
+            f"{bag} lookups), got {tuple(values.shape)}"
         )
     # int32 keys sort in half the radix passes of int64 ones.
     keys = rows.to(torch.int32) if weight.size(0) < 2**31 else rows
@@ -266,12 +281,12 @@ def rowwise_adagrad_sparse_triton_(
     partials_kernel, update_kernel = _segment_kernels()
     # A gathered row per step: one warp reads 128 values 16 bytes a thread.
     partials_kernel[(-(-n // CHUNK),)](
-        sorted_rows, order, values, partials, n, dim, values.stride(0),
+        sorted_rows, order, values, partials, n, dim, values.stride(0), bag, skip_row,
         CHUNK=CHUNK, BLOCK=block, num_warps=max(1, min(8, block // 128)),
     )  # fmt: skip
     update_kernel[(-(-n // UPDATE_ROWS),)](
         weight, state, sorted_rows, ends, partials, n, dim, weight.stride(0), float(lr),
-        float(eps), CHUNK=CHUNK, HEADS=HEADS, ROWS=UPDATE_ROWS, BLOCK=block,
+        float(eps), skip_row, CHUNK=CHUNK, HEADS=HEADS, ROWS=UPDATE_ROWS, BLOCK=block,
         num_warps=4 if block <= 1024 else 8,
     )  # fmt: skip
 
@@ -284,10 +299,71 @@ def rowwise_adagrad_sparse_(
     *,
     lr: float,
     eps: float,
+    bag: int = 1,
+    skip_row: int = -1,
 ) -> None:
     """Row-wise Adagrad from uncoalesced lookups (`rows [N]` with duplicates, `values
-    [N, D]`): the Triton kernels on CUDA when Triton is installed, else the reference."""
-    if weight.is_cuda and triton_available():
-        rowwise_adagrad_sparse_triton_(weight, state, rows, values, lr=lr, eps=eps)
-    else:
-        rowwise_adagrad_sparse_reference_(weight, state, rows, values, lr=lr, eps=eps)
+    [N // bag, D]`, lookups of `skip_row` left out): the Triton kernels on CUDA when Triton
+    is installed, else the reference."""
+    update = (
+        rowwise_adagrad_sparse_triton_
+        if weight.is_cuda and triton_available()
+        else rowwise_adagrad_sparse_reference_
+    )
+    update(weight, state, rows, values, lr=lr, eps=eps, bag=bag, skip_row=skip_row)
+
+
+# The fused path: the update runs in the lookup's backward (as TorchRec's fused optimizer).
+
+
+@torch.library.custom_op("loka_zoo::rowwise_adagrad_bag_update_", mutates_args=("weight", "state"))
+def _bag_update(
+    weight: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    grad_out: torch.Tensor,
+    lr: float,
+    eps: float,
+    skip_row: int,
+) -> None:
+    """Row-wise Adagrad of the bags `rows [bags, L]` from their output gradient `[bags, D]`:
+    one opaque op for torch.compile, mutating the table and its accumulator."""
+    rowwise_adagrad_sparse_(
+        weight, state, rows.reshape(-1), grad_out, lr=lr, eps=eps, bag=rows.size(1),
+        skip_row=skip_row,
+    )  # fmt: skip
+
+
+@_bag_update.register_fake
+def _(weight, state, rows, grad_out, lr, eps, skip_row) -> None:
+    return None
+
+
+class FusedBagUpdate(torch.autograd.Function):
+    """Sum-pooled bags of `weight` looked up at `rows [bags, L]` whose backward applies
+    row-wise Adagrad to the rows looked up (duplicates summed, `padding_idx` left out) in
+    place and returns no table gradient: no `[lookups, D]` gradient, no sparse tensor, no
+    host sync. `trigger` (a 0-dim tensor that requires grad) makes autograd run the
+    backward; `weight` must not require grad (it is mutated there)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        trigger: torch.Tensor,
+        weight: torch.Tensor,
+        rows: torch.Tensor,
+        state: torch.Tensor,
+        lr: float,
+        eps: float,
+        padding_idx: int,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.table = (weight, state, lr, eps, padding_idx)
+        return torch.nn.functional.embedding_bag(rows, weight, mode="sum", padding_idx=padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
+        (rows,) = ctx.saved_tensors
+        weight, state, lr, eps, padding_idx = ctx.table
+        _bag_update(weight, state, rows, grad_out.contiguous(), lr, eps, padding_idx)
+        return (None,) * 7
