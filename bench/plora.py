@@ -3,10 +3,13 @@
 A Llama-style model of ~0.7B parameters with random weights (LlamaConfig, no download),
 LoRA on all seven linears of every layer, 32 job configurations (ranks 8-64, per-job batch
 sizes 1-4, lr, alpha, 12-20 steps each); everything in one run:
-- kernels:  the segmented multi-LoRA op (Triton shrink/expand/wgrad, forward + backward)
-            against the same computation as a Python loop over adapters, and the base
-            GEMMs (forward + input gradient) for scale, at the model's linear shapes and
-            the 32-job token count; each checked against a float64 reference first.
+- kernels:  the segmented multi-LoRA op (forward + backward), both kernel paths (fused:
+            the default, 4 launches; unfused: the first kernels, 6) against the same
+            computation as a Python loop over adapters, and the base GEMMs (forward + input
+            gradient) for scale, at the model's linear shapes and the 32-job token count;
+            each checked against a float64 reference first. The adapters' share of the base
+            GEMM's time (issue 19's aim: <= 25%) three ways: with per-adapter leaves as in a
+            step, the op alone (wall clock), the op alone in GPU kernel time (profiler).
 - steps:    one packed training step (all jobs active) for packs of 1, 2, 4, 8, 16, 32 jobs
             with the Triton kernels; the loop backend for 8 and 32; and one job alone with
             peft (its defaults, fused AdamW) for every (rank, batch size) pair used. These
@@ -167,7 +170,38 @@ def bench_kernels(jobs: list[LoraJobConfig]) -> list[dict]:
     return rows
 
 
+AIM = 0.25  # issue 19: the packed adapter forward + backward <= 25% of the base GEMM's time
+PATHS = ("fused", "unfused")  # the kernel paths of multi_lora_linear (fused: the default)
+
+
+def device_ms(fn, reps: int = 10) -> float | None:
+    """GPU time of one fn() call: the sum of its kernels' durations (torch.profiler, CUDA
+    activity only), so host launch gaps do not count; None on CPU or if the profiler fails."""
+    if DEVICE.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        fn()
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            sync()
+        return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
+    except Exception:  # a profiler failure leaves the wall-clock numbers standing
+        return None
+
+
 def _bench_shape(name, k, n, jobs, layout) -> dict:
+    """The op at one linear shape. Times (ms), each the base GEMM (forward + input gradient)
+    plus the adapters, against the base GEMM alone:
+    - t_{path}_ms: per-adapter leaves concatenated in the step (as PackedLoraLinear does:
+      torch.cat forward, 64 AccumulateGrads backward), wall clock (do_bench, host included);
+    - t_op_{path}_ms: the op alone on concatenated leaves a_cat, b_cat (what issue 19's aim
+      is about), wall clock;
+    - device_op_{path}_ms: the same, GPU kernel time only (torch.profiler).
+    adapter_over_base_* = (t - base) / base; its aim is <= AIM."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     t = layout.num_tokens
     x = torch.randn(t, k, device=DEVICE, generator=gen).to(DTYPE)
@@ -183,10 +217,15 @@ def _bench_shape(name, k, n, jobs, layout) -> dict:
     def leaves():
         return [v.clone().requires_grad_() for v in (x, *a_list, *b_list)]
 
-    def run_triton(vs):
+    def run_triton(vs, path):
         xs, a_s, b_s = vs[0], vs[1 : len(jobs) + 1], vs[len(jobs) + 1 :]
         base = xs @ w.t()
-        y = multi_lora_linear(xs, base, torch.cat(a_s), torch.cat(b_s, dim=1), layout)
+        y = multi_lora_linear(xs, base, torch.cat(a_s), torch.cat(b_s, dim=1), layout, path=path)
+        y.backward(dy)
+        return y
+
+    def run_op(vs, path):  # vs: x, a_cat, b_cat leaves
+        y = multi_lora_linear(vs[0], vs[0] @ w.t(), vs[1], vs[2], layout, path=path)
         y.backward(dy)
         return y
 
@@ -196,13 +235,14 @@ def _bench_shape(name, k, n, jobs, layout) -> dict:
         y.backward(dy)
         return y
 
-    # Correctness first: both paths against float64.
+    # Correctness first: every path against float64.
     ref_vs = [v.double().requires_grad_() for v in (x, *a_list, *b_list)]
     y_ref = multi_lora_linear_reference(ref_vs[0], ref_vs[0] @ w.double().t(), ref_vs[1 : len(jobs) + 1],
                                         ref_vs[len(jobs) + 1 :], layout)  # fmt: skip
     y_ref.backward(dy.double())
     errors = {}
-    for label, runner in (("triton", run_triton), ("loop", run_loop)):
+    runners = {**{p: (lambda vs, p=p: run_triton(vs, p)) for p in PATHS}, "loop": run_loop}
+    for label, runner in runners.items():
         vs = leaves()
         y = runner(vs)
         errors[label] = {
@@ -214,15 +254,35 @@ def _bench_shape(name, k, n, jobs, layout) -> dict:
     bound = 2e-2 if DTYPE is torch.bfloat16 else 1e-4
     ok = all(e <= bound for path in errors.values() for e in path.values())
 
-    vs_t, vs_l = leaves(), leaves()
-    t_triton = time_fn(lambda: run_triton(vs_t))
-    t_loop = time_fn(lambda: run_loop(vs_l))
     xg = x.clone().requires_grad_()
-    t_base = time_fn(lambda: (xg @ w.t()).backward(dy))
+
+    def run_base():
+        (xg @ w.t()).backward(dy)
+
+    t_base = time_fn(run_base)
+    device_base = device_ms(run_base)
+    row = {"shape": name, "K": k, "N": n, "tokens": t, "adapters": len(jobs), "t_base_ms": t_base,
+           "device_base_ms": device_base, "aim_adapter_over_base": AIM}  # fmt: skip
+    for path in PATHS:
+        vs = leaves()
+        row[f"t_{path}_ms"] = time_fn(lambda vs=vs, p=path: run_triton(vs, p))
+        cat = [x.clone().requires_grad_(), torch.cat(a_list).requires_grad_(),
+               torch.cat(b_list, dim=1).requires_grad_()]  # fmt: skip
+        row[f"t_op_{path}_ms"] = time_fn(lambda vs=cat, p=path: run_op(vs, p))
+        row[f"device_op_{path}_ms"] = device_ms(lambda vs=cat, p=path: run_op(vs, p))
+        row[f"adapter_over_base_{path}"] = (row[f"t_{path}_ms"] - t_base) / t_base
+        row[f"adapter_over_base_op_{path}"] = (row[f"t_op_{path}_ms"] - t_base) / t_base
+        if device_base and row[f"device_op_{path}_ms"] is not None:
+            row[f"adapter_over_base_device_{path}"] = (
+                row[f"device_op_{path}_ms"] - device_base
+            ) / device_base
+    vs_l = leaves()
+    t_loop = time_fn(lambda: run_loop(vs_l))
+    t_triton = row["t_fused_ms"]  # the default path, under the first version's key
     return {
-        "shape": name, "K": k, "N": n, "tokens": t, "adapters": len(jobs),
-        "t_triton_ms": t_triton, "t_loop_ms": t_loop, "t_base_ms": t_base,
+        **row, "t_triton_ms": t_triton, "t_loop_ms": t_loop,
         "loop_over_triton": t_loop / t_triton,
+        "fused_over_unfused": row["t_op_unfused_ms"] / row["t_op_fused_ms"],
         "lora_overhead_triton": (t_triton - t_base) / t_base,
         "lora_overhead_loop": (t_loop - t_base) / t_base,
         "rel_err": errors, "err_bound": bound, "ok": ok,
@@ -593,8 +653,11 @@ def summarize(kernels, steps, makespans, jobs, plan_rows=()) -> dict:
                                         "tokens_per_s_ratio": p["tokens_per_s"] / s["tokens_per_s"]})  # fmt: skip
     for r in kernels:
         if "error" not in r:
-            keys = ("shape", "t_triton_ms", "t_loop_ms", "t_base_ms", "loop_over_triton", "ok")
-            summary["kernels"].append({k: r[k] for k in keys})
+            keys = ("shape", "t_triton_ms", "t_loop_ms", "t_base_ms", "loop_over_triton", "ok",
+                    "fused_over_unfused", "aim_adapter_over_base",
+                    *(f"{m}{p}" for p in PATHS for m in ("adapter_over_base_", "adapter_over_base_op_",
+                                                         "adapter_over_base_device_")))  # fmt: skip
+            summary["kernels"].append({k: r.get(k) for k in keys})
     summary["plan"] = [
         {k: r[k] for k in ("jobs", "gpus", "packs", "solver", "predicted_makespan_s",
                            "measured_makespan_s", "predicted_over_measured")}
@@ -618,6 +681,11 @@ def print_summary(summary: dict) -> None:
     for r in summary["kernels"]:
         print(f"  kernel {r['shape']:8s} triton {r['t_triton_ms']:8.3f} ms  loop {r['t_loop_ms']:8.3f} ms  "
               f"base {r['t_base_ms']:8.3f} ms  loop/triton {r['loop_over_triton']:5.2f}x  ok={r['ok']}")  # fmt: skip
+        for p in PATHS:
+            device = r.get(f"adapter_over_base_device_{p}")
+            device = "n/a" if device is None else f"{device:6.1%}"
+            print(f"    adapters/base {p:8s} step-like {r[f'adapter_over_base_{p}']:7.1%}  op "
+                  f"{r[f'adapter_over_base_op_{p}']:7.1%}  device {device}  (aim <= {AIM:.0%})")  # fmt: skip
     for r in summary["loop_vs_triton_step"]:
         print(f"  step {r['jobs']:2d} jobs: triton {r['triton_step_s'] * 1e3:8.1f} ms  loop {r['loop_step_s'] * 1e3:8.1f} ms  "
               f"loop/triton {r['ratio']:5.2f}x")  # fmt: skip

@@ -12,7 +12,9 @@ launch serves all of them (`MultiLoraLayout` says which tokens and rank rows are
   the adapter's own tokens, so adapter i's gradient never sums another adapter's tokens)
 
 Backward: `dh = s_i dy B_i` is a shrink, `dx = dh A_i` an expand, `dA`/`dB` are wgrads
-(`function`). Each kernel has its launcher beside it and a pure-torch reference beside
+(`function`, path "unfused"). The default path "fused" runs the same op in fewer launches:
+`lora_forward` (shrink + expand, h in registers), `lora_backward_data` (dh + dx) and
+`lora_wgrad_split` (dA and dB of all adapters split over token chunks, then reduced). Each kernel has its launcher beside it and a pure-torch reference beside
 that; `multi_lora_linear` (`linear`) ties them into one autograd op. Importing this package
 registers op `"multi_lora"` in `loka.kernels.registry`: `triton.multi_lora` (the kernels)
 and `torch.multi_lora_loop` (the loop, anywhere).
@@ -20,6 +22,8 @@ and `torch.multi_lora_loop` (the loop, anywhere).
 
 from loka.plora.kernels._launch import multi_lora_kernels_available
 from loka.plora.kernels.expand import lora_expand, lora_expand_reference
+from loka.plora.kernels.fused_backward import lora_backward_data, lora_backward_data_reference
+from loka.plora.kernels.fused_forward import lora_forward, lora_forward_reference
 from loka.plora.kernels.layout import MultiLoraLayout
 from loka.plora.kernels.linear import (
     multi_lora_linear,
@@ -28,15 +32,22 @@ from loka.plora.kernels.linear import (
 )
 from loka.plora.kernels.shrink import lora_shrink, lora_shrink_reference
 from loka.plora.kernels.wgrad import lora_wgrad, lora_wgrad_reference
+from loka.plora.kernels.wgrad_split import lora_wgrad_split, lora_wgrad_split_reference
 
 __all__ = [
     "MultiLoraLayout",
+    "lora_backward_data",
+    "lora_backward_data_reference",
     "lora_expand",
     "lora_expand_reference",
+    "lora_forward",
+    "lora_forward_reference",
     "lora_shrink",
     "lora_shrink_reference",
     "lora_wgrad",
     "lora_wgrad_reference",
+    "lora_wgrad_split",
+    "lora_wgrad_split_reference",
     "multi_lora_kernels_available",
     "multi_lora_linear",
     "multi_lora_linear_loop",
@@ -60,7 +71,7 @@ def _register() -> None:
         Backend(
             name="triton.multi_lora",
             run=multi_lora_linear,
-            description="segmented shrink/expand/wgrad over N LoRA adapters in one launch each",
+            description="segmented multi-LoRA kernels: fused forward, fused dh/dx, split wgrad",
             triton=True,
             priority=1,
             **common,

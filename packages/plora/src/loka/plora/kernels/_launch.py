@@ -10,11 +10,41 @@ from loka.plora.kernels._tiles import mma
 from loka.plora.kernels.layout import MultiLoraLayout
 
 MAX_BLOCK_R = 128
+# The fused kernels hold an adapter's whole rank in one tile (h, dh in registers).
+MAX_FUSED_RANK = MAX_BLOCK_R
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Programs a fused launch aims for before it splits the feature tiles into groups: a few
+# per SM of an H100/H200 (132 SMs). A large packed batch has more token blocks than this.
+TARGET_PROGRAMS = 512
+GROUP_UNIT = 128  # a group's features: a multiple of every BLOCK_N / BLOCK_K in the configs
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def block_r(max_rank: int) -> int:
-    return max(16, min(MAX_BLOCK_R, triton.next_power_of_2(max_rank)))
+    return max(16, min(MAX_BLOCK_R, 1 << (max_rank - 1).bit_length()))
+
+
+def check_fused_rank(name: str, layout: MultiLoraLayout) -> None:
+    if layout.max_rank > MAX_FUSED_RANK:
+        raise ValueError(
+            f"{name}: max rank {layout.max_rank} > {MAX_FUSED_RANK}, the fused kernels' rank "
+            "tile; use the unfused kernels (multi_lora_linear(..., path='unfused'))"
+        )
+
+
+def split_groups(layout: MultiLoraLayout, features: int, groups: int | None) -> tuple[int, int]:
+    """(group count, features per group) for a fused kernel's feature loop: one group when
+    the token blocks alone fill the GPU, else enough groups to reach TARGET_PROGRAMS (each
+    group recomputes the rank-side product, re-reading its input once)."""
+    units = cdiv(features, GROUP_UNIT)
+    if groups is None:
+        groups = cdiv(TARGET_PROGRAMS, max(layout.token_blocks, 1))
+    groups = max(1, min(int(groups), units))
+    per_group = cdiv(units, groups) * GROUP_UNIT
+    return cdiv(features, per_group), per_group
 
 
 def multi_lora_kernels_available(device: torch.device | str) -> bool:

@@ -49,3 +49,21 @@ def token_block(meta_ptr, num_adapters, adapter, pid_t, BLOCK_T: tl.constexpr):
     t0 = start + pid_t * BLOCK_T
     offs_t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
     return t0, end, offs_t, offs_t < end, rank, rank_offset
+
+
+@triton.jit
+def rank_product(
+    in_ptr, w_ptr, offs_t, mask_t, rows, mask_r, F, stride_it, stride_if, stride_wf, stride_wr,
+    INTERPRETER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """`in[offs_t, :F] @ w[:F, rows]` in fp32 (`[BLOCK_T, BLOCK_R]`): the fused kernels'
+    product down to the adapter's rank (`x A_i^T` forward, `dy B_i` backward)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        offs_f = f0 + tl.arange(0, BLOCK_F)
+        mask_f = offs_f < F
+        inp = load_tile(in_ptr, offs_t, offs_f, stride_it, stride_if, mask_t, mask_f)
+        w = load_tile(w_ptr, offs_f, rows, stride_wf, stride_wr, mask_f, mask_r)
+        acc = mma(inp, w, acc, INTERPRETER)
+    return acc

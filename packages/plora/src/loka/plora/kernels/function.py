@@ -1,25 +1,56 @@
 """The autograd op: forward and backward of the packed multi-LoRA linear, all in the kernels.
 
-Forward: `h = x A^T` (shrink), `y = base + s h B^T` (expand). Backward: `dh = s dy B`
-(shrink), `dx = dh A` (expand), `dA = dh^T x` and `dB = s dy^T h` (wgrad).
+Two kernel paths compute the same op:
+- "fused" (the default): forward `lora_forward` (down and up products in one launch, h in
+  registers); backward `lora_backward_data` (`dh = s dy B` and `dx = dh A` in one launch)
+  and `lora_wgrad_split` (`dA = dh^T x` and `dB = s dy^T h` for all adapters, split over
+  token chunks, then reduced): 4 launches per forward + backward. Needs max rank <= 128.
+- "unfused" (the first version): forward `h = x A^T` (shrink), `y = base + s h B^T`
+  (expand); backward `dh = s dy B` (shrink), `dx = dh A` (expand), `dA = dh^T x` and
+  `dB = s dy^T h` (wgrad, each program looping over its adapter's whole segment):
+  6 launches. Any rank.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from loka.plora.kernels._launch import MAX_FUSED_RANK
 from loka.plora.kernels.expand import lora_expand
+from loka.plora.kernels.fused_backward import lora_backward_data
+from loka.plora.kernels.fused_forward import lora_forward
+from loka.plora.kernels.layout import MultiLoraLayout
 from loka.plora.kernels.shrink import lora_shrink
 from loka.plora.kernels.wgrad import lora_wgrad
+from loka.plora.kernels.wgrad_split import lora_wgrad_split
+
+PATHS = ("fused", "unfused")
+
+
+def resolve_path(path: str | None, layout: MultiLoraLayout) -> str:
+    """The kernel path: `path`, else $LOKA_PLORA_KERNELS, else "fused"; "fused" becomes
+    "unfused" when an adapter's rank exceeds the fused kernels' rank tile (128)."""
+    chosen = path or os.environ.get("LOKA_PLORA_KERNELS") or "fused"
+    if chosen not in PATHS:
+        raise ValueError(f"multi-LoRA kernel path must be one of {PATHS}, got {chosen!r}")
+    if chosen == "fused" and layout.max_rank > MAX_FUSED_RANK:
+        return "unfused"
+    return chosen
 
 
 class MultiLoraLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, base_out, a_cat, b_cat, layout):
-        h = lora_shrink(x, a_cat, layout)
-        y = lora_expand(h, b_cat, layout, base=base_out, scaled=True)
+    def forward(ctx, x, base_out, a_cat, b_cat, layout, path="unfused"):
+        if path == "fused":
+            y, h = lora_forward(x, a_cat, b_cat, base_out, layout)
+        else:
+            h = lora_shrink(x, a_cat, layout)
+            y = lora_expand(h, b_cat, layout, base=base_out, scaled=True)
         ctx.save_for_backward(x, h, a_cat, b_cat)
         ctx.layout = layout
+        ctx.path = path
         return y
 
     @staticmethod
@@ -27,11 +58,19 @@ class MultiLoraLinearFunction(torch.autograd.Function):
         x, h, a_cat, b_cat = ctx.saved_tensors
         layout = ctx.layout
         dy = dy.contiguous()
+        need_dx, need_da, need_db = (ctx.needs_input_grad[i] for i in (0, 2, 3))
+        dbase = dy if ctx.needs_input_grad[1] else None
+        if ctx.path == "fused":
+            dx, dh = lora_backward_data(dy, a_cat, b_cat, layout, need_dx=need_dx)
+            da = db = None
+            if need_da or need_db:
+                da, db = lora_wgrad_split(dh, x, h, dy, layout, out_dtype=a_cat.dtype)
+            return dx, dbase, da if need_da else None, db if need_db else None, None, None
         dh = lora_shrink(dy, b_cat.t(), layout, scaled=True)
-        dx = lora_expand(dh, a_cat.t(), layout, scaled=False) if ctx.needs_input_grad[0] else None
+        dx = lora_expand(dh, a_cat.t(), layout, scaled=False) if need_dx else None
         da = db = None
-        if ctx.needs_input_grad[2]:
+        if need_da:
             da = lora_wgrad(dh, x, layout, rank_on_left=True, scaled=False, out_dtype=a_cat.dtype)
-        if ctx.needs_input_grad[3]:
+        if need_db:
             db = lora_wgrad(dy, h, layout, rank_on_left=False, scaled=True, out_dtype=b_cat.dtype)
-        return dx, dy if ctx.needs_input_grad[1] else None, da, db, None
+        return dx, dbase, da, db, None, None

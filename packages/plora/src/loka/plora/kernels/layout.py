@@ -28,6 +28,8 @@ class MultiLoraLayout:
     rank_offsets: tuple[int, ...] = field(init=False)
     meta: torch.Tensor = field(init=False, repr=False)  # int32 [4, N] on device
     scale_tensor: torch.Tensor = field(init=False, repr=False)  # float32 [N] on device
+    token_blocks: int = field(init=False, repr=False)  # sum over adapters of ceil(n_i / 64)
+    _chunk_cache: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.ranks)
@@ -61,6 +63,10 @@ class MultiLoraLayout:
             offsets.append(total)
             total += int(r)
         object.__setattr__(self, "rank_offsets", tuple(offsets))
+        blocks = sum(
+            -(-(e - s) // 64) for s, e in zip(self.token_starts, self.token_ends, strict=True)
+        )
+        object.__setattr__(self, "token_blocks", blocks)
         host = torch.tensor(
             [list(self.token_starts), list(self.token_ends), list(self.ranks), offsets],
             dtype=torch.int32,
@@ -136,6 +142,16 @@ class MultiLoraLayout:
     def tokens_of(self, adapter: int) -> int:
         return self.token_ends[adapter] - self.token_starts[adapter]
 
+    def token_chunks(self, chunk_tokens: int) -> TokenChunks:
+        """Each adapter's segment cut into runs of at most `chunk_tokens` tokens (the split
+        wgrad's unit of work), cached per chunk size: the layout serves every layer."""
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        cached = self._chunk_cache.get(chunk_tokens)
+        if cached is None:
+            cached = self._chunk_cache[chunk_tokens] = TokenChunks.build(self, chunk_tokens)
+        return cached
+
     def segment(self, adapter: int) -> tuple[int, int, int, int]:
         """(first token, end token, rank, rank offset) of `adapter`."""
         return (
@@ -143,4 +159,46 @@ class MultiLoraLayout:
             self.token_ends[adapter],
             self.ranks[adapter],
             self.rank_offsets[adapter],
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class TokenChunks:
+    """Adapters' token segments cut into chunks, in adapter order (one adapter's chunks are
+    consecutive). `chunk_meta` (int32 [4, C] on device): adapter, first token, end token and
+    first row in the split wgrad's fp32 partial buffer (rows: the chunk's adapter's rank) of
+    each chunk; `adapter_meta` (int32 [2, N]): each adapter's first partial row and chunk
+    count. `partial_rows`: the partial buffer's row count (sum over chunks of their rank)."""
+
+    num_chunks: int
+    partial_rows: int
+    chunk_meta: torch.Tensor
+    adapter_meta: torch.Tensor
+
+    @classmethod
+    def build(cls, layout: MultiLoraLayout, chunk_tokens: int) -> TokenChunks:
+        adapters, starts, ends, rows = [], [], [], []
+        first_row, counts, row = [], [], 0
+        for i in range(layout.num_adapters):
+            s, e, r, _ = layout.segment(i)
+            first_row.append(row)
+            count = 0
+            for c in range(s, e, chunk_tokens):
+                adapters.append(i)
+                starts.append(c)
+                ends.append(min(c + chunk_tokens, e))
+                rows.append(row)
+                row += r
+                count += 1
+            counts.append(count)
+        chunk_meta = torch.tensor([adapters, starts, ends, rows], dtype=torch.int32)
+        if not adapters:
+            chunk_meta = torch.zeros(4, 1, dtype=torch.int32)
+        adapter_meta = torch.tensor([first_row, counts], dtype=torch.int32)
+        device = layout.device
+        return cls(
+            len(adapters),
+            row,
+            chunk_meta.to(device, non_blocking=True),
+            adapter_meta.to(device, non_blocking=True),
         )

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from loka.plora.kernels.function import MultiLoraLinearFunction
+from loka.plora.kernels.function import MultiLoraLinearFunction, resolve_path
 from loka.plora.kernels.layout import MultiLoraLayout
 
 
@@ -18,15 +18,20 @@ def multi_lora_linear(
     a_cat: torch.Tensor,
     b_cat: torch.Tensor,
     layout: MultiLoraLayout,
+    *,
+    path: str | None = None,
 ) -> torch.Tensor:
     """`base_out + s_i (x A_i^T) B_i^T` per adapter segment, forward and backward in Triton.
 
     x: `[T, K]`; base_out: `[T, N]` (the frozen base linear's output, computed once for all
     adapters); a_cat: `[sum r, K]`; b_cat: `[N, sum r]`; all one dtype. Differentiable in
-    x, base_out, a_cat and b_cat.
+    x, base_out, a_cat and b_cat. `path`: "fused" (default; 4 launches per forward +
+    backward) or "unfused" (the first kernels, 6 launches); None reads $LOKA_PLORA_KERNELS
+    (`function.resolve_path`).
     """
     _check_linear_shapes(x, base_out, a_cat, b_cat, layout)
-    return MultiLoraLinearFunction.apply(x, base_out, a_cat, b_cat, layout)
+    chosen = resolve_path(path, layout)
+    return MultiLoraLinearFunction.apply(x, base_out, a_cat, b_cat, layout, chosen)
 
 
 def multi_lora_linear_reference(

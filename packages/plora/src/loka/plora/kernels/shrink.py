@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from loka.plora.kernels import _launch
-from loka.plora.kernels._tiles import load_tile, mma, store_tile, token_block
+from loka.plora.kernels._tiles import rank_product, store_tile, token_block
 from loka.plora.kernels.layout import MultiLoraLayout
 
 
@@ -33,13 +33,8 @@ def _shrink_kernel(
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     w_rows = (rank_offset + offs_r).to(tl.int64)
-    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = load_tile(x_ptr, offs_t, offs_k, stride_xt, stride_xk, mask_t, mask_k)
-        w = load_tile(w_ptr, offs_k, w_rows, stride_wk, stride_wr, mask_k, mask_r)
-        acc = mma(x, w, acc, INTERPRETER)
+    acc = rank_product(x_ptr, w_ptr, offs_t, mask_t, w_rows, mask_r, K, stride_xt, stride_xk,
+                       stride_wk, stride_wr, INTERPRETER, BLOCK_T, BLOCK_K, BLOCK_R)  # fmt: skip
     if SCALED:
         acc = acc * tl.load(scale_ptr + adapter)
     # Columns in [rank, R_OUT) are written as zeros: h is fully defined for every token.
