@@ -3,13 +3,15 @@
 A Llama-style model of ~0.7B parameters with random weights (LlamaConfig, no download),
 LoRA on all seven linears of every layer, 32 job configurations (ranks 8-64, per-job batch
 sizes 1-4, lr, alpha, 12-20 steps each); everything in one run:
-- kernels:  the segmented multi-LoRA op (forward + backward), both kernel paths (fused:
-            the default, 4 launches; unfused: the first kernels, 6) against the same
-            computation as a Python loop over adapters, and the base GEMMs (forward + input
-            gradient) for scale, at the model's linear shapes and the 32-job token count;
-            each checked against a float64 reference first. The adapters' share of the base
-            GEMM's time (issue 19's aim: <= 25%) three ways: with per-adapter leaves as in a
-            step, the op alone (wall clock), the op alone in GPU kernel time (profiler).
+- kernels:  the segmented multi-LoRA op (forward + backward): the base linear and the
+            adapters as one op (fused_base, what PackedLoraLinear runs), and the base GEMM
+            then the adapters on both kernel paths (fused, 4 launches; unfused: the first
+            kernels, 6), against the same computation as a Python loop over adapters and
+            the base GEMM alone (forward + input gradient), at the model's linear shapes and
+            the 32-job token count; each checked against a float64 reference first. The
+            adapters' share of the base GEMM's time (issue 19's aim: <= 25%) three ways: with
+            per-adapter leaves as in a step, the op alone (wall clock), the op alone in GPU
+            kernel time (profiler).
 - steps:    one packed training step (all jobs active) for packs of 1, 2, 4, 8, 16, 32 jobs
             with the Triton kernels; the loop backend for 8 and 32; and one job alone with
             peft (its defaults, fused AdamW) for every (rank, batch size) pair used. These
@@ -75,6 +77,7 @@ from loka.plora import (  # noqa: E402
 )
 from loka.plora.kernels import (  # noqa: E402
     MultiLoraLayout,
+    multi_lora_base_linear,
     multi_lora_linear,
     multi_lora_linear_reference,
 )
@@ -171,7 +174,10 @@ def bench_kernels(jobs: list[LoraJobConfig]) -> list[dict]:
 
 
 AIM = 0.25  # issue 19: the packed adapter forward + backward <= 25% of the base GEMM's time
-PATHS = ("fused", "unfused")  # the kernel paths of multi_lora_linear (fused: the default)
+# What runs the base linear + adapters: "fused_base" multi_lora_base_linear (one op: the
+# adapters write into the base GEMM's output and input gradient; PackedLoraLinear's default),
+# "fused" and "unfused": F.linear then multi_lora_linear on that kernel path.
+PATHS = ("fused_base", "fused", "unfused")
 
 
 def device_ms(fn, reps: int = 10) -> float | None:
@@ -217,15 +223,19 @@ def _bench_shape(name, k, n, jobs, layout) -> dict:
     def leaves():
         return [v.clone().requires_grad_() for v in (x, *a_list, *b_list)]
 
+    def op(xs, a_cat, b_cat, path):
+        if path == "fused_base":
+            return multi_lora_base_linear(xs, w, None, a_cat, b_cat, layout, path="fused")
+        return multi_lora_linear(xs, xs @ w.t(), a_cat, b_cat, layout, path=path)
+
     def run_triton(vs, path):
         xs, a_s, b_s = vs[0], vs[1 : len(jobs) + 1], vs[len(jobs) + 1 :]
-        base = xs @ w.t()
-        y = multi_lora_linear(xs, base, torch.cat(a_s), torch.cat(b_s, dim=1), layout, path=path)
+        y = op(xs, torch.cat(a_s), torch.cat(b_s, dim=1), path)
         y.backward(dy)
         return y
 
     def run_op(vs, path):  # vs: x, a_cat, b_cat leaves
-        y = multi_lora_linear(vs[0], vs[0] @ w.t(), vs[1], vs[2], layout, path=path)
+        y = op(*vs, path)
         y.backward(dy)
         return y
 
@@ -278,11 +288,12 @@ def _bench_shape(name, k, n, jobs, layout) -> dict:
             ) / device_base
     vs_l = leaves()
     t_loop = time_fn(lambda: run_loop(vs_l))
-    t_triton = row["t_fused_ms"]  # the default path, under the first version's key
+    t_triton = row["t_fused_base_ms"]  # what PackedLoraLinear runs, under the first key
     return {
         **row, "t_triton_ms": t_triton, "t_loop_ms": t_loop,
         "loop_over_triton": t_loop / t_triton,
         "fused_over_unfused": row["t_op_unfused_ms"] / row["t_op_fused_ms"],
+        "fused_base_over_unfused": row["t_op_unfused_ms"] / row["t_op_fused_base_ms"],
         "lora_overhead_triton": (t_triton - t_base) / t_base,
         "lora_overhead_loop": (t_loop - t_base) / t_base,
         "rel_err": errors, "err_bound": bound, "ok": ok,
@@ -654,7 +665,7 @@ def summarize(kernels, steps, makespans, jobs, plan_rows=()) -> dict:
     for r in kernels:
         if "error" not in r:
             keys = ("shape", "t_triton_ms", "t_loop_ms", "t_base_ms", "loop_over_triton", "ok",
-                    "fused_over_unfused", "aim_adapter_over_base",
+                    "fused_over_unfused", "fused_base_over_unfused", "aim_adapter_over_base",
                     *(f"{m}{p}" for p in PATHS for m in ("adapter_over_base_", "adapter_over_base_op_",
                                                          "adapter_over_base_device_")))  # fmt: skip
             summary["kernels"].append({k: r.get(k) for k in keys})
@@ -684,7 +695,7 @@ def print_summary(summary: dict) -> None:
         for p in PATHS:
             device = r.get(f"adapter_over_base_device_{p}")
             device = "n/a" if device is None else f"{device:6.1%}"
-            print(f"    adapters/base {p:8s} step-like {r[f'adapter_over_base_{p}']:7.1%}  op "
+            print(f"    adapters/base {p:10s} step-like {r[f'adapter_over_base_{p}']:7.1%}  op "
                   f"{r[f'adapter_over_base_op_{p}']:7.1%}  device {device}  (aim <= {AIM:.0%})")  # fmt: skip
     for r in summary["loop_vs_triton_step"]:
         print(f"  step {r['jobs']:2d} jobs: triton {r['triton_step_s'] * 1e3:8.1f} ms  loop {r['loop_step_s'] * 1e3:8.1f} ms  "

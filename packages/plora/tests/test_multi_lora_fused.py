@@ -20,6 +20,7 @@ from loka.plora.kernels import (
     lora_forward_reference,
     lora_wgrad_split,
     lora_wgrad_split_reference,
+    multi_lora_base_linear,
     multi_lora_kernels_available,
     multi_lora_linear,
     multi_lora_linear_reference,
@@ -135,6 +136,49 @@ def test_fused_op_equals_unfused_op_and_the_loop(dtype):
         _close(got_unfused, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_base_linear_op_equals_base_then_adapters(dtype):
+    """multi_lora_base_linear (adapters added in place into the base GEMM's output and input
+    gradient) against F.linear + the loop over adapters, bias and weight gradients included."""
+    layout = _layout()
+    x, a_cat, b_cat, _, dy = _operands(layout, dtype, seed=5)
+    g = torch.Generator().manual_seed(6)
+    weight = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype)
+    leaves = [v.clone().requires_grad_() for v in (x, weight, bias, a_cat, b_cat)]
+    y = multi_lora_base_linear(*leaves, layout)
+    y.backward(dy)
+    ref = [v.clone().float().requires_grad_() for v in (x, weight, bias, a_cat, b_cat)]
+    splits = list(zip(layout.rank_offsets, layout.ranks, strict=True))
+    y_ref = multi_lora_linear_reference(
+        ref[0], torch.nn.functional.linear(ref[0], ref[1], ref[2]),
+        [ref[3][o : o + r] for o, r in splits], [ref[4][:, o : o + r] for o, r in splits], layout,
+    )  # fmt: skip
+    y_ref.backward(dy.float())
+    _close(y, y_ref, dtype)
+    for got, want in zip(leaves, ref, strict=True):
+        _close(got.grad, want.grad, dtype)
+    # Frozen base, no bias, x without gradient: only the adapters' gradients.
+    a2, b2 = a_cat.clone().requires_grad_(), b_cat.clone().requires_grad_()
+    multi_lora_base_linear(x, weight, None, a2, b2, layout).backward(dy)
+    _close(a2.grad, ref[3].grad, dtype)
+    _close(b2.grad, ref[4].grad, dtype)
+
+
+def test_backward_data_accumulates_into_the_base_input_gradient():
+    layout = _layout()
+    x, a_cat, b_cat, base, dy = _operands(layout, torch.float32, seed=7)
+    into = torch.randn(layout.num_tokens, K)
+    want = into + lora_backward_data_reference(dy, a_cat, b_cat, layout)[0]
+    dx, _ = lora_backward_data(dy, a_cat, b_cat, layout, accumulate_into=into, groups=2)
+    assert dx is into
+    _close(into, want, torch.float32)
+    with pytest.raises(ValueError, match="accumulate_into"):
+        lora_backward_data(dy, a_cat, b_cat, layout, need_dx=False, accumulate_into=into)
+    y, _ = lora_forward(x, a_cat, b_cat, base, layout, out=base)  # in place into base
+    assert y is base
+
+
 def test_fused_backward_without_input_gradient_and_nan_isolation():
     # Adapter 1's tokens first; a NaN in adapter 0's input stays in adapter 0.
     layout = MultiLoraLayout.from_segments((6, 0), (11, 6), (8, 4), (2.0, 1.0))
@@ -192,8 +236,9 @@ tiles = dict(INTERPRETER=False, BLOCK_T=64, BLOCK_K=64, BLOCK_N=64)
 for dt in ("*bf16", "*fp32"):
     build(fused_forward._forward_kernel, dt, dict(tiles, BLOCK_R=64),
           ("stride_xk", "stride_ak", "stride_br", "stride_bbn", "stride_yn", "stride_hr"))
-    for has_dx in (True, False):
-        build(fused_backward._backward_data_kernel, dt, dict(tiles, HAS_DX=has_dx, BLOCK_R=32),
+    for has_dx, accumulate in ((True, False), (True, True), (False, False)):
+        build(fused_backward._backward_data_kernel, dt,
+              dict(tiles, HAS_DX=has_dx, ACCUMULATE=accumulate, BLOCK_R=32),
               ("stride_dyn", "stride_ak", "stride_br", "stride_dxk", "stride_dhr"))
     build(wgrad_split._partial_kernel, dt,
           dict(INTERPRETER=False, BLOCK_T=64, BLOCK_F=128, BLOCK_R=64),

@@ -12,6 +12,7 @@ from torch import nn
 from loka.plora.config import LoraJobConfig
 from loka.plora.kernels import (
     MultiLoraLayout,
+    multi_lora_base_linear,
     multi_lora_kernels_available,
     multi_lora_linear,
     multi_lora_linear_reference,
@@ -80,11 +81,20 @@ class PackedLoraLinear(nn.Module):
         return tuple(a.shape[0] for a in self.lora_A)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base_out = self.base(x)
         x2 = x.reshape(-1, x.shape[-1])
+        use_triton = self._use_triton(x.device)
+        if use_triton and self._base_fusable(x):
+            # The base GEMM and the adapters as one op: the adapters add into the base's
+            # output and input gradient in place (multi_lora_base_linear).
+            layout = self.batch.require(x2.shape[0], self.name)
+            a_cat = torch.cat(tuple(self.lora_A)).to(x.dtype)
+            b_cat = torch.cat(tuple(self.lora_B), dim=1).to(x.dtype)
+            y = multi_lora_base_linear(x2, self.base.weight, self.base.bias, a_cat, b_cat, layout)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        base_out = self.base(x)
         layout = self.batch.require(x2.shape[0], self.name)
         out2 = base_out.reshape(-1, base_out.shape[-1])
-        if self._use_triton(x.device):
+        if use_triton:
             # Concatenate, then cast once: a launch per factor rather than one per adapter.
             a_cat = torch.cat(tuple(self.lora_A)).to(x.dtype)
             b_cat = torch.cat(tuple(self.lora_B), dim=1).to(x.dtype)
@@ -94,6 +104,18 @@ class PackedLoraLinear(nn.Module):
             b_list = [b.to(x.dtype) for b in self.lora_B]
             y = multi_lora_linear_reference(x2, out2, a_list, b_list, layout)
         return y.view(base_out.shape)
+
+    def _base_fusable(self, x: torch.Tensor) -> bool:
+        """Whether the base linear can run inside the packed op: a plain nn.Linear without
+        hooks, in x's dtype, outside autocast (else it runs as itself, then the adapters)."""
+        base = self.base
+        return (
+            type(base) is nn.Linear
+            and not (base._forward_hooks or base._forward_pre_hooks)
+            and base.weight.dtype == x.dtype
+            and (base.bias is None or base.bias.dtype == x.dtype)
+            and not torch.is_autocast_enabled(x.device.type)
+        )
 
     def _use_triton(self, device: torch.device) -> bool:
         if self.backend == "auto":

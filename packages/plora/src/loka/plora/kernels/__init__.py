@@ -14,7 +14,9 @@ launch serves all of them (`MultiLoraLayout` says which tokens and rank rows are
 Backward: `dh = s_i dy B_i` is a shrink, `dx = dh A_i` an expand, `dA`/`dB` are wgrads
 (`function`, path "unfused"). The default path "fused" runs the same op in fewer launches:
 `lora_forward` (shrink + expand, h in registers), `lora_backward_data` (dh + dx) and
-`lora_wgrad_split` (dA and dB of all adapters split over token chunks, then reduced). Each kernel has its launcher beside it and a pure-torch reference beside
+`lora_wgrad_split` (dA and dB of all adapters split over token chunks, then reduced).
+`multi_lora_base_linear` runs the base linear and the adapters as one op (the adapters added
+in place into the base GEMM's output and input gradient). Each kernel has its launcher beside it and a pure-torch reference beside
 that; `multi_lora_linear` (`linear`) ties them into one autograd op. Importing this package
 registers op `"multi_lora"` in `loka.kernels.registry`: `triton.multi_lora` (the kernels)
 and `torch.multi_lora_loop` (the loop, anywhere).
@@ -26,6 +28,7 @@ from loka.plora.kernels.fused_backward import lora_backward_data, lora_backward_
 from loka.plora.kernels.fused_forward import lora_forward, lora_forward_reference
 from loka.plora.kernels.layout import MultiLoraLayout
 from loka.plora.kernels.linear import (
+    multi_lora_base_linear,
     multi_lora_linear,
     multi_lora_linear_loop,
     multi_lora_linear_reference,
@@ -48,6 +51,7 @@ __all__ = [
     "lora_wgrad_reference",
     "lora_wgrad_split",
     "lora_wgrad_split_reference",
+    "multi_lora_base_linear",
     "multi_lora_kernels_available",
     "multi_lora_linear",
     "multi_lora_linear_loop",

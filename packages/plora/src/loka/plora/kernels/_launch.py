@@ -80,9 +80,10 @@ def check_operands(name: str, layout: MultiLoraLayout, *tensors: torch.Tensor) -
         )
 
 
-def autotuned(kernel, configs: list[triton.Config], key: list[str]):
-    """The plain kernel (interpreter, heuristic tile) and its autotuned wrapper (GPU)."""
-    return kernel, triton.autotune(configs=configs, key=key)(kernel)
+def autotuned(kernel, configs: list[triton.Config], key: list[str], **tuning):
+    """The plain kernel (interpreter, heuristic tile) and its autotuned wrapper (GPU);
+    `tuning`: more `triton.autotune` arguments (e.g. `restore_value`)."""
+    return kernel, triton.autotune(configs=configs, key=key, **tuning)(kernel)
 
 
 def launch(pair, device: torch.device, grid, tiles, args, **constexprs) -> None:

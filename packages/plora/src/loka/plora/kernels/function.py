@@ -74,3 +74,35 @@ class MultiLoraLinearFunction(torch.autograd.Function):
         if need_db:
             db = lora_wgrad(dy, h, layout, rank_on_left=False, scaled=True, out_dtype=b_cat.dtype)
         return dx, dbase, da, db, None, None
+
+
+class MultiLoraBaseLinearFunction(torch.autograd.Function):
+    """The base linear and the adapters in one op (fused kernels only): y is the base GEMM's
+    output with the adapters added in place, and the adapters' `dh A_i` is added in place to
+    the base GEMM's input gradient: no [T, N] output of its own and no separate [T, K] add of
+    two input gradients (autograd's, when base and adapters are two ops)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a_cat, b_cat, layout):
+        base = torch.nn.functional.linear(x, weight, bias)
+        y, h = lora_forward(x, a_cat, b_cat, base, layout, out=base)
+        ctx.save_for_backward(x, weight, h, a_cat, b_cat)
+        ctx.layout = layout
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, h, a_cat, b_cat = ctx.saved_tensors
+        layout = ctx.layout
+        dy = dy.contiguous()
+        need_dx, need_dw, need_db, need_da, need_dbb = ctx.needs_input_grad[:5]
+        base_dx = dy @ weight if need_dx else None
+        dx, dh = lora_backward_data(
+            dy, a_cat, b_cat, layout, need_dx=need_dx, accumulate_into=base_dx
+        )
+        dw = dy.t() @ x if need_dw else None
+        dbias = dy.sum(0) if need_db else None
+        da = db = None
+        if need_da or need_dbb:
+            da, db = lora_wgrad_split(dh, x, h, dy, layout, out_dtype=a_cat.dtype)
+        return dx, dw, dbias, da if need_da else None, db if need_dbb else None, None

@@ -23,8 +23,8 @@ def _backward_data_kernel(
     dy_ptr, a_ptr, b_ptr, dx_ptr, dh_ptr, meta_ptr, scale_ptr, num_adapters, K, N, R_OUT,
     k_per_group, stride_dyt, stride_dyn, stride_ar, stride_ak, stride_bn, stride_br,
     stride_dxt, stride_dxk, stride_dht, stride_dhr,
-    HAS_DX: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_DX: tl.constexpr, ACCUMULATE: tl.constexpr, INTERPRETER: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)
     group = tl.program_id(1)
@@ -49,7 +49,11 @@ def _backward_data_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < k_end
             a = load_tile(a_ptr, rows, offs_k, stride_ar, stride_ak, mask_r, mask_k)
-            dx = mma(dh, a, tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32), INTERPRETER)
+            dx = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+            if ACCUMULATE:  # dx += dh A_i: the base GEMM's dgrad is already there
+                dx = load_tile(dx_ptr, offs_t, offs_k, stride_dxt, stride_dxk, mask_t, mask_k)
+                dx = dx.to(tl.float32)
+            dx = mma(dh, a, dx, INTERPRETER)
             store_tile(dx_ptr, dx, offs_t, offs_k, stride_dxt, stride_dxk, mask_t, mask_k)
 
 
@@ -73,11 +77,15 @@ def lora_backward_data(
     *,
     need_dx: bool = True,
     groups: int | None = None,
+    accumulate_into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """`(dx, dh)`: `dh[t, :r_i] = s_i dy[t] B_i` (zero-padded to max rank, dy's dtype) and
     `dx[t] = dh[t, :r_i] A_i` (None unless `need_dx`), in one launch.
 
     dy: `[T, N]`; a_cat: `[sum r, K]`; b_cat: `[N, sum r]`. `groups` as in `lora_forward`.
+    `accumulate_into` (`[T, K]`, dy's dtype; with `need_dx`): `dh A_i` is added to it in place
+    (fp32 sum, one rounding) and it is returned as dx: the base GEMM's input gradient takes
+    the adapters' without a separate add.
     """
     _launch.check_operands("lora_backward_data", layout, dy, a_cat, b_cat)
     _launch.check_fused_rank("lora_backward_data", layout)
@@ -93,7 +101,13 @@ def lora_backward_data(
             f"lora_backward_data: a_cat has {a_cat.shape[0]} rows, layout {layout.total_rank}"
         )
     dh = torch.empty(t, layout.max_rank, device=dy.device, dtype=dy.dtype)
-    dx = torch.empty(t, k, device=dy.device, dtype=dy.dtype) if need_dx else None
+    if accumulate_into is not None and (
+        not need_dx or accumulate_into.shape != (t, k) or accumulate_into.dtype != dy.dtype
+    ):
+        raise ValueError(f"lora_backward_data: accumulate_into must be ({t}, {k}) {dy.dtype}")
+    dx = accumulate_into
+    if dx is None and need_dx:
+        dx = torch.empty(t, k, device=dy.device, dtype=dy.dtype)
     count, per_group = _launch.split_groups(layout, k, groups) if need_dx else (1, k)
     block_r = _launch.block_r(layout.max_rank)
     dx_arg = dh if dx is None else dx  # never written when HAS_DX is False
@@ -110,6 +124,7 @@ def lora_backward_data(
          k, n, layout.max_rank, per_group, *dy.stride(), *a_cat.stride(), *b_cat.stride(),
          *dx_arg.stride(), *dh.stride()),
         HAS_DX=need_dx,
+        ACCUMULATE=accumulate_into is not None,
         BLOCK_R=block_r,
     )  # fmt: skip
     return dx, dh

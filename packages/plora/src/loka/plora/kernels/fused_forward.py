@@ -62,7 +62,10 @@ _FORWARD_CONFIGS = [
     triton.Config({"BLOCK_T": 64, "BLOCK_K": 128, "BLOCK_N": 128}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_T": 128, "BLOCK_K": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3),
 ]
-_FORWARD = _launch.autotuned(_forward_kernel, _FORWARD_CONFIGS, key=["K", "N", "R_OUT"])
+# y may be base itself (written in place): tuning restores it after each run.
+_FORWARD = _launch.autotuned(
+    _forward_kernel, _FORWARD_CONFIGS, key=["K", "N", "R_OUT"], restore_value=["y_ptr"]
+)
 _FORWARD_INTERPRETED = triton.Config({"BLOCK_T": 32, "BLOCK_K": 64, "BLOCK_N": 64})
 
 
@@ -74,13 +77,15 @@ def lora_forward(
     layout: MultiLoraLayout,
     *,
     groups: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(y, h)`: `h[t, :r_i] = x[t] A_i^T` (zero-padded to max rank, x's dtype) and
     `y[t] = base[t] + s_i h[t, :r_i] B_i^T`, in one launch.
 
     x: `[T, K]`; a_cat: `[sum r, K]`; b_cat: `[N, sum r]`; base: `[T, N]`; max rank at
     most `MAX_FUSED_RANK`. `groups`: how many parts the N tiles are split into (None: as
-    many as fill the GPU, `_launch.split_groups`).
+    many as fill the GPU, `_launch.split_groups`). `out`: where y goes (`[T, N]`, x's dtype;
+    it may be `base` itself: each tile of base is read before the same program writes it).
     """
     _launch.check_operands("lora_forward", layout, x, a_cat, b_cat, base)
     _launch.check_fused_rank("lora_forward", layout)
@@ -96,7 +101,9 @@ def lora_forward(
             f"lora_forward: b_cat {tuple(b_cat.shape)} / base {tuple(base.shape)} do not fit "
             f"(N, sum of ranks {layout.total_rank}) / (T {t}, N)"
         )
-    y = torch.empty(t, n, device=x.device, dtype=x.dtype)
+    if out is not None and (out.shape != (t, n) or out.dtype != x.dtype):
+        raise ValueError(f"lora_forward: out must be ({t}, {n}) {x.dtype}")
+    y = torch.empty(t, n, device=x.device, dtype=x.dtype) if out is None else out
     h = torch.empty(t, layout.max_rank, device=x.device, dtype=x.dtype)
     count, per_group = _launch.split_groups(layout, n, groups)
     block_r = _launch.block_r(layout.max_rank)

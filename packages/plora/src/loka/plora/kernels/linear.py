@@ -8,7 +8,11 @@ from collections.abc import Sequence
 
 import torch
 
-from loka.plora.kernels.function import MultiLoraLinearFunction, resolve_path
+from loka.plora.kernels.function import (
+    MultiLoraBaseLinearFunction,
+    MultiLoraLinearFunction,
+    resolve_path,
+)
 from loka.plora.kernels.layout import MultiLoraLayout
 
 
@@ -29,9 +33,37 @@ def multi_lora_linear(
     backward) or "unfused" (the first kernels, 6 launches); None reads $LOKA_PLORA_KERNELS
     (`function.resolve_path`).
     """
-    _check_linear_shapes(x, base_out, a_cat, b_cat, layout)
+    _check_linear_shapes(x, base_out.shape, a_cat, b_cat, layout)
     chosen = resolve_path(path, layout)
     return MultiLoraLinearFunction.apply(x, base_out, a_cat, b_cat, layout, chosen)
+
+
+def multi_lora_base_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    layout: MultiLoraLayout,
+    *,
+    path: str | None = None,
+) -> torch.Tensor:
+    """`x W^T + bias + s_i (x A_i^T) B_i^T` per adapter segment: the base linear and the
+    adapters as one op, so that the adapters write into the base GEMM's output and input
+    gradient in place (fused kernels; less memory traffic than `F.linear` followed by
+    `multi_lora_linear`). weight: `[N, K]` (frozen or not), bias `[N]` or None, x's dtype.
+    Path "unfused" (or a rank > 128): `F.linear` then `multi_lora_linear`.
+    """
+    n = weight.shape[0]
+    if weight.shape != (n, x.shape[1]) or weight.dtype != x.dtype:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)} {x.dtype}"
+        )
+    if resolve_path(path, layout) != "fused":
+        base = torch.nn.functional.linear(x, weight, bias)
+        return multi_lora_linear(x, base, a_cat, b_cat, layout, path="unfused")
+    _check_linear_shapes(x, (x.shape[0], n), a_cat, b_cat, layout)
+    return MultiLoraBaseLinearFunction.apply(x, weight, bias, a_cat, b_cat, layout)
 
 
 def multi_lora_linear_reference(
@@ -61,17 +93,17 @@ def multi_lora_linear_reference(
     return torch.cat(pieces)
 
 
-def _check_linear_shapes(x, base_out, a_cat, b_cat, layout: MultiLoraLayout) -> None:
+def _check_linear_shapes(x, base_shape, a_cat, b_cat, layout: MultiLoraLayout) -> None:
     t, k = x.shape
-    if base_out.shape[0] != t:
-        raise ValueError(f"x has {t} tokens but base_out {base_out.shape[0]}")
+    if base_shape[0] != t:
+        raise ValueError(f"x has {t} tokens but base_out {base_shape[0]}")
     if a_cat.shape != (layout.total_rank, k):
         raise ValueError(
             f"a_cat shape {tuple(a_cat.shape)} != (sum of ranks {layout.total_rank}, K {k})"
         )
-    if b_cat.shape != (base_out.shape[1], layout.total_rank):
+    if b_cat.shape != (base_shape[1], layout.total_rank):
         raise ValueError(
-            f"b_cat shape {tuple(b_cat.shape)} != (N {base_out.shape[1]}, "
+            f"b_cat shape {tuple(b_cat.shape)} != (N {base_shape[1]}, "
             f"sum of ranks {layout.total_rank})"
         )
 
@@ -84,7 +116,7 @@ def multi_lora_linear_loop(
     layout: MultiLoraLayout,
 ) -> torch.Tensor:
     """`multi_lora_linear`'s signature over the Python loop (differentiable torch ops)."""
-    _check_linear_shapes(x, base_out, a_cat, b_cat, layout)
+    _check_linear_shapes(x, base_out.shape, a_cat, b_cat, layout)
     a_list = [a_cat[o : o + r] for o, r in zip(layout.rank_offsets, layout.ranks, strict=True)]
     b_list = [b_cat[:, o : o + r] for o, r in zip(layout.rank_offsets, layout.ranks, strict=True)]
     return multi_lora_linear_reference(x, base_out, a_list, b_list, layout)
