@@ -62,6 +62,7 @@ _BACKWARD_CONFIGS = [
     triton.Config({"BLOCK_T": 128, "BLOCK_K": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_T": 64, "BLOCK_K": 128, "BLOCK_N": 128}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_T": 128, "BLOCK_K": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_T": 32, "BLOCK_K": 128, "BLOCK_N": 128}, num_warps=4, num_stages=3),
 ]
 _BACKWARD = _launch.autotuned(
     _backward_data_kernel, _BACKWARD_CONFIGS, key=["K", "N", "R_OUT", "HAS_DX"]

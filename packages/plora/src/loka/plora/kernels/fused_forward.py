@@ -61,6 +61,8 @@ _FORWARD_CONFIGS = [
     triton.Config({"BLOCK_T": 128, "BLOCK_K": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_T": 64, "BLOCK_K": 128, "BLOCK_N": 128}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_T": 128, "BLOCK_K": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+    # Finer token blocks: more programs per wave when the batch has few hundred blocks.
+    triton.Config({"BLOCK_T": 32, "BLOCK_K": 128, "BLOCK_N": 128}, num_warps=4, num_stages=3),
 ]
 # y may be base itself (written in place): tuning restores it after each run.
 _FORWARD = _launch.autotuned(
