@@ -180,11 +180,12 @@ AIM = 0.25  # issue 19: the packed adapter forward + backward <= 25% of the base
 PATHS = ("fused_base", "fused", "unfused")
 
 
-def device_ms(fn, reps: int = 10) -> float | None:
+def device_ms(fn, reps: int = 10) -> tuple[float | None, list]:
     """GPU time of one fn() call: the sum of its kernels' durations (torch.profiler, CUDA
-    activity only), so host launch gaps do not count; None on CPU or if the profiler fails."""
+    activity only), so host launch gaps do not count, and the kernels by time (name, ms per
+    call, launches per call); (None, []) on CPU or if the profiler fails."""
     if DEVICE.type != "cuda":
-        return None
+        return None, []
     from torch.profiler import ProfilerActivity, profile
 
     try:
@@ -194,9 +195,12 @@ def device_ms(fn, reps: int = 10) -> float | None:
             for _ in range(reps):
                 fn()
             sync()
-        return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+        kernels = [(e.key[:80], e.self_device_time_total / reps / 1e3, e.count / reps)
+                   for e in events if e.self_device_time_total > 0]  # fmt: skip
+        return sum(ms for _, ms, _ in kernels), kernels[:12]
     except Exception:  # a profiler failure leaves the wall-clock numbers standing
-        return None
+        return None, []
 
 
 def _bench_shape(name, k, n, jobs, layout) -> dict:
@@ -206,7 +210,8 @@ def _bench_shape(name, k, n, jobs, layout) -> dict:
       torch.cat forward, 64 AccumulateGrads backward), wall clock (do_bench, host included);
     - t_op_{path}_ms: the op alone on concatenated leaves a_cat, b_cat (what issue 19's aim
       is about), wall clock;
-    - device_op_{path}_ms: the same, GPU kernel time only (torch.profiler).
+    - device_op_{path}_ms: the same, GPU kernel time only (torch.profiler), and
+      device_kernels_{path}: its kernels by time (name, ms per call, launches per call).
     adapter_over_base_* = (t - base) / base; its aim is <= AIM."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     t = layout.num_tokens
@@ -270,7 +275,7 @@ def _bench_shape(name, k, n, jobs, layout) -> dict:
         (xg @ w.t()).backward(dy)
 
     t_base = time_fn(run_base)
-    device_base = device_ms(run_base)
+    device_base, _ = device_ms(run_base)
     row = {"shape": name, "K": k, "N": n, "tokens": t, "adapters": len(jobs), "t_base_ms": t_base,
            "device_base_ms": device_base, "aim_adapter_over_base": AIM}  # fmt: skip
     for path in PATHS:
@@ -279,7 +284,8 @@ def _bench_shape(name, k, n, jobs, layout) -> dict:
         cat = [x.clone().requires_grad_(), torch.cat(a_list).requires_grad_(),
                torch.cat(b_list, dim=1).requires_grad_()]  # fmt: skip
         row[f"t_op_{path}_ms"] = time_fn(lambda vs=cat, p=path: run_op(vs, p))
-        row[f"device_op_{path}_ms"] = device_ms(lambda vs=cat, p=path: run_op(vs, p))
+        device, kernels = device_ms(lambda vs=cat, p=path: run_op(vs, p))
+        row[f"device_op_{path}_ms"], row[f"device_kernels_{path}"] = device, kernels
         row[f"adapter_over_base_{path}"] = (row[f"t_{path}_ms"] - t_base) / t_base
         row[f"adapter_over_base_op_{path}"] = (row[f"t_op_{path}_ms"] - t_base) / t_base
         if device_base and row[f"device_op_{path}_ms"] is not None:
