@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import polars as pl
 import pytest
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ import loka.zoo as zoo
 from loka.dispatch import PlanConfig, Session, SessionConfig
 from loka.dispatch.integrations import GuardConfig
 from loka.dispatch.testing import synthetic_kernel_bench
+from loka.dispatch.verify import VerifyConfig
 from loka.mods.fp8_linear import Fp8Linear
 from loka.probe import ProbeConfig
 
@@ -226,3 +228,52 @@ def test_lightning_callback_steps_per_optimizer_step_under_gradient_accumulation
     trainer.fit(Module(), loader)
     assert trainer.global_step == 3
     assert callback.session.steps == 3  # six micro-batches, three optimizer steps
+
+
+def test_a_compiled_model_is_probed_planned_and_applied_through_the_module_it_compiles() -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    compiled = torch.compile(model, backend="eager")
+    bench = synthetic_kernel_bench([(32, 32, 64), (32, 64, 32)], backend="torch.native")
+    events: list[str] = []
+    config = SessionConfig(warmup_steps=3, probe=PROBE, kernel_bench=bench)
+    session = Session(compiled, config, on_event=events.append)
+    assert session.compiled and session.model is model
+    assert session.config.plan.mode == "compiled"
+    assert "torch.compile'd" in events[0]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for _ in range(5):
+        loss = compiled(torch.randn(32, 32)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        session.step(loss)
+    assert session.phase == "applied"
+    # Site names are the model's own, and the plan's FP8 sites run the traceable backend.
+    assert set(session.tables["sites"]["site"]) == {"0", "2"}
+    assert session.applied.sites and all(isinstance(model.get_submodule(s), Fp8Linear)
+                                         for s in session.applied.sites)  # fmt: skip
+    backends = set(session.plan.table.filter(pl.col("recipe") != "bf16")["backend"])
+    assert backends == {"torch.native"}
+    # Probe's hooks run outside the graph: no recompile storm while probing.
+    assert counters["stats"]["unique_graphs"] <= 8
+
+
+def test_verifying_a_compiled_model_raises_dynamos_recompile_limit() -> None:
+    import torch._dynamo
+
+    model = nn.Sequential(nn.Linear(32, 32))
+    session = Session(torch.compile(model, backend="eager"), SessionConfig(warmup_steps=1))
+    before = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.config.recompile_limit = 8
+        session._allow_recompiles(VerifyConfig(max_rounds=6))
+        assert torch._dynamo.config.recompile_limit == 16
+        assert any("recompile_limit raised to 16" in e for e in session.events)
+    finally:
+        torch._dynamo.config.recompile_limit = before
+        session.close()

@@ -344,8 +344,11 @@ def apply(
     Returns an `Applied` (undo with `.undo()`). Raises `PlanMismatchError` with the model
     unchanged when the plan does not fit (any site with ``strict=True``; most sites always).
     `sample` is one model input: a fused norm (the plan's, or ``config.fuse_norm``) is kept
-    only if the fused model matches the original on it, so fusion needs it.
+    only if the fused model matches the original on it, so fusion needs it. A
+    `torch.compile`'d model is changed through the module it compiles (site names are that
+    module's); it recompiles on its next call.
     """
+    model = getattr(model, "_orig_mod", model)
     config = config or ApplyConfig()
     plan = _as_plan(plan)
     table = plan.table

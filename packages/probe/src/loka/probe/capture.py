@@ -95,7 +95,9 @@ class Recorder:
             except Exception as exc:  # a statistics failure must never stop training
                 self.on_error(where, exc)
 
-        return wrapped
+        # Under torch.compile a hook runs eagerly (a graph break): traced, its Python-side
+        # bookkeeping would be compiled into the model's graph and recompiled as it changes.
+        return torch.compiler.disable(wrapped)
 
     def remove(self) -> None:
         self.closed = True

@@ -52,6 +52,9 @@ class Probe:
     def __init__(self, model: nn.Module, config: ProbeConfig | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Probe needs an nn.Module, got {type(model).__name__}")
+        # torch.compile's wrapper: probe the module it compiles, so that site names are the
+        # model's own (no "_orig_mod." prefix) and match a plan applied to either.
+        model = getattr(model, "_orig_mod", model)
         self.config = config or ProbeConfig()
         specs = find_sites(model, self.config.excluded)
         if not specs:

@@ -25,6 +25,7 @@ The optimizer needs nothing: converted modules keep the same Parameter objects.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -145,10 +146,21 @@ class Session:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Session needs an nn.Module, got {type(model).__name__}")
-        self.model = model
+        # A torch.compile'd model: probe, plan and apply through the module it compiles (the
+        # site names are that module's), and plan for compiled execution.
+        self.model = getattr(model, "_orig_mod", model)
+        self.compiled = self.model is not model
         self.config = config or SessionConfig()
+        self.events: list[str] = []
         self.sample = sample
         self.on_event = on_event
+        if self.compiled and self.config.plan.mode == "eager":
+            plan = dataclasses.replace(self.config.plan, mode="compiled")
+            self.config = dataclasses.replace(self.config, plan=plan)
+            self._event(
+                "the model is torch.compile'd: planning for mode 'compiled' (traceable "
+                "backends only; set PlanConfig(mode='cudagraphs') for reduce-overhead)"
+            )
         self.timer = timer
         self.steps = 0
         self.phase = "warmup"
@@ -159,7 +171,6 @@ class Session:
         self._verified_at: int | None = None  # step count when verification ended
         self.tables: dict[str, pl.DataFrame] = {}
         self.kernel_bench: pl.DataFrame | None = None
-        self.events: list[str] = []
         self.nonfinite_losses = 0
         self.skipped_steps = 0  # optimizer steps skipped for non-finite gradients
         self._reprobe_start: int | None = None
@@ -321,12 +332,27 @@ class Session:
             self._verified_at = self.steps
             return
         self.phase = "verifying"
+        self._allow_recompiles(config)
         self.verifier = verifier_for(
             self.applied, config, self.timer, reduce=_max_over_ranks if is_distributed() else None,
             on_event=self._event,
         )  # fmt: skip
         if self.verifier.done:
             self._settle()
+
+    def _allow_recompiles(self, config: VerifyConfig) -> None:
+        """Each set of FP8 sites verification tries is one more compiled variant of the
+        model; past dynamo's recompile limit (8 by default) the model would silently run
+        uncompiled and the timings would measure eager steps. Raise the limit to cover
+        them (a global dynamo setting: said in an event)."""
+        if not self.compiled:
+            return
+        import torch._dynamo
+
+        needed = 2 * config.max_rounds + 4  # every set and bf16, plus the warm-up's graphs
+        if torch._dynamo.config.recompile_limit < needed:
+            torch._dynamo.config.recompile_limit = needed
+            self._event(f"torch._dynamo.config.recompile_limit raised to {needed} for verification")
 
     def _settle(self) -> None:
         settle(self.applied, self.verifier.result)
