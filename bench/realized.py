@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-budget-s", type=float, default=60.0)
     p.add_argument("--cache", default=None, help="kernel_bench cache folder")
     p.add_argument("--verify", action="store_true", help="run Dispatch's verification too")
-    p.add_argument("--profile", action="store_true", help="profile bf16 and each FP8 variant")
+    p.add_argument("--profile", action="store_true", help="profile bf16, FP8 variants")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new work after")
     p.add_argument("--inference", action="store_true", help="also time forward-only serving")
     p.add_argument(
@@ -433,6 +433,7 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
             if not variant.startswith("bf16-seed"):
                 made[variant]["row"]["profile"] = profile(made[variant], step_fn, out=args.out,
                                                           tag=f"{name}_{mode}_{variant}")  # fmt: skip
+                made[variant]["row"]["saved"] = saved_for_backward(made[variant], step_fn)
     rows = []
     base = times.get("bf16")
     key = QUALITY_KEY.get(name, "ne")
@@ -732,6 +733,28 @@ def verify_loka(v, step_fn, applied) -> dict:
     }  # fmt: skip
 
 
+def saved_for_backward(v, step_fn) -> dict:
+    """What one step keeps for its backward (through `saved_tensors_hooks`, which see the
+    compiled graph's saved activations too): MB and count per dtype. An FP8 pass changes
+    what the compiled graph saves and what its backward recomputes (on the CPU: with any
+    pass of a linear in FP8, the partitioner recomputed the bf16 input and weight in the
+    backward instead of saving them), a cost no kernel timing sees. The hooks may cost
+    one recompile."""
+    import torch
+
+    saved: dict[str, list[float]] = {}
+
+    def pack(t):
+        entry = saved.setdefault(str(t.dtype).removeprefix("torch."), [0.0, 0])
+        entry[0] += t.numel() * t.element_size() / 2**20
+        entry[1] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step_fn(v, 0)
+    return {k: {"mb": round(mb, 1), "count": n} for k, (mb, n) in sorted(saved.items())}
+
+
 def profile(v, step_fn, out, tag) -> dict:
     """torch.profiler over a few steps: CUDA and CPU time per step, top kernels by time."""
     import torch
@@ -739,12 +762,15 @@ def profile(v, step_fn, out, tag) -> dict:
     from torch.profiler import profile as torch_profile
 
     steps = 4
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]
+    with torch_profile(activities=activities) as prof:
         for i in range(steps):
             step_fn(v, i)
-        torch.cuda.synchronize()
+        if gpu:
+            torch.cuda.synchronize()
     events = prof.key_averages()
-    table = events.table(sort_by="cuda_time_total", row_limit=80)
+    table = events.table(sort_by="cuda_time_total" if gpu else "cpu_time_total", row_limit=80)
     Path(out, f"profile_{tag}.txt").write_text(table)
     cuda_total = sum(e.self_device_time_total for e in events) / 1e3 / steps
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:30]
