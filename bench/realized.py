@@ -85,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-budget-s", type=float, default=60.0)
     p.add_argument("--cache", default=None, help="kernel_bench cache folder")
     p.add_argument("--verify", action="store_true", help="run Dispatch's verification too")
+    p.add_argument("--verify-unit", default="site", choices=("site", "pass"),
+                   help="what verification switches and demotes (VerifyConfig.unit)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="profile bf16, FP8 variants")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new work after")
     p.add_argument("--inference", action="store_true", help="also time forward-only serving")
@@ -422,7 +424,9 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
     for variant in loka_plans:
         if args.verify and variant in live:
             # The closed loop first, so that the blocks below time the plan it settled on.
-            made[variant]["row"] |= verify_loka(made[variant], step_fn, made[variant]["applied"])
+            made[variant]["row"] |= verify_loka(
+                made[variant], step_fn, made[variant]["applied"], args.verify_unit
+            )
     fns = {k: (lambda i, v=made[k]: step_fn(v, i)) for k in live}
     times = interleaved(fns, args.blocks, args.block_steps, clock, left)
     log(f"{name}/{mode}: timed {len(fns)} variant(s)")
@@ -507,7 +511,10 @@ def predicted_from_step(plan, demoted, bf16_step_ms: float) -> float | None:
     its FP8 sites, less the demoted, save), as verification predicts it."""
     from loka.dispatch.verify import site_gains
 
-    saving = sum(ms for site, ms in site_gains(plan.table).items() if site not in demoted)
+    saving = sum(
+        ms for unit, ms in site_gains(plan.table, per_pass=True).items()
+        if unit not in demoted and unit.rpartition("/")[0] not in demoted
+    )  # fmt: skip
     return bf16_step_ms / (bf16_step_ms - saving) if saving < bf16_step_ms else None
 
 
@@ -716,13 +723,13 @@ def inference_rows(
     return rows
 
 
-def verify_loka(v, step_fn, applied) -> dict:
+def verify_loka(v, step_fn, applied, unit: str = "site") -> dict:
     """Dispatch's closed loop (`loka.dispatch.verify`) on LoKA's model and its own step."""
     from loka.dispatch.verify import VerifyConfig, verify
 
     counter = iter(range(10**9))
     t0 = time.monotonic()
-    config = VerifyConfig(steps_per_block=8, blocks=3, drop=2, max_rounds=3)
+    config = VerifyConfig(steps_per_block=8, blocks=3, drop=2, max_rounds=3, unit=unit)
     result = verify(lambda: step_fn(v, next(counter)), applied, config)
     return {
         "verify_s": time.monotonic() - t0,

@@ -421,3 +421,59 @@ def test_gradients_cleared_after_the_step_are_not_mistaken_for_lost_ones() -> No
     params = {"w": torch.nn.Parameter(torch.ones(2))}  # grad None: zeroed after each step
     result = run(fake, parameters=lambda: params.items()).result
     assert result.kept == ["a"] and not result.rounds[0].lost_gradients
+
+
+def test_pass_units_switch_and_demote_one_pass_of_a_site() -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    originals = dict(model.named_modules())
+    applied = apply(model, tiny_plan(model))
+    units = applied.pass_units()
+    assert units == [f"{s}/{p}" for s in ("fc1", "fc2") for p in PASSES]
+    applied.use_units({"fc1/fwd"})
+    config = model.fc1.fp8_config
+    assert type(model.fc1) is Fp8Linear and not config.fwd.is_bf16
+    assert config.dgrad.is_bf16 and config.wgrad.is_bf16 and model.fc2 is originals["fc2"]
+    applied.use_units(units)
+    assert all(not c.is_bf16 for c in model.fc1.fp8_config.passes().values())
+    with pytest.raises(ValueError, match="not live FP8 units"):
+        applied.use_units({"fc1/backward"})
+    # One pass demoted: the site stays FP8 without it; its last pass demotes the site.
+    assert applied.demote_pass("fc2", "wgrad", "test")
+    assert model.fc2.fp8_config.wgrad.is_bf16 and not model.fc2.fp8_config.fwd.is_bf16
+    assert "fc2/wgrad" not in applied.pass_units() and not applied.demote_pass("fc2", "wgrad", "x")
+    applied.use_units(applied.pass_units())
+    assert model.fc2.fp8_config.wgrad.is_bf16  # a demoted pass stays demoted
+    assert applied.demote_pass("fc2", "fwd", "test") and applied.demote_pass("fc2", "dgrad", "t")
+    assert model.fc2 is originals["fc2"] and "fc2" in applied.demoted
+
+
+def test_pass_level_verification_keeps_a_sites_forward_and_demotes_its_losing_pass() -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    applied = apply(model, tiny_plan(model))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 32)
+
+    def step_fn() -> None:
+        loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    def live() -> list[str]:  # the units in FP8 in the model now
+        return [f"{s}/{p}" for s in applied.active
+                for p, c in model.get_submodule(s).fp8_config.passes().items() if not c.is_bf16]  # fmt: skip
+
+    factors = dict.fromkeys(applied.pass_units(), 0.99) | {"fc1/dgrad": 1.2}
+    fake = FakeStep(factors)
+    fake.time = lambda: 0.1 * math.prod(factors[u] for u in live())
+    config = VerifyConfig(steps_per_block=2, drop=1, blocks=3, max_rounds=8, unit="pass")
+    result = verify(step_fn, applied, config, fake)
+    assert list(result.demoted) == ["fc1/dgrad"] and "fc1/fwd" in result.kept
+    assert result.speedup == pytest.approx(0.99**-5)
+    fc1 = model.fc1.fp8_config
+    assert type(model.fc1) is Fp8Linear and fc1.dgrad.is_bf16 and not fc1.fwd.is_bf16
+    assert applied.demoted_passes["fc1/dgrad"].startswith("verify: ") and not applied.demoted
+    with pytest.raises(ValueError, match="unit must be"):
+        VerifyConfig(unit="layer")

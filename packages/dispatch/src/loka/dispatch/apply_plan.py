@@ -102,6 +102,11 @@ class Applied:
     variants: dict[str, list[tuple[str, nn.Module, nn.Module]]] = field(
         default_factory=dict, repr=False
     )
+    # FP8 passes run in bf16 from now on, while the rest of their site stays FP8
+    # ("site/pass" -> why; `demote_pass`, verification with VerifyConfig(unit="pass")).
+    demoted_passes: dict[str, str] = field(default_factory=dict)
+    # The planned config of each site's FP8 linears, before any pass was switched off.
+    _planned_configs: dict[int, Any] = field(default_factory=dict, repr=False)
 
     def undo(self) -> None:
         """Restore the model's original modules (the Parameters are the same objects)."""
@@ -127,6 +132,73 @@ class Applied:
                 raise RuntimeError(f"{site}: its original modules were not recorded")
             for path, planned, original in self.variants[site]:
                 _set_module(self.model, path, planned if site in active else original)
+
+    def pass_units(self) -> list[str]:
+        """The live FP8 passes as ``"site/pass"`` units, for the sites whose planned modules
+        are FP8 linears (their passes switch one by one); any other live site is one unit."""
+        units: list[str] = []
+        for site in self.sites:
+            if site in self.demoted:
+                continue
+            passes = self._fp8_passes(site)
+            units += [f"{site}/{p}" for p in passes] if passes is not None else [site]
+        return units
+
+    def use_units(self, active: Iterable[str]) -> None:
+        """`use` per unit (`pass_units`): a site runs its planned module(s) with only its
+        passes in `active` in FP8 (the others in bf16), its original module(s) when none
+        is; a site-level unit switches as in `use`."""
+        active = set(active)
+        if unknown := active - set(self.pass_units()):
+            raise ValueError(f"not live FP8 units of this plan: {sorted(unknown)}")
+        on: dict[str, set[str]] = {}
+        for unit in active:
+            site, _, pass_ = unit.rpartition("/") if "/" in unit else (unit, "", "")
+            on.setdefault(site, set()).update([pass_] if pass_ else [])
+        self.use(on)
+        for site, passes in on.items():
+            if self._fp8_passes(site) is not None:
+                self._set_passes(site, passes)
+
+    def demote_pass(self, site: str, pass_: str, reason: str) -> bool:
+        """Run one FP8 pass of `site` in bf16 from now on (the site's other FP8 passes
+        stay); the whole site is demoted when it was its last one. False if it already was."""
+        passes = self._fp8_passes(site)
+        if site in self.demoted or passes is None or pass_ not in passes:
+            return False
+        self.demoted_passes[f"{site}/{pass_}"] = reason
+        log.warning("loka: %s/%s demoted to bf16: %s", site, pass_, reason)
+        if passes == [pass_]:
+            return self.demote(site, f"every FP8 pass demoted: {reason}")
+        if site in self.active:
+            self._set_passes(site, set(passes) - {pass_})
+        return True
+
+    def _fp8_linears(self, site: str) -> list[nn.Module]:
+        from loka.mods.fp8_linear import Fp8Linear
+
+        return [m for _, m, _ in self.variants.get(site, []) if isinstance(m, Fp8Linear)]
+
+    def _fp8_passes(self, site: str) -> list[str] | None:
+        """The FP8 passes still planned at `site` (None: it does not switch per pass)."""
+        linears = self._fp8_linears(site)
+        if len(linears) != 1:
+            return None
+        config = self._planned_configs.setdefault(id(linears[0]), linears[0].fp8_config)
+        return [
+            p for p, c in config.passes().items()
+            if not c.is_bf16 and f"{site}/{p}" not in self.demoted_passes
+        ]  # fmt: skip
+
+    def _set_passes(self, site: str, passes: set[str]) -> None:
+        (linear,) = self._fp8_linears(site)
+        planned = self._planned_configs[id(linear)]
+        wanted = planned.replace(**{
+            p: c if p in passes and f"{site}/{p}" not in self.demoted_passes else PassConfig()
+            for p, c in planned.passes().items()
+        })  # fmt: skip
+        if linear.fp8_config != wanted:
+            linear.set_config(wanted)
 
     @property
     def active(self) -> list[str]:

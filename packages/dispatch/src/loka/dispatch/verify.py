@@ -73,6 +73,11 @@ class VerifyConfig:
         plan's prediction beyond noise (the interval's upper end under the prediction).
     on_cpu: a `Session` also verifies a model on the CPU (where FP8 runs emulated, so the
         step time says nothing of the GPU the plan is for); off by default.
+    unit: what the search switches and demotes: "site" (all FP8 passes of a site together)
+        or "pass" (each FP8 pass of a linear site on its own, ``"site/pass"``; a site whose
+        forward pays and whose backward does not keeps its forward in FP8). Each distinct
+        set is one more compiled variant under torch.compile, and there are up to three
+        times as many units to bisect.
     """
 
     steps_per_block: int = 10
@@ -83,6 +88,7 @@ class VerifyConfig:
     max_rounds: int = 6
     check_prediction: bool = True
     on_cpu: bool = False
+    unit: str = "site"
 
     def __post_init__(self) -> None:
         if self.blocks < 3:
@@ -99,6 +105,8 @@ class VerifyConfig:
             raise ValueError(f"confidence must be in (0, 1), got {self.confidence}")
         if self.max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1, got {self.max_rounds}")
+        if self.unit not in ("site", "pass"):
+            raise ValueError(f"unit must be 'site' or 'pass', got {self.unit!r}")
 
     @property
     def steps_per_round(self) -> int:
@@ -125,7 +133,8 @@ class Round:
     def describe(self) -> str:
         predicted = f", predicted {self.predicted:.3f}x" if self.predicted is not None else ""
         return (
-            f"round {self.index}: {len(self.active)} FP8 site(s): {self.speedup:.3f}x bf16 "
+            f"round {self.index}: {len(self.active)} FP8 {_what(self.active)}: "
+            f"{self.speedup:.3f}x bf16 "
             f"[{self.low:.3f}, {self.high:.3f}]{predicted}: {self.verdict}"
         )
 
@@ -168,7 +177,7 @@ class Verification:
                 f", predicted {self.predicted_kept:.3f}x" if self.predicted_kept is not None else ""
             )
             out.append(
-                f"verified: {len(self.kept)} of {len(self.sites)} FP8 site(s) kept, step "
+                f"verified: {len(self.kept)} of {len(self.sites)} FP8 {_what(self.sites)} kept, step "
                 f"{self.speedup:.3f}x bf16 [{self.low:.3f}, {self.high:.3f}]{predicted} "
                 f"({self.steps} steps, {self.method})"
             )
@@ -176,15 +185,22 @@ class Verification:
         return out
 
 
-def site_gains(plan_table: pl.DataFrame) -> dict[str, float]:
-    """Predicted kernel time saved per FP8 site of a plan (ms, summed over its passes)."""
+def _what(units: Iterable[str]) -> str:
+    """What a set of verification units counts: sites, or passes ("site/pass")."""
+    return "pass(es)" if any("/" in u for u in units) else "site(s)"
+
+
+def site_gains(plan_table: pl.DataFrame, per_pass: bool = False) -> dict[str, float]:
+    """Predicted kernel time saved per FP8 site of a plan (ms, summed over its passes), or
+    with `per_pass` per ``"site/pass"``."""
     gains: dict[str, float] = {}
     for row in plan_table.iter_rows(named=True):
         if row["recipe"] == "bf16":
             continue
         saved = row["bf16_ms"] - row["predicted_ms"]
         if math.isfinite(saved):
-            gains[row["site"]] = gains.get(row["site"], 0.0) + saved
+            key = f"{row['site']}/{row['pass']}" if per_pass else row["site"]
+            gains[key] = gains.get(key, 0.0) + saved
     return gains
 
 
@@ -258,7 +274,7 @@ class Verifier:
             return
         cfg = self.config
         self._event(
-            f"verifying {len(self.sites)} FP8 site(s) on the real step ({self.method}): "
+            f"verifying {len(self.sites)} FP8 {_what(self.sites)} on the real step ({self.method}): "
             f"planned/bf16 blocks of {cfg.steps_per_block} steps ({cfg.drop} dropped), "
             f"{cfg.steps_per_round} steps a round, at most {cfg.max_rounds} round(s)"
         )
@@ -450,12 +466,20 @@ def verifier_for(
     switching them with `Applied.use`; predictions from its plan; the gradient check on the
     model's parameters. `timer` defaults to CUDA events on a GPU model, the wall clock
     elsewhere."""
-    live = [s for s in applied.sites if s not in applied.demoted]
+    config = config or VerifyConfig()
+    per_pass = config.unit == "pass"
+    if per_pass:
+        live, switch = applied.pass_units(), applied.use_units
+        gains = site_gains(applied.plan.table, per_pass=True)
+        gains |= {u: v for u, v in site_gains(applied.plan.table).items() if u in live}
+    else:
+        live, switch = [s for s in applied.sites if s not in applied.demoted], applied.use
+        gains = site_gains(applied.plan.table)
     timer = timer if timer is not None else default_timer(_model_device(applied.model))
     return Verifier(
-        live, applied.use, config, timer, gains=site_gains(applied.plan.table),
+        live, switch, config, timer, gains=gains,
         predicted=applied.plan.summary.predicted_speedup,
-        saving_ms=site_gains(applied.plan.table),
+        saving_ms=gains,
         parameters=kwargs.pop("parameters", applied.model.named_parameters), **kwargs,
     )  # fmt: skip
 
@@ -464,9 +488,18 @@ def settle(applied, result: Verification) -> None:
     """Make the outcome permanent: the kept sites in FP8, every other one demoted with
     `Applied.demote` (its reason recorded), and the measurement written into the plan's
     summary (and the summary metadata a saved plan carries)."""
-    applied.use(s for s in result.kept if s not in applied.demoted)
-    for site, reason in result.demoted.items():
-        applied.demote(site, f"verify: {reason}")
+    if any("/" in u for u in [*result.kept, *result.demoted]):
+        applied.use_units(result.kept)
+        for unit, reason in result.demoted.items():
+            site, _, pass_ = unit.rpartition("/")
+            if pass_:
+                applied.demote_pass(site, pass_, f"verify: {reason}")
+            else:
+                applied.demote(unit, f"verify: {reason}")
+    else:
+        applied.use(s for s in result.kept if s not in applied.demoted)
+        for site, reason in result.demoted.items():
+            applied.demote(site, f"verify: {reason}")
     summary = applied.plan.summary
     summary.measured_speedup = result.speedup
     summary.measured_interval = (
