@@ -318,11 +318,8 @@ def test_a_fused_site_switches_its_norm_too() -> None:
     assert type(model.fc1) is NormLinear and model.fc1.norm is model.norm
 
 
-def test_verify_drives_training_steps_demotes_and_records_in_the_plan(tmp_path) -> None:
-    torch.manual_seed(0)
-    model = Tiny()
-    originals = dict(model.named_modules())
-    applied = apply(model, tiny_plan(model))
+def sgd_step(model: nn.Module):
+    """One whole training step of `model` on a fixed batch (SGD), as verification calls it."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, 32)
 
@@ -331,6 +328,16 @@ def test_verify_drives_training_steps_demotes_and_records_in_the_plan(tmp_path) 
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+
+    return step_fn
+
+
+def test_verify_drives_training_steps_demotes_and_records_in_the_plan(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    originals = dict(model.named_modules())
+    applied = apply(model, tiny_plan(model))
+    step_fn = sgd_step(model)
 
     fake = FakeStep({"fc1": 0.9, "fc2": 1.2})
     fake.time = lambda: 0.1 * math.prod(fake.factors[s] for s in applied.active)
@@ -452,14 +459,7 @@ def test_pass_level_verification_keeps_a_sites_forward_and_demotes_its_losing_pa
     torch.manual_seed(0)
     model = Tiny()
     applied = apply(model, tiny_plan(model))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(32, 32)
-
-    def step_fn() -> None:
-        loss = model(x).square().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    step_fn = sgd_step(model)
 
     def live() -> list[str]:  # the units in FP8 in the model now
         return [f"{s}/{p}" for s in applied.active
