@@ -101,3 +101,27 @@ def test_demo_on_the_cpu_plans_for_the_h200_and_says_it_is_an_estimate(tmp_path,
     plan = read_plan(out / "plan.parquet")
     assert plan.summary.estimated and plan.summary.device == "NVIDIA H200"
     assert_self_contained((out / "report.html").read_text())
+
+
+def test_demo_compile_trains_the_compiled_model_with_a_compiled_plan(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    import torch
+
+    compile_ = torch.compile
+    compiled: list = []
+
+    def eager_compile(model, **kwargs):  # the "eager" backend: the same path, no codegen
+        compiled.append(model)
+        return compile_(model, backend="eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", "dhen", "--warmup-steps", "2", "--steps", "1", "--compile",
+                 "--out", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert len(compiled) == 1 and "LoKA demo" in text
+    plan = read_plan(out / "plan.parquet")
+    backends = set(plan.table["backend"]) - {"torch.bf16"}
+    assert backends <= {"torch.native", "torch.native.fast"}  # traceable only
+    assert "mode='compiled'" in plan.metadata["config"]

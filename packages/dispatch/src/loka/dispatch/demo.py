@@ -11,6 +11,7 @@
 
     loka demo                      # CPU: dhen tiny, ~1 minute; GPU: dhen large, measured
     loka demo --model wukong --warmup-steps 40 --steps 40 --out demo-out
+    loka demo --compile            # torch.compile the model, as trainers do: a compiled plan
 """
 
 from __future__ import annotations
@@ -67,10 +68,12 @@ def run_demo(
     bench_budget_s: float | None = 60.0,
     quiet: bool = False,
     verbose: bool = False,
+    compile: bool = False,
 ) -> DemoResult:
     """Run the demo; see the module documentation. Defaults: on a GPU the `large` preset,
     200 warm-up and 100 further steps; on the CPU `tiny`, 20 and 20. The plan prints one
-    line per FP8 site in 80 columns; `verbose` adds its full table."""
+    line per FP8 site in 80 columns; `verbose` adds its full table. `compile` trains the
+    `torch.compile`d model (the session then plans for compiled execution)."""
     import loka.zoo as zoo
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -97,7 +100,8 @@ def run_demo(
         bench_budget_s=bench_budget_s,
     )  # fmt: skip
     sample = next(setup.train_batches())
-    session = Session(setup.model, config, sample=sample)
+    run = torch.compile(setup.model) if compile else setup.model
+    session = Session(run, config, sample=sample)
     optimizer = torch.optim.AdamW(setup.model.parameters(), lr=1e-3)
     autocast = torch.bfloat16 if gpu else None
     losses, times = [], []
@@ -112,7 +116,7 @@ def run_demo(
             start = time.perf_counter()
             if gpu:
                 torch.cuda.synchronize()
-            loss = zoo.training_step(setup, setup.model, optimizer, batch,
+            loss = zoo.training_step(setup, run, optimizer, batch,
                                      autocast_dtype=autocast, check_finite=False)  # fmt: skip
             if gpu:
                 torch.cuda.synchronize()

@@ -32,6 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="folder for the tables, the plan and report.html (default loka-demo)")  # fmt: skip
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="also print the plan's full table (every pass, with its reason)")  # fmt: skip
+    parser.add_argument("--compile", action="store_true",
+                        help="train the torch.compile'd model, as trainers do (a compiled plan)")  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         run_demo(args.model, args.preset, warmup_steps=args.warmup_steps, steps=args.steps,
                  device=args.device, out=args.out, seed=args.seed,
                  kernel_bench=str(args.kernel_bench) if args.kernel_bench else None,
-                 bench_budget_s=args.bench_budget_s, verbose=args.verbose)  # fmt: skip
+                 bench_budget_s=args.bench_budget_s, verbose=args.verbose,
+                 compile=args.compile)  # fmt: skip
     except ValueError as exc:
         return fail(str(exc))
     return 0
