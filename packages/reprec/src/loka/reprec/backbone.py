@@ -1,6 +1,7 @@
 """The LLM backbone: any Hugging Face causal LM from a local folder, or, since no pretrained
 LLM can be downloaded here, a small Llama-style model pretrained on the training split's
-histories written as text ("user history : item_3 item_17 ...").
+histories written as text ("user history : item_3 item_17 ...") followed by yes/no
+questions whose answers only the text itself gives (`PretrainConfig`).
 
 Pretraining sees only each user's training part (all but the last two items), so the
 validation and test targets never reach the backbone.
@@ -19,9 +20,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from loka.reprec.examples import membership_questions
+from loka.reprec.examples import pretraining_questions
 from loka.reprec.prompts import PromptEncoder
 from loka.reprec.train import optimizer_step
 from loka.zoo.data.amazon import AmazonSequences, left_padded, split_prefix
@@ -37,6 +39,9 @@ class BackboneConfig:
     num_heads: int = 4
     intermediate_size: int = 688
     max_position_embeddings: int = 256
+    # Weights' initial std. At Hugging Face's 0.02 the small model's attention starts flat
+    # and its gradients vanish: pretraining never leaves the Yes/No prior (issue 19).
+    initializer_range: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
@@ -51,22 +56,36 @@ class BackboneConfig:
 @dataclass(frozen=True)
 class PretrainConfig:
     """Causal language modelling on the training histories: each user's text, in a seeded
-    order per epoch, concatenated and cut into blocks of `block` tokens (no padding).
+    order per epoch, one text a row (`pretraining_blocks`; padding neither read nor
+    predicted), `batch_size` texts a step.
 
-    With `questions`, each text ends with a membership question, "... . candidate : item_7
-    . is it in the history ? answer : Yes" (half the time an item of that history, else a
-    popularity-sampled item the user's training part lacks): the small model learns to
-    read a history and answer Yes/No, as a real LLM can, without ever seeing the
-    next-item question that REPREC and LoRA are trained on.
+    Each text is a history followed by `questions` yes/no questions and their answers, "...
+    . candidate : item_7 . is it in the history ? answer : Yes", every answer " Yes" or "
+    No" with probability 1/2 and the " No" candidates drawn by popularity, so that the
+    answer can only be read from the text, never guessed from a prior. With `next_item`,
+    the history stops one item short of the user's training part and the first question is
+    the prompt's own, "is it the next item ?", about that held-back item (or a sampled
+    one); the others ask whether the candidate is in the history. Answer tokens weigh
+    `answer_weight` times a history token in the loss, so that answering, not continuing
+    histories, is what the small model spends its capacity on.
+
+    The objective before issue 19 (`PretrainConfig.legacy()`: one membership question
+    after the whole history, unweighted) let a small model learn the Yes/No ratio and
+    answer without reading its prompt; no injector can condition such a backbone.
     """
 
     epochs: int = 4
-    batch_size: int = 32  # blocks per step
-    block: int = 128
-    lr: float = 3e-3
+    batch_size: int = 32  # texts per step
+    block: int = 128  # the longest text, in tokens
+    lr: float = 1e-3
     weight_decay: float = 0.01
     warmup: float = 0.05  # share of the steps with a linearly rising learning rate
-    questions: bool = True
+    # After the warmup: "constant", or "cosine" decay to 0. Answering from the prompt comes
+    # after a plateau at the prior; a decaying rate can end the run before it is left.
+    schedule: str = "constant"
+    questions: int = 4  # per text (0: the histories alone)
+    next_item: bool = True
+    answer_weight: float = 1000.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -77,6 +96,21 @@ class PretrainConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0.0 <= self.warmup < 1.0:
             raise ValueError(f"warmup must be in [0, 1), got {self.warmup}")
+        if self.questions < 0:
+            raise ValueError(f"questions must be >= 0, got {self.questions}")
+        if self.next_item and self.questions < 1:
+            raise ValueError("next_item asks the first question: questions must be >= 1")
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+        if not self.answer_weight > 0:
+            raise ValueError(f"answer_weight must be positive, got {self.answer_weight}")
+
+    @classmethod
+    def legacy(cls, **overrides: Any) -> PretrainConfig:
+        """The objective before issue 19: one membership question per text, unweighted,
+        under a cosine schedule from 3e-3 (with `BackboneConfig(initializer_range=0.02)`)."""
+        legacy = {"questions": 1, "next_item": False, "answer_weight": 1.0, "lr": 3e-3}
+        return cls(**{**legacy, "schedule": "cosine", **overrides})
 
 
 def build_backbone(config: BackboneConfig, tokenizer: Any, *, seed: int = 0) -> nn.Module:
@@ -91,6 +125,7 @@ def build_backbone(config: BackboneConfig, tokenizer: Any, *, seed: int = 0) -> 
         num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_heads,
         max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.initializer_range,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
@@ -110,22 +145,93 @@ def training_texts(data: AmazonSequences) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pretraining_stream(
-    prompts: PromptEncoder, data: AmazonSequences, *, questions: bool, seed: int, epoch: int
+    prompts: PromptEncoder,
+    data: AmazonSequences,
+    *,
+    questions: int = 1,
+    next_item: bool = False,
+    seed: int,
+    epoch: int,
 ) -> torch.Tensor:
-    """Every user's training history as text, in a seeded order, as one token stream; with
-    `questions`, each text ends with a membership question and its answer."""
+    """Every user's training history as text, in a seeded order, as one token stream; each
+    text followed by `questions` questions and their answers (`PretrainConfig`). With
+    `next_item`, a text shows its training part but the last item, and the first question
+    asks whether the candidate is that item."""
+    ids, mask = pretraining_texts(
+        prompts, data, questions=questions, next_item=next_item, seed=seed, epoch=epoch
+    )
+    return ids[mask]  # row by row: each text starts with the head (and BOS)
+
+
+def pretraining_blocks(
+    prompts: PromptEncoder,
+    data: AmazonSequences,
+    *,
+    block: int,
+    questions: int = 1,
+    next_item: bool = False,
+    seed: int,
+    epoch: int,
+) -> torch.Tensor:
+    """The texts of `pretraining_stream`, one a row, right-padded with `prompts.pad_id` to
+    the longest (at most `block` tokens, or one history item whatever the block): a question
+    reads its own history and no other text's (a history too long for a block keeps its
+    latest items)."""
+    fixed = len(prompts.prefix) + len(prompts.head)
+    fixed += questions * (len(prompts.candidate_marker) + prompts.item_ids.size(1) + 1)
+    fixed += questions * max(len(prompts.question), len(prompts.membership))
+    max_items = max(1, (block - fixed) // prompts.item_ids.size(1))
+    ids, mask = pretraining_texts(
+        prompts,
+        data,
+        questions=questions,
+        next_item=next_item,
+        seed=seed,
+        epoch=epoch,
+        max_items=max_items,
+    )
+    width = int(mask.sum(1).max())
+    return torch.where(mask, ids, prompts.pad_id)[:, :width]
+
+
+def pretraining_texts(
+    prompts: PromptEncoder,
+    data: AmazonSequences,
+    *,
+    questions: int,
+    next_item: bool,
+    seed: int,
+    epoch: int,
+    max_items: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The texts of `pretraining_stream`, one a row (right-padded ids and mask), each
+    history cut to its latest `max_items` items when given."""
     users, histories = training_texts(data)
+    targets = None
+    if next_item:
+        if questions < 1:
+            raise ValueError("next_item asks the first question: questions must be >= 1")
+        keep = (histories != 0).sum(1) >= 2
+        users, histories = users[keep], histories[keep]
+        targets = histories[:, -1].copy()
+        histories = np.concatenate([np.zeros_like(histories[:, :1]), histories[:, :-1]], 1)
+    if max_items is not None:
+        histories = histories[:, -max_items:]
     if len(users) == 0:
         raise ValueError("no training history to pretrain on: every user has < 3 items")
     rng = np.random.default_rng(stream_seed(seed, 11, epoch))
     order = rng.permutation(len(users))
     users, histories = users[order], histories[order]
+    targets = None if targets is None else targets[order]
     candidates = answers = None
     if questions:
-        drawn, yes = membership_questions(data, users, histories, rng)
+        drawn, yes = pretraining_questions(
+            data, users, histories, rng, count=int(questions), targets=targets
+        )
         candidates, answers = torch.from_numpy(drawn), torch.from_numpy(yes)
-    ids, mask = prompts.encode_histories(torch.from_numpy(histories), candidates, answers)
-    return ids[mask]  # row by row: each text starts with the head (and BOS)
+    return prompts.encode_histories(
+        torch.from_numpy(histories), candidates, answers, next_first=next_item
+    )
 
 
 def pretrain_backbone(
@@ -136,22 +242,38 @@ def pretrain_backbone(
     *,
     autocast_dtype: torch.dtype | None = None,
     on_step: Callable[[int, int, float], None] | None = None,
+    answer_losses: list[float] | None = None,
 ) -> list[float]:
-    """Train every parameter of `llm` to continue training histories written as text.
-    Returns the loss of every step; `on_step(step, total, loss)` follows progress."""
+    """Train every parameter of `llm` to continue training histories written as text and
+    answer their questions. Returns the (weighted) loss of every step; `answer_losses`, when
+    given, receives each step's mean loss on the answer tokens alone (ln 2 = 0.693: no
+    better than the prior). `on_step(step, total, loss)` follows progress."""
     config = config or PretrainConfig()
     device = next(llm.parameters()).device
+    answer_ids = torch.tensor([prompts.yes_id, prompts.no_id], device=device)
 
     def blocks(epoch: int) -> torch.Tensor:
-        stream = pretraining_stream(
-            prompts, data, questions=config.questions, seed=config.seed, epoch=epoch
+        return pretraining_blocks(
+            prompts,
+            data,
+            block=config.block,
+            questions=int(config.questions),
+            next_item=config.next_item,
+            seed=config.seed,
+            epoch=epoch,
         )
-        count = len(stream) // config.block
-        if count == 0:
-            raise ValueError(
-                f"{len(stream)} tokens of training text do not fill a block of {config.block}"
-            )
-        return stream[: count * config.block].view(count, config.block)
+
+    def loss(ids: torch.Tensor) -> torch.Tensor:
+        # One text a row: the padding after it is neither read nor predicted.
+        logits = llm(input_ids=ids, use_cache=False).logits[:, :-1]
+        targets = ids[:, 1:].flatten()
+        token = F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="none")
+        answer = torch.isin(targets, answer_ids)
+        if answer_losses is not None and bool(answer.any()):
+            answer_losses.append(float(token.detach()[answer].mean()))
+        weight = 1.0 + (config.answer_weight - 1.0) * answer.float()
+        weight = weight * (targets != prompts.pad_id)
+        return (token * weight).sum() / weight.sum()
 
     first = blocks(0)
     per_epoch = max(1, len(first) // config.batch_size)
@@ -160,7 +282,10 @@ def pretrain_backbone(
     warmup = max(1, int(config.warmup * total))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * s / total))),
+        lambda s: min(
+            (s + 1) / warmup,
+            1.0 if config.schedule == "constant" else 0.5 * (1 + math.cos(math.pi * s / total)),
+        ),
     )
     llm.train()
     losses: list[float] = []
@@ -173,7 +298,7 @@ def pretrain_backbone(
                 break
             value = optimizer_step(
                 optimizer,
-                functools.partial(_lm_loss, llm, ids),
+                functools.partial(loss, ids),
                 device=device,
                 autocast_dtype=autocast_dtype,
                 where=f"pretraining step {len(losses)}",
@@ -184,10 +309,6 @@ def pretrain_backbone(
                 on_step(len(losses), total, value)
     llm.eval()
     return losses
-
-
-def _lm_loss(llm: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return llm(input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def save_backbone(llm: nn.Module, tokenizer: Any, path: str | Path) -> Path:

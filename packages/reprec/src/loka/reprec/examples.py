@@ -156,12 +156,39 @@ def membership_questions(
     whether the history holds it: half the time one of its items (uniformly), else an item
     of the user's training part lacks, drawn by popularity (so popularity alone does not
     give the answer away)."""
+    candidates, answers = pretraining_questions(data, users, histories, rng)
+    return candidates[:, 0], answers[:, 0]
+
+
+def pretraining_questions(
+    data: AmazonSequences,
+    users: np.ndarray,
+    histories: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    count: int = 1,
+    targets: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`count` questions `[n, count]` (candidates, answers) about each left-padded history
+    `[n, L]` of `users`' training items, every answer " Yes" with probability 1/2 and "
+    No" otherwise, so the answer's prior carries nothing and only the prompt tells them
+    apart. Membership questions: a " Yes" candidate is one of the history's items, a " No"
+    one an item the user's training part lacks, drawn by popularity (as the history's
+    items are, so popularity alone does not give the answer away). With `targets` `[n]`
+    (the item that followed each history), the first question asks about the next item
+    instead: the target for " Yes", such a popularity-drawn item for " No"."""
+    if count < 1:
+        raise ValueError(f"count must be positive, got {count}")
     lengths = (histories != 0).sum(1)
     if bool((lengths == 0).any()):
         raise ValueError("membership questions need non-empty histories")
-    picked = histories[np.arange(len(users)), histories.shape[1] - 1 - rng.integers(0, lengths)]
-    absent = training_negatives(data, users, 1, rng, mode="popularity")[:, 0]
-    answers = rng.random(len(users)) < 0.5
+    rows = np.arange(len(users))[:, None]
+    back = rng.integers(0, lengths[:, None], size=(len(users), count))
+    picked = histories[rows, histories.shape[1] - 1 - back]
+    absent = training_negatives(data, users, count, rng, mode="popularity")
+    answers = rng.random((len(users), count)) < 0.5
+    if targets is not None:
+        picked[:, 0] = targets
     return np.where(answers, picked, absent), answers
 
 

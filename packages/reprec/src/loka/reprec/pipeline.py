@@ -289,6 +289,7 @@ def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> Rep
         llm = build_backbone(config.backbone, tokenizer, seed=config.seed).to(device)
     prompts = PromptEncoder(tokenizer, data.num_items, history_items=config.prompt_history)
     if config.backbone_path is None:
+        answers: list[float] = []
         losses = pretrain_backbone(
             llm,
             prompts,
@@ -296,12 +297,17 @@ def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> Rep
             config.pretrain,
             autocast_dtype=autocast,
             on_step=lambda step, total, loss: progress("pretrain", step, total),
+            answer_losses=answers,
         )
         report.training["pretrain"] = {
             "steps": len(losses),
             "first_loss": losses[0],
             "final_loss": sum(losses[-20:]) / len(losses[-20:]),
         }
+        if answers:  # ln 2 = 0.693: the answers no better than their prior
+            report.training["pretrain"]["final_answer_loss"] = sum(answers[-20:]) / len(
+                answers[-20:]
+            )
         report.notes.append(
             "backbone: a small Llama built here and pretrained on the training split's "
             "histories as text (no pretrained LLM offline)"

@@ -221,10 +221,14 @@ class PromptEncoder:
         history: torch.Tensor,
         candidates: torch.Tensor | None = None,
         answers: torch.Tensor | None = None,
+        *,
+        next_first: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pretraining text: the head, then every item of the left-padded histories
-        `[B, L]`; with `candidates` `[B]` and `answers` `[B]` (bool), the membership
-        question and its answer. Right-padded token ids and mask."""
+        `[B, L]`; with `candidates` and `answers` (bool), `[B]` or `[B, K]`, K questions
+        with their answers, one after the other. Each asks the membership question ("is it
+        in the history ?"), except the first when `next_first`, which asks the prompt's own
+        question ("is it the next item ?"). Right-padded token ids and mask."""
         self.check_histories(history)
         batch, device = history.size(0), history.device
 
@@ -234,16 +238,21 @@ class PromptEncoder:
 
         parts = [fixed(torch.cat([self.prefix, self.head])), self._items(history)]
         if candidates is not None:
-            if answers is None or candidates.shape != (batch,) or answers.shape != (batch,):
-                raise ValueError("membership questions need one candidate and one answer per row")
+            if candidates.dim() == 1:
+                candidates = candidates[:, None]
+                answers = None if answers is None else answers[:, None]
+            if answers is None or candidates.shape != answers.shape or len(candidates) != batch:
+                raise ValueError("questions need one candidate and one answer each, per row")
             self.check_items(candidates, "candidates", allow_pad=False)
             answer = torch.where(answers.to(device).bool(), self.yes_id, self.no_id)
-            parts += [
-                fixed(self.candidate_marker),
-                self._items(candidates[:, None]),
-                fixed(self.membership),
-                (answer[:, None], torch.ones(batch, 1, dtype=torch.bool, device=device)),
-            ]
+            one = torch.ones(batch, 1, dtype=torch.bool, device=device)
+            for k in range(candidates.size(1)):
+                parts += [
+                    fixed(self.candidate_marker),
+                    self._items(candidates[:, k : k + 1]),
+                    fixed(self.question if next_first and k == 0 else self.membership),
+                    (answer[:, k : k + 1], one),
+                ]
         ids = torch.cat([p[0] for p in parts], dim=1)
         mask = torch.cat([p[1] for p in parts], dim=1)
         return align(ids, mask, right=False)
