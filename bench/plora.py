@@ -16,8 +16,20 @@ sizes 1-4, lr, alpha, 12-20 steps each); everything in one run:
             with the Triton kernels; the loop backend for 8 and 32; and one job alone with
             peft (its defaults, fused AdamW) for every (rank, batch size) pair used. These
             records (plora_steps_*.csv) are what `loka lora-plan --throughput` fits.
+- baseline: (not in the default sections) sequential peft jobs at their best (issue 19's
+            fair baseline): for every (rank, batch size) pair of the 32 jobs, the steady-state
+            rate of one peft job eager and torch.compile'd (Inductor; smoke: Dynamo's eager
+            backend) at its own batch and at the largest power-of-two micro-batch <=
+            --baseline-cap whose eager step peaks within 85% of the device's memory (probed
+            with max_memory_allocated); compile time per shape apart. The summary turns the
+            rates into sequential makespans (`loka.plora.plan.fair_sequential_makespan`):
+            eager at the own batch (the old baseline), best variant at the own batch (the
+            job's own optimizer steps), best variant and micro-batch (the same samples in
+            fewer, bigger steps: a different optimization), and puts makespan, plan and
+            throughput ratios of PLoRA against them.
 - makespan: 8 and 32 jobs trained to their step counts: packed (one pack: jobs leave it as
-            they finish) against each job alone with peft, one after another, wall clock.
+            they finish) against each job alone with peft, one after another, wall clock
+            (eager, own batch); with the baseline section, also against its makespans.
 - plan:     the schedule `loka lora-plan` makes for the 32 jobs (`plan_lora_jobs`: step
             times fit on this run's packed step profiles, else profiled here; memory
             calibrated on their peaks, against this device's memory; --plan-gpus GPUs;
@@ -30,6 +42,7 @@ sizes 1-4, lr, alpha, 12-20 steps each); everything in one run:
     python bench/plora.py --smoke     # CPU, Triton interpreter, tiny model, < 1 min
     python bench/plora.py             # one H200, about 4 min
     python bench/plora.py --sections steps,plan --plan-gpus 2 --plan-lengths 512,256
+    python bench/plora.py --sections baseline,makespan,plan --budget-s 540   # fair baseline
 Results in --out (default $OUT, else bench/results/): plora_<mode>_<utc>.json (every raw
 record, the summary, the metadata), plora_steps_<mode>_<utc>.csv (step profiles),
 plora_schedule_<mode>_<utc>.csv (the plan section's schedule, with measured pack times).
@@ -53,12 +66,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__)  # --out, --budget-s (270 s; smoke 60)
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (Triton interpreter)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (512; smoke 16)")
-    p.add_argument("--sections", default="kernels,steps,makespan,plan")
+    p.add_argument("--sections", default="kernels,steps,makespan,plan",
+                   help="comma-separated, of kernels,steps,baseline,makespan,plan")  # fmt: skip
     p.add_argument("--no-autotune", action="store_true", help="heuristic kernel tiles only")
     p.add_argument("--plan-gpus", type=int, default=1, help="GPUs the plan section plans for")
     p.add_argument("--plan-lengths", default=None,
                    help="comma-separated seq_len cycled over the plan's jobs (default: --seq-len; "
                         "smoke: 8,4)")  # fmt: skip
+    p.add_argument("--baseline-cap", type=int, default=None,
+                   help="largest micro-batch the baseline section tries (64; smoke 4)")  # fmt: skip
+    p.add_argument("--baseline-backend", default=None,
+                   help="torch.compile backend of the compiled baseline (inductor; smoke: eager)")  # fmt: skip
+    p.add_argument("--baseline-mode", default=None,
+                   help="torch.compile mode with inductor (default; e.g. reduce-overhead, max-autotune)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -85,9 +105,12 @@ from loka.plora.plan import (  # noqa: E402
     MemoryModel,
     ModelShape,
     ThroughputModel,
+    fair_sequential_makespan,
     plan_lora_jobs,
+    probe_batch_size,
     profile_throughput,
 )
+from loka.plora.plan.baseline import POLICIES as BASELINE_POLICIES  # noqa: E402
 from loka.plora.runner import packed_train_step  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -98,10 +121,11 @@ RANKS, BATCH_SIZES = (8, 16, 32, 64), (1, 2, 3, 4)
 
 def configure(args: argparse.Namespace) -> None:
     """Set the run's globals from its arguments (main() does; importing sets the full run's)."""
-    global ARGS, MODE, SEQ, BUDGET, MODEL, JOB_COUNTS, PACK_SIZES, STEPS, TIMED, WARMUP
+    global ARGS, MODE, SEQ, BUDGET, MODEL, JOB_COUNTS, PACK_SIZES, STEPS, TIMED, WARMUP, CAP
     ARGS, MODE = args, "smoke" if args.smoke else "full"
     SEQ = args.seq_len or (8 if args.smoke else 512)
     BUDGET = Budget(args.budget_s or (60.0 if args.smoke else 270.0))
+    CAP = args.baseline_cap or (4 if args.smoke else 64)
     if args.smoke:
         MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)  # fmt: skip
@@ -370,10 +394,16 @@ def peft_wrap(model, job):
     return peft_model, params, opt
 
 
-def peft_step(peft_model, params, opt, job, ids) -> float:
-    ids = ids.to(DEVICE, non_blocking=True)
+def peft_loss(peft_model, ids):
     logits = peft_model(input_ids=ids[:, :-1], use_cache=False).logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def peft_step(peft_model, params, opt, job, ids, loss_fn=None) -> float:
+    """One training step of one peft job; `loss_fn(ids)` (e.g. a compiled one) replaces
+    the eager forward + loss."""
+    ids = ids.to(DEVICE, non_blocking=True)
+    loss = loss_fn(ids) if loss_fn is not None else peft_loss(peft_model, ids)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, job.max_grad_norm)
     opt.step()
@@ -505,6 +535,160 @@ def bench_makespan(model, jobs) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------
+# baseline: sequential peft jobs at their best (issue 19): compiled, micro-batches that fill
+# the GPU; rates per (rank, micro-batch, variant), turned into makespans in the summary
+# ---------------------------------------------------------------------------------------
+
+HEADROOM = 0.85  # of the device's memory a baseline micro-batch may peak at (probe)
+
+
+def compile_settings() -> dict:
+    """How the compiled baseline is compiled: Inductor on the GPU (--baseline-mode passed
+    on); in smoke Dynamo with the eager backend (graph capture, no code generation: Inductor
+    on a CPU would take minutes)."""
+    backend = ARGS.baseline_backend or ("eager" if ARGS.smoke else "inductor")
+    return {"backend": backend, "mode": ARGS.baseline_mode if backend == "inductor" else None,
+            "what": "torch.compile of the peft model's forward + loss (backward through "
+                    "AOTAutograd where the backend has it), fused AdamW and clipping eager"}  # fmt: skip
+
+
+def baseline_job(rank: int, micro_batch: int) -> LoraJobConfig:
+    return LoraJobConfig(f"baseline-r{rank}-b{micro_batch}", rank, 2.0 * rank, 1e-4, micro_batch,
+                         steps=1)  # fmt: skip
+
+
+def baseline_peak(model, rank: int, micro_batch: int) -> int | None:
+    """Peak memory (bytes) of one eager peft step at `micro_batch` samples; None when it
+    runs out of memory (the probe's measure)."""
+    job = baseline_job(rank, micro_batch)
+    peft_model, params, opt = peft_wrap(model, job)
+    peak = None
+    try:
+        ids = token_batches([job])[0][1]
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        peft_step(peft_model, params, opt, job, ids)
+        sync()
+        peak = int(torch.cuda.max_memory_allocated())
+    except torch.cuda.OutOfMemoryError:
+        pass  # the exception (and the tensors its frames hold) is gone after this block
+    finally:
+        opt.zero_grad(set_to_none=True)
+        peft_model.unload()
+    torch.cuda.empty_cache()
+    return peak
+
+
+def baseline_probe(model, rank: int) -> dict:
+    """The largest power-of-two micro-batch <= CAP whose eager step peaks within HEADROOM
+    of the device's memory (`probe_batch_size`); on the CPU (smoke) the cap, unprobed."""
+    row = {"kind": "baseline_probe", "rank": rank, "cap": CAP}
+    if DEVICE.type != "cuda":
+        return {**row, "micro_batch": CAP, "budget_bytes": None, "peaks": {},
+                "note": "CPU: no memory probe, the cap"}  # fmt: skip
+    budget = HEADROOM * torch.cuda.get_device_properties(DEVICE).total_memory
+    batch, peaks = probe_batch_size(lambda b: baseline_peak(model, rank, b), budget, CAP)
+    return {**row, "micro_batch": batch, "budget_bytes": int(budget),
+            "peaks": {str(b): p for b, p in sorted(peaks.items())}}  # fmt: skip
+
+
+def baseline_rate(model, rank: int, micro_batch: int, variant: str) -> dict:
+    """Steady-state rate of one peft job (rank, micro_batch) trained `variant` ("eager" or
+    "compiled"): the first step timed apart (for "compiled" it compiles the forward and,
+    at its backward, the backward: compile_s = first step - steady step), then WARMUP
+    (at least 1 when compiled) untimed and TIMED timed steps; one loss sync per step, as in
+    a trainer that logs its loss and in the packed step."""
+    job = baseline_job(rank, micro_batch)
+    compiled = variant == "compiled"
+    settings = compile_settings() if compiled else {"backend": None, "mode": None}
+    peft_model, params, opt = peft_wrap(model, job)
+    try:
+        loss_fn = None
+        if compiled:
+            torch._dynamo.reset()  # a cold compile per shape, and no recompile limit hit
+
+            def loss_of(ids):
+                return peft_loss(peft_model, ids)
+
+            kwargs = {"mode": settings["mode"]} if settings["mode"] else {}
+            loss_fn = torch.compile(loss_of, backend=settings["backend"], dynamic=False, **kwargs)
+        ids = token_batches([job], seed=micro_batch)[0][1]
+        if DEVICE.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        begin = time.perf_counter()
+        peft_step(peft_model, params, opt, job, ids, loss_fn)
+        sync()
+        first = time.perf_counter() - begin
+        for _ in range(max(WARMUP - 1, 1 if compiled else 0)):
+            peft_step(peft_model, params, opt, job, ids, loss_fn)
+        sync()
+        begin = time.perf_counter()
+        for _ in range(TIMED):
+            peft_step(peft_model, params, opt, job, ids, loss_fn)
+        sync()
+        step = (time.perf_counter() - begin) / TIMED
+        peak = torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else 0
+    finally:
+        opt.zero_grad(set_to_none=True)
+        peft_model.unload()
+        if compiled:
+            torch._dynamo.reset()
+    return {
+        "kind": "baseline_rate", "rank": rank, "micro_batch": micro_batch, "variant": variant,
+        "compile_backend": settings["backend"], "compile_mode": settings["mode"], "seq_len": SEQ,
+        "tokens": micro_batch * SEQ, "step_time_s": step, "samples_per_s": micro_batch / step,
+        "tokens_per_s": micro_batch * SEQ / step, "first_step_s": first,
+        "compile_s": max(first - step, 0.0) if compiled else 0.0,
+        "peak_memory_bytes": int(peak), "device": str(DEVICE),
+    }  # fmt: skip
+
+
+def bench_baseline(model, jobs) -> list[dict]:
+    """Rates for every (rank, batch size) pair of `jobs`, cheapest and most telling first
+    (work past the budget is recorded as skipped): eager at the job's own batch (the old
+    baseline), the largest micro-batch that fits per rank (probe), eager and compiled at
+    it, then compiled at each own batch."""
+    pairs = sorted({(j.rank, j.batch_size) for j in jobs})
+    ranks = sorted({r for r, _ in pairs})
+    rows, done = [], set()
+
+    def rate(rank, micro_batch, variant):
+        if (rank, micro_batch, variant) in done:
+            return
+        done.add((rank, micro_batch, variant))
+        context = {"kind": "baseline_rate", "rank": rank, "micro_batch": micro_batch,
+                   "variant": variant}  # fmt: skip
+        rows.append(_guarded(lambda: baseline_rate(model, rank, micro_batch, variant), context))
+
+    for rank, batch in pairs:
+        rate(rank, batch, "eager")
+    largest = {}
+    for rank in ranks:
+        row = _guarded(lambda r=rank: baseline_probe(model, r),
+                       {"kind": "baseline_probe", "rank": rank})  # fmt: skip
+        rows.append(row)
+        if row.get("micro_batch"):
+            largest[rank] = row["micro_batch"]
+    for rank, batch in sorted(largest.items()):
+        rate(rank, batch, "eager")
+        rate(rank, batch, "compiled")
+    for rank, batch in pairs:
+        rate(rank, batch, "compiled")
+    return rows
+
+
+def baseline_rates(rows) -> list[dict]:
+    return [r for r in rows if r.get("kind") == "baseline_rate" and "error" not in r]
+
+
+def fair_makespans(rates, jobs, num_gpus: int = 1) -> dict:
+    """Sequential makespan of `jobs` under each policy of `fair_sequential_makespan`."""
+    return {p: fair_sequential_makespan(jobs, rates, SEQ, policy=p, num_gpus=num_gpus)
+            for p in BASELINE_POLICIES}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
 # plan: the planner's schedule, run pack by pack; predicted vs measured makespan
 # ---------------------------------------------------------------------------------------
 
@@ -628,7 +812,7 @@ def bench_plan(model, jobs, steps: list[dict]) -> tuple[list[dict], list[dict]]:
 # ---------------------------------------------------------------------------------------
 
 
-def summarize(kernels, steps, makespans, jobs, plan_rows=()) -> dict:
+def summarize(kernels, steps, makespans, jobs, plan_rows=(), baseline=()) -> dict:
     ok_steps = [r for r in steps if "error" not in r]
     packed = {
         (r["backend"], r["n_adapters"]): r
@@ -638,6 +822,9 @@ def summarize(kernels, steps, makespans, jobs, plan_rows=()) -> dict:
     }
     solo = {(r["rank"], r["batch_size"]): r for r in ok_steps if r["kind"] == "solo_peft"}
     summary: dict = {"throughput": [], "makespan": [], "kernels": [], "loop_vs_triton_step": []}
+    rates = baseline_rates(baseline)
+    if baseline:
+        summary["baseline"] = summarize_baseline(baseline, rates, jobs)
     for n in JOB_COUNTS:
         row = packed.get(("triton", n))
         group = jobs[:n]
@@ -655,6 +842,7 @@ def summarize(kernels, steps, makespans, jobs, plan_rows=()) -> dict:
         summary["throughput"].append({
             "jobs": n, "packed_tokens_per_s": row["tokens_per_s"], "sequential_tokens_per_s": seq_tps,
             "ratio": row["tokens_per_s"] / seq_tps, "ratio_by_batch_size": per_bs,
+            **fair_throughput(rates, group, row["tokens_per_s"]),
         })  # fmt: skip
         loop = packed.get(("loop", n))
         if loop is not None:
@@ -667,7 +855,8 @@ def summarize(kernels, steps, makespans, jobs, plan_rows=()) -> dict:
         if p and s:
             summary["makespan"].append({"jobs": n, "packed_s": p["wall_s"], "sequential_s": s["wall_s"],
                                         "ratio": s["wall_s"] / p["wall_s"],
-                                        "tokens_per_s_ratio": p["tokens_per_s"] / s["tokens_per_s"]})  # fmt: skip
+                                        "tokens_per_s_ratio": p["tokens_per_s"] / s["tokens_per_s"],
+                                        **against_baselines(rates, jobs[:n], p["wall_s"])})  # fmt: skip
     for r in kernels:
         if "error" not in r:
             keys = ("shape", "t_triton_ms", "t_loop_ms", "t_base_ms", "loop_over_triton", "ok",
@@ -676,11 +865,70 @@ def summarize(kernels, steps, makespans, jobs, plan_rows=()) -> dict:
                                                          "adapter_over_base_device_")))  # fmt: skip
             summary["kernels"].append({k: r.get(k) for k in keys})
     summary["plan"] = [
-        {k: r[k] for k in ("jobs", "gpus", "packs", "solver", "predicted_makespan_s",
-                           "measured_makespan_s", "predicted_over_measured")}
+        {**{k: r[k] for k in ("jobs", "gpus", "packs", "solver", "predicted_makespan_s",
+                              "measured_makespan_s", "predicted_over_measured")},
+         **against_baselines(rates, plan_jobs(jobs), r["measured_makespan_s"], r["gpus"])}
         for r in plan_rows if r["kind"] == "plan"
     ]  # fmt: skip
     return summary
+
+
+def against_baselines(rates, jobs, packed_s: float | None, num_gpus: int = 1) -> dict:
+    """PLoRA's measured makespan `packed_s` against the sequential makespans of `jobs` from
+    the baseline rates: eager at each job's own batch (the old baseline, steady state), the
+    best variant at the own batch (same optimizer steps), and the fair one (best variant
+    and micro-batch; compile time once per shape, apart and included). Ratio = sequential
+    / packed (> 1: PLoRA is faster). {} without rates."""
+    if not rates:
+        return {}
+    out = {"approx_lengths": any(j.length(SEQ) != SEQ for j in jobs)}
+    for policy, fair in fair_makespans(rates, jobs, num_gpus).items():
+        seq_s = fair["makespan_s"]
+        out[f"{policy}_sequential_s"] = seq_s
+        out[f"ratio_vs_{policy}"] = seq_s / packed_s if seq_s and packed_s else None
+        if policy == "best":
+            with_compile = fair["makespan_with_compile_s"]
+            out["best_compile_s"] = fair["compile_s"]
+            whole = fair["makespan_whole_steps_s"]
+            out["best_whole_steps_s"] = whole  # every step of the micro-batch in full
+            out["ratio_vs_best_whole_steps"] = whole / packed_s if whole and packed_s else None
+            out["ratio_vs_best_with_compile"] = (with_compile / packed_s
+                                                 if with_compile and packed_s else None)  # fmt: skip
+            out["best_missing"] = fair["missing"]
+    return out
+
+
+def fair_throughput(rates, jobs, packed_tokens_per_s: float) -> dict:
+    """One step of every job (the steps section's throughput): sequential tokens/s at each
+    job's best rate (policy "best"), and packed over it. {} without rates."""
+    if not rates:
+        return {}
+    fair = fair_sequential_makespan([replace(j, steps=1, tokens=None) for j in jobs], rates, SEQ)
+    if fair["missing"]:
+        return {"fair_missing": fair["missing"]}
+    tps = sum(r["tokens"] for r in fair["jobs"]) / fair["total_s"]
+    return {"fair_sequential_tokens_per_s": tps, "ratio_vs_fair": packed_tokens_per_s / tps}
+
+
+def summarize_baseline(rows, rates, jobs) -> dict:
+    """The rates (samples/s by rank, micro-batch, variant; compile time), the probed largest
+    micro-batch per rank, and the sequential makespan of the first n jobs per policy."""
+    largest = {r["rank"]: r.get("micro_batch") for r in rows
+               if r.get("kind") == "baseline_probe" and "error" not in r}  # fmt: skip
+    by_jobs = []
+    for n in JOB_COUNTS:
+        entry = {"jobs": n}
+        for policy, fair in fair_makespans(rates, jobs[:n]).items():
+            entry[policy] = {k: fair[k] for k in ("makespan_s", "makespan_whole_steps_s", "compile_s",
+                                                  "makespan_with_compile_s",
+                                                  "optimizer_steps", "optimizer_steps_at_micro_batch",
+                                                  "missing")}  # fmt: skip
+        by_jobs.append(entry)
+    keep = ("rank", "micro_batch", "variant", "samples_per_s", "tokens_per_s", "step_time_s",
+            "compile_s", "peak_memory_bytes")  # fmt: skip
+    return {"rates": [{k: r[k] for k in keep} for r in rates], "largest_micro_batch": largest,
+            "compile": compile_settings(), "by_jobs": by_jobs,
+            "errors": [{k: v for k, v in r.items() if k != "trace"} for r in rows if "error" in r]}  # fmt: skip
 
 
 def run_metadata(wall: float) -> dict:
@@ -690,6 +938,14 @@ def run_metadata(wall: float) -> dict:
         timed_steps=TIMED, warmup_steps=WARMUP, wall_s=wall,
         baseline="peft LoraConfig defaults (fp32 adapters), fused AdamW, grad clipping, one job at a time",
         packed="loka PackedLoraConfig defaults (fp32 adapters, bf16 GEMMs), per-adapter fused AdamW and clipping",
+        fair_baseline={"compile": compile_settings(), "micro_batch_cap": CAP, "memory_headroom": HEADROOM,
+                       "policies": {"eager_own": "eager peft at the job's own batch (steady state)",
+                                    "own": "best of eager/compiled at the job's own batch: the job's own optimizer steps",
+                                    "best": "best of eager/compiled at the own batch or the largest power-of-two "
+                                            "micro-batch that fits: the same samples in ceil(samples / micro-batch) "
+                                            "steps (fewer, bigger steps: a different optimization, lr not rescaled)"},
+                       "time": "samples x seq_len / steady-state tokens/s per job (a lower bound); compile "
+                               "time once per (rank, micro-batch, variant) shape, reported apart"},
     )  # fmt: skip
 
 
@@ -719,6 +975,51 @@ def print_summary(summary: dict) -> None:
                 if measured else "measured: incomplete (see errors)")  # fmt: skip
         print(f"  plan {r['jobs']:2d} jobs on {r['gpus']} GPU(s), {r['packs']} packs ({r['solver']}): "
               f"predicted {r['predicted_makespan_s']:7.2f} s  {tail}")  # fmt: skip
+    base = summary.get("baseline")
+    if base:
+        print_baseline(base, summary)
+
+
+def _x(value) -> str:
+    return "  n/a" if value is None else f"{value:5.2f}x"
+
+
+def _s(value) -> str:
+    return "    n/a" if value is None else f"{value:7.2f}"
+
+
+def print_baseline(base: dict, summary: dict) -> None:
+    compile_ = base["compile"]
+    print(f"  fair baseline: peft alone, eager or torch.compile (backend {compile_['backend']}, mode "
+          f"{compile_['mode'] or ('default' if compile_['backend'] == 'inductor' else 'n/a')}), largest micro-batch by rank {base['largest_micro_batch']}")  # fmt: skip
+    for r in base["rates"]:
+        print(f"    rate r{r['rank']:<3d} micro-batch {r['micro_batch']:3d} {r['variant']:8s} "
+              f"{r['samples_per_s']:9.2f} samples/s  compile {r['compile_s']:6.2f} s")  # fmt: skip
+    for r in base["by_jobs"]:
+        parts = "  ".join(f"{p} {_s(r[p]['makespan_s'])} s" for p in BASELINE_POLICIES)
+        print(f"    sequential {r['jobs']:2d} jobs: {parts}  (best + compile "
+              f"{_s(r['best']['makespan_with_compile_s'])} s; steps {r['best']['optimizer_steps']} -> "
+              f"{r['best']['optimizer_steps_at_micro_batch']})")  # fmt: skip
+    for r in summary["makespan"]:
+        if "ratio_vs_best" in r:
+            print(f"    makespan {r['jobs']:2d} jobs: packed vs eager own batch {_x(r['ratio_vs_eager_own'])}  "
+                  f"vs compiled own batch {_x(r['ratio_vs_own'])}  vs fair {_x(r['ratio_vs_best'])}  "
+                  f"(whole steps {_x(r['ratio_vs_best_whole_steps'])}, + compile "
+                  f"{_x(r['ratio_vs_best_with_compile'])})")  # fmt: skip
+    for r in summary["throughput"]:
+        if "ratio_vs_fair" in r:
+            print(
+                f"    throughput {r['jobs']:2d} jobs: packed vs fair sequential {_x(r['ratio_vs_fair'])}"
+            )
+    for r in summary.get("plan", []):
+        if "ratio_vs_best" in r:
+            approx = (
+                " (lengths differ from the rates': tokens at the rates' tokens/s)"
+                if r["approx_lengths"]
+                else ""
+            )
+            print(f"    plan {r['jobs']:2d} jobs on {r['gpus']} GPU(s): vs eager own batch "
+                  f"{_x(r['ratio_vs_eager_own'])}  vs fair {_x(r['ratio_vs_best'])}{approx}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -732,14 +1033,18 @@ def main(argv: list[str] | None = None) -> int:
     stamp = utc_stamp()
     jobs = make_jobs(max(JOB_COUNTS))
     kernels = bench_kernels(jobs) if "kernels" in sections else []
-    model = build_model() if sections & {"steps", "makespan", "plan"} else None
+    model = build_model() if sections & {"steps", "baseline", "makespan", "plan"} else None
     steps = bench_steps(model, jobs) if "steps" in sections else []
+    baseline = bench_baseline(model, jobs) if "baseline" in sections else []
     makespans = bench_makespan(model, jobs) if "makespan" in sections else []
     plan_rows, schedule = bench_plan(model, jobs, steps) if "plan" in sections else ([], [])
-    summary = summarize(kernels, steps, makespans, jobs, plan_rows)
+    summary = summarize(kernels, steps, makespans, jobs, plan_rows, baseline)
     meta = run_metadata(BUDGET.elapsed())
     record = {"meta": meta, "jobs": [j.to_dict() for j in jobs], "kernels": kernels, "steps": steps,
-              "makespan": makespans, "plan": plan_rows, "summary": summary}  # fmt: skip
+              "makespan": makespans, "plan": plan_rows, "baseline": baseline,
+              "baseline_makespans": {n: fair_makespans(baseline_rates(baseline), jobs[:n])
+                                     for n in JOB_COUNTS} if baseline else {},
+              "summary": summary}  # fmt: skip
     write_json(out / f"plora_{MODE}_{stamp}.json", record, indent=2)
     fields = ["kind", "backend", "n_adapters", "rank", "batch_size", "tokens", "rank_tokens",
               "step_time_s", "tokens_per_s", "peak_memory_bytes", "device"]  # fmt: skip
@@ -748,7 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
     if schedule:
         write_csv(out / f"plora_schedule_{MODE}_{stamp}.csv", schedule, list(schedule[0]))
     print_summary(summary)
-    errors = [r for r in (*kernels, *steps, *makespans, *plan_rows) if "error" in r]
+    errors = [r for r in (*kernels, *steps, *baseline, *makespans, *plan_rows) if "error" in r]
     for r in errors:
         context = {k: v for k, v in r.items() if k not in ("error", "trace")}
         print(f"  error: {context}: {r['error']}")

@@ -51,3 +51,33 @@ def test_smoke_runs_the_planners_schedule_and_records_predicted_and_measured(tmp
         summary["predicted_makespan_s"] / summary["measured_makespan_s"]
     )
     assert record["summary"]["plan"][0]["measured_makespan_s"] == summary["measured_makespan_s"]
+
+
+def test_smoke_fair_baseline_rates_and_ratios(tmp_path):
+    """The baseline section: eager and compiled rates at each job's own batch and at the
+    largest micro-batch (the cap on a CPU), and the makespan against the old and fair
+    sequential baselines (compiled with Dynamo's eager backend in smoke, and said so)."""
+    argv = ["--smoke", "--sections", "baseline,makespan", "--budget-s", "600"]
+    assert bench.main([*argv, "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("plora_smoke_*.json")
+    record = json.loads(result.read_text())
+    assert record["meta"]["fair_baseline"]["compile"]["backend"] == "eager"
+    jobs = record["jobs"]
+    rates = {(r["rank"], r["micro_batch"], r["variant"]): r
+             for r in record["baseline"] if r["kind"] == "baseline_rate"}  # fmt: skip
+    assert not [r for r in record["baseline"] if "error" in r]
+    cap = record["meta"]["fair_baseline"]["micro_batch_cap"]
+    for job in jobs:
+        for batch in (job["batch_size"], cap):
+            for variant in ("eager", "compiled"):
+                r = rates[(job["rank"], batch, variant)]
+                assert r["samples_per_s"] > 0 and (r["compile_s"] > 0) == (variant == "compiled")
+    (makespan,) = record["summary"]["makespan"]
+    for policy in ("eager_own", "own", "best"):
+        seq_s = makespan[f"{policy}_sequential_s"]
+        assert makespan[f"ratio_vs_{policy}"] == pytest.approx(seq_s / makespan["packed_s"])
+        fair = record["baseline_makespans"][str(makespan["jobs"])][policy]
+        assert fair["makespan_s"] == pytest.approx(seq_s)
+        assert fair["samples"] == sum(j["steps"] * j["batch_size"] for j in jobs)
+    assert makespan["best_sequential_s"] <= makespan["eager_own_sequential_s"]
+    assert makespan["best_compile_s"] > 0 and makespan["best_missing"] == []

@@ -7,6 +7,11 @@ the makespan with an ILP (scipy's milp) or a greedy fallback, and returns the sc
 a polars table; `LoraPlan.packs()` feeds `loka.plora.train_packs`.
 """
 
+from loka.plora.plan.baseline import (
+    fair_sequential_makespan,
+    pick_batch_size,
+    probe_batch_size,
+)
 from loka.plora.plan.configs import read_job_configs
 from loka.plora.plan.memory import MemoryModel
 from loka.plora.plan.profile import profile_throughput, profiling_packs
@@ -25,7 +30,10 @@ __all__ = [
     "MemoryModel",
     "ModelShape",
     "ThroughputModel",
+    "fair_sequential_makespan",
+    "pick_batch_size",
     "plan_lora_jobs",
+    "probe_batch_size",
     "profile_throughput",
     "profiling_packs",
     "read_job_configs",
