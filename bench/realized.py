@@ -46,6 +46,7 @@ import argparse
 import gc
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -435,9 +436,13 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
         # kernels side by side say why); the other bf16 seeds add nothing.
         for variant in live:
             if not variant.startswith("bf16-seed"):
-                made[variant]["row"]["profile"] = profile(made[variant], step_fn, out=args.out,
-                                                          tag=f"{name}_{mode}_{variant}")  # fmt: skip
-                made[variant]["row"]["saved"] = saved_for_backward(made[variant], step_fn)
+                row = made[variant]["row"]
+                try:  # a failed profile must not lose the timed blocks above
+                    row["profile"] = profile(made[variant], step_fn, out=args.out,
+                                             tag=f"{name}_{mode}_{variant}")  # fmt: skip
+                    row["saved"] = saved_for_backward(made[variant], step_fn)
+                except Exception as e:  # recorded in the row; the run goes on
+                    row["profile_error"] = f"{type(e).__name__}: {e}"
     rows = []
     base = times.get("bf16")
     key = QUALITY_KEY.get(name, "ne")
@@ -493,6 +498,8 @@ def check_memory(name: str, preset: str, variants: list[str]) -> None:
     import loka.zoo as zoo
 
     est = zoo.estimate_step(name, preset)
+    gc.collect()  # what earlier models of this run left must not count as held
+    torch.cuda.empty_cache()
     need = len(variants) * (est.state_bytes + est.fp8_bytes)
     need += est.activation_bytes + est.transient_bytes
     free, _ = torch.cuda.mem_get_info()
@@ -777,14 +784,18 @@ def profile(v, step_fn, out, tag) -> dict:
         if gpu:
             torch.cuda.synchronize()
     events = prof.key_averages()
-    table = events.table(sort_by="cuda_time_total" if gpu else "cpu_time_total", row_limit=80)
-    Path(out, f"profile_{tag}.txt").write_text(table)
+    table = events.table(
+        sort_by="cuda_time_total" if gpu else "cpu_time_total", row_limit=200,
+        max_name_column_width=160,
+    )  # fmt: skip
+    # Variant names hold globs and slashes ("loka+x=*.mlp.1/wgrad"): not in a file name.
+    Path(out, f"profile_{re.sub(r'[^A-Za-z0-9_.=+-]', '_', tag)}.txt").write_text(table)
     cuda_total = sum(e.self_device_time_total for e in events) / 1e3 / steps
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:30]
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:50]
     return {
         "gpu_ms_per_step": cuda_total,
         "top": [
-            (e.key[:80], e.self_device_time_total / 1e3 / steps, e.count // steps) for e in top
+            (e.key[:160], e.self_device_time_total / 1e3 / steps, e.count // steps) for e in top
         ],
     }
 
