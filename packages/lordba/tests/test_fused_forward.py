@@ -18,17 +18,10 @@ from torch import nn
 
 from loka.lordba import Fp8WeightOnlyLinear, LoRDBAConfig, LoRDBALinear, convert_to_lordba
 from loka.lordba.config import FUSED_MAX_RANK
-from loka.lordba.kernels import fused
-
-
-def _interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(fused._sign_adapter_kernel, InterpretedFunction)
-
+from loka.lordba.testing import assert_close_scaled, kernels_runnable, trained_like
 
 pytestmark = pytest.mark.skipif(
-    not (_interpreted() or torch.cuda.is_available()),
+    not kernels_runnable(),
     reason="loka.lordba.kernels was imported before TRITON_INTERPRET=1 was set and there is no GPU",
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,19 +48,6 @@ BASES = {
 }
 
 
-def _trained_like(module: LoRDBALinear, seed: int = 0) -> LoRDBALinear:
-    """Nonzero scales and random latents (a fresh adapter's p = 0 would hide the update)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in (module.scale_in, module.scale_rank, module.scale_out):
-            if param is not None:
-                param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
-        module.scale_rank.div_(module.in_features**0.5)
-        module.latent_a.copy_(torch.randn(module.latent_a.shape, generator=gen))
-        module.latent_b.copy_(torch.randn(module.latent_b.shape, generator=gen))
-    return module
-
-
 def _unfused(module: LoRDBALinear) -> LoRDBALinear:
     """The same module (same base, same parameters) on the two-kernel path."""
     twin = copy.copy(module)
@@ -76,16 +56,14 @@ def _unfused(module: LoRDBALinear) -> LoRDBALinear:
 
 
 def _assert_close(actual, expected, dtype):
-    scale = expected.float().abs().max().clamp_min(1e-6)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(actual.float() / scale, expected.float() / scale, atol=tol, rtol=tol)
+    assert_close_scaled(actual, expected, TOLERANCE[dtype])
 
 
 def _module(kind, dtype, k=45, n=38, rank=5, input_scale=False, bias=True, seed=0):
     torch.manual_seed(seed)
     linear = nn.Linear(k, n, bias=bias).to(DEVICE, dtype).requires_grad_(False)
     config = LoRDBAConfig(rank=rank, input_scale=input_scale, scaling=0.7, backend="triton")
-    return _trained_like(LoRDBALinear(BASES[kind](linear), config), seed)
+    return trained_like(LoRDBALinear(BASES[kind](linear), config), seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -133,7 +111,7 @@ def test_the_whole_model_takes_the_fused_path_at_inference_only():
     model[2] = Fp8WeightOnlyLinear.from_linear(model[2])
     model = convert_to_lordba(model.to(DEVICE), LoRDBAConfig(rank=4, backend="triton"))
     for index in (0, 2):
-        _trained_like(model[index], seed=index)
+        trained_like(model[index], seed=index)
     x = torch.randn(10, 24, device=DEVICE)
     # Training: the autograd path (two kernels, the rank activations saved).
     assert [model[i].forward_path(x) for i in (0, 2)] == ["base", "base"]

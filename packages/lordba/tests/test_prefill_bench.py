@@ -1,7 +1,7 @@
-"""bench/lordba.py --smoke on the CPU (Triton interpreter): the fused and unfused LoRDBA paths
-side by side in the check, prefill and whole-model sections, over a plain and quantized bases.
-Times on the CPU mean nothing; what is checked is that every variant runs, takes the path it
-is named for, and that fused and unfused agree."""
+"""bench/lordba.py --smoke on the CPU (Triton interpreter): the fused, unfused and GEMM-epilogue
+LoRDBA paths side by side in the check, prefill and whole-model sections, over a plain and
+quantized bases. Times on the CPU mean nothing; what is checked is that every variant runs,
+takes the path it is named for, and that the paths agree."""
 
 import importlib
 import json
@@ -31,15 +31,24 @@ def test_smoke_measures_fused_and_unfused_over_quantized_bases(tmp_path):
 
     assert all(r["ok"] for r in results["check"])
     assert all(r["errors"]["inference_opaque_fused"] < 1e-5 for r in results["check"])
+    for r in results["check"]:  # the GEMM-epilogue path, bf16, plain and FP8 bases
+        assert r["epilogue_paths"] == {"epilogue": "gemm_epilogue", "epilogue_fp8": "gemm_epilogue"}
+        assert r["epilogue_max_rel_error"] <= 2e-2
 
     paths = {r["variant"]: r.get("path") for r in results["prefill"]}
     assert paths["lordba"] == "addmm" and paths["lordba_fused"] == "addmm_fused"
     assert paths["lordba_opaque_base"] == "base"
     assert paths["lordba_opaque_base_fused"] == "base_fused"
+    assert paths["lordba_epilogue"] == paths["lordba_fp8_epilogue"] == "gemm_epilogue"
+    assert paths["lordba_fp8_fused"] == "base_fused"
     assert all(r["eager_ms"] > 0 for r in results["prefill"])
+    own = {r["variant"]: r.get("own_base") for r in results["prefill"] if r["M"] == 8}
+    assert own["lordba_epilogue"] == "base_epilogue"
+    assert own["lordba_fp8_epilogue"] == "base_fp8_epilogue"
 
     model = {(r["base_kind"], r["variant"]): r for r in results["model"]}
-    assert len(model) == 9 and not any("error" in r or "skipped" in r for r in model.values())
+    # plain and loka_fp8 add the epilogue kernel's base-only mode and the epilogue variant.
+    assert len(model) == 13 and not any("error" in r or "skipped" in r for r in model.values())
     for kind, unfused, fused in [
         ("plain", "addmm", "addmm_fused"),
         ("int8", "base", "base_fused"),
@@ -52,10 +61,21 @@ def test_smoke_measures_fused_and_unfused_over_quantized_bases(tmp_path):
         assert model[kind, "lordba_fused"]["rel_error_vs_unfused"] < 1e-5
         assert model[kind, "lordba_fused"]["rel_change_vs_base"] > 0.01  # the adapters act
         assert model[kind, "lordba_fused"]["eager_vs_base"] > 0
+    for kind, fallback in [("plain", "addmm_fused"), ("loka_fp8", "base_fused")]:
+        epilogue = model[kind, "lordba_epilogue"]
+        # float32 on the CPU: the GEMM-epilogue path takes bf16/fp16 only, so it falls back.
+        assert epilogue["paths"] == {fallback: 7}
+        assert epilogue["rel_error_vs_unfused"] < 1e-5
+        assert epilogue["own_base"] == "base_epilogue" and epilogue["eager_vs_own_base"] > 0
+        assert "paths" not in model[kind, "base_epilogue"]
     summary = record["summary"]
     assert summary["model_max_rel_error_fused_vs_unfused"] < 1e-5
     assert set(summary["model_overhead"]) == {
         f"{kind} M=16 {variant}"
         for kind in ("plain", "int8", "loka_fp8")
         for variant in ("lordba_unfused", "lordba_fused")
+    } | {
+        f"{kind} M=16 {variant}"
+        for kind in ("plain", "loka_fp8")
+        for variant in ("base_epilogue", "lordba_epilogue")
     }

@@ -10,6 +10,8 @@ Backend = Literal["auto", "triton", "torch"]
 # The fused inference kernel keeps a [BLOCK_M, rank] float32 tile in registers: above this rank
 # it would spill, and LoRDBALinear keeps the two-kernel path.
 FUSED_MAX_RANK = 64
+# The GEMM-epilogue path keeps a [BLOCK_M, rank] float32 tile beside the GEMM's accumulator.
+EPILOGUE_MAX_RANK = 64
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,13 @@ class LoRDBAConfig:
         ranks) and with ``fused=False`` the two-kernel path runs. Both agree to float32
         rounding (the fused kernel folds ``s`` into the rank activations before the
         up-projection's dot); ``LoRDBALinear.forward_path(x)`` says which path an input takes.
+    gemm_epilogue: inference forwards on the Triton kernels over a plain ``nn.Linear`` or an
+        ``Fp8WeightOnlyLinear`` base, with bf16/fp16 inputs, run the base GEMM as LoKA's own
+        Triton GEMM (``linear_sign_up``) with the adapter's up-projection in its epilogue:
+        ``sign_down``, then one GEMM launch for the whole output (the ``[M, N]`` update is
+        never written nor read back). Takes precedence over ``fused`` where it applies (no
+        gradient needed, a Triton backend, rank <= ``EPILOGUE_MAX_RANK``, no autocast, FP8
+        bases on sm_89+). Off by default until it is measured against cuBLAS on a GPU.
     """
 
     rank: int = 16
@@ -48,6 +57,7 @@ class LoRDBAConfig:
     ste_clip: float = math.inf
     backend: Backend = "auto"
     fused: bool = True
+    gemm_epilogue: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -60,6 +70,10 @@ class LoRDBAConfig:
             )
         if not isinstance(self.fused, bool):
             raise ValueError(f"LoRDBAConfig.fused must be a bool, got {self.fused!r}")
+        if not isinstance(self.gemm_epilogue, bool):
+            raise ValueError(
+                f"LoRDBAConfig.gemm_epilogue must be a bool, got {self.gemm_epilogue!r}"
+            )
         if self.backend not in ("auto", "triton", "torch"):
             raise ValueError(
                 f"LoRDBAConfig.backend must be 'auto', 'triton' or 'torch', got {self.backend!r}"

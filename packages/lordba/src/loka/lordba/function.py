@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from loka.lordba.kernels import (
+    linear_sign_up,
     pack_signs,
     sign_adapter,
     sign_down,
@@ -38,16 +39,18 @@ from loka.lordba.kernels import (
 
 class SignOps(NamedTuple):
     """One implementation of the three sign-GEMM ops (the kernels, or their references), and
-    the fused inference forward where one exists (``sign_adapter``: down + rank scale + up in
-    one launch; the references have none, their two ops are the fallback)."""
+    the fused inference forwards where they exist (``sign_adapter``: down + rank scale + up in
+    one launch; ``linear_sign_up``: the base GEMM with the up-projection in its epilogue; the
+    references have neither, their two ops are the fallback)."""
 
     down: Callable[..., Any]
     up: Callable[..., Any]
     wgrad: Callable[..., Any]
     fused: Callable[..., Any] | None = None
+    epilogue: Callable[..., Any] | None = None
 
 
-TRITON_OPS = SignOps(sign_down, sign_up, sign_wgrad, sign_adapter)
+TRITON_OPS = SignOps(sign_down, sign_up, sign_wgrad, sign_adapter, linear_sign_up)
 TORCH_OPS = SignOps(sign_down_reference, sign_up_reference, sign_wgrad_reference)
 
 

@@ -14,8 +14,9 @@ latent has saturated (``|latent| > ste_clip * rms at init``); scales get exact g
 Use an Adam-type optimizer: the sign gradient's scale is not the latent's.
 
 Inference on the Triton kernels runs the adapter as one fused launch (``sign_adapter``) where
-it applies (``LoRDBAConfig.fused``); :meth:`LoRDBALinear.forward_path` names the path an input
-takes.
+it applies (``LoRDBAConfig.fused``), or, with ``LoRDBAConfig.gemm_epilogue``, the base GEMM
+itself as a Triton kernel with the up-projection in its epilogue (``linear_sign_up``);
+:meth:`LoRDBALinear.forward_path` names the path an input takes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from loka.lordba.config import FUSED_MAX_RANK, LoRDBAConfig
+from loka.kernels.runtime import capability
+from loka.lordba.config import EPILOGUE_MAX_RANK, FUSED_MAX_RANK, LoRDBAConfig
 from loka.lordba.fit import LoRDBAFit, fit_lora
 from loka.lordba.function import (
     LoRDBAFunction,
@@ -34,10 +36,14 @@ from loka.lordba.function import (
     pack_factor_signs,
     select_ops,
 )
-from loka.lordba.quantized import plain_weight
+from loka.lordba.kernels import linear_sign_up
+from loka.lordba.quantized import GemmOperands, gemm_operands, plain_weight
 from loka.mods.weight_stamp import weight_stamp
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the sign kernels take
+# Inputs the GEMM-epilogue path takes: tensor-core dtypes. float32 keeps cuBLAS (the kernel's
+# float32 GEMM runs IEEE dots, correct but far from cuBLAS's speed).
+_EPILOGUE_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def base_features(base: nn.Module) -> tuple[int, int]:
@@ -69,6 +75,41 @@ def base_device(base: nn.Module) -> torch.device:
             f"{sorted(map(str, devices))}; move it to one device first"
         )
     return devices.pop() if devices else torch.device("cpu")
+
+
+def epilogue_operands(base: nn.Module, x: torch.Tensor) -> GemmOperands | None:
+    """:func:`~loka.lordba.quantized.gemm_operands` of ``base`` for ``x`` where LoKA's GEMM
+    (``linear_sign_up``) can run it on ``x``'s device: FP8 codes need a GPU with FP8
+    conversions (sm_89+) or the CPU interpreter."""
+    operands = gemm_operands(base, x.dtype)
+    if operands is None or operands.weight.device != x.device:
+        return None
+    fp8 = operands.weight_scale is not None
+    if fp8 and x.device.type == "cuda" and (capability(x.device) or (0, 0)) < (8, 9):
+        return None
+    return operands
+
+
+def epilogue_base_forward(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``base(x)`` through the GEMM-epilogue kernel's base-only mode (no adapter): the base
+    the ``gemm_epilogue`` path runs, on the same kernel, for benchmarks. A plain ``nn.Linear``
+    (weight of x's dtype) or an ``Fp8WeightOnlyLinear``; needs a CUDA tensor or the Triton
+    interpreter."""
+    operands = epilogue_operands(base, x)
+    if operands is None:
+        raise TypeError(
+            f"epilogue_base_forward: no GEMM-epilogue form of {type(base).__name__} for "
+            f"{x.dtype} inputs on {x.device}"
+        )
+    x2 = x.reshape(-1, x.shape[-1])
+    out = linear_sign_up(
+        x2,
+        operands.weight,
+        weight_scale=operands.weight_scale,
+        fp8_format=operands.fp8_format,
+        bias=operands.bias,
+    )
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def latent_rms(values: torch.Tensor) -> float:
@@ -185,6 +226,10 @@ class LoRDBALinear(nn.Module):
     def forward_path(self, x: torch.Tensor) -> str:
         """The path :meth:`forward` takes for ``x`` in the current grad/autocast state:
 
+        - ``"gemm_epilogue"`` (``config.gemm_epilogue``): inference over a plain ``nn.Linear``
+          (weight of x's dtype) or an ``Fp8WeightOnlyLinear`` base, bf16/fp16 inputs:
+          ``sign_down``, then one Triton GEMM of the base with the up-projection, scales and
+          bias in its epilogue (``linear_sign_up``);
         - ``"addmm_fused"``: inference over a plain ``nn.Linear`` base; the one-launch
           ``sign_adapter`` kernel computes the update (bias added in its epilogue), which the
           base GEMM's ``addmm`` reads as its accumulator;
@@ -199,7 +244,10 @@ class LoRDBALinear(nn.Module):
         have no fused op), with ``config.fused`` and ``rank <= FUSED_MAX_RANK``.
         """
         x2 = x.reshape(-1, self.in_features)
-        fused = self._fused_ok(x2, select_ops(self.config.backend, x.device))
+        ops = select_ops(self.config.backend, x.device)
+        if self._epilogue_ok(x2, ops) is not None:
+            return "gemm_epilogue"
+        fused = self._fused_ok(x2, ops)
         if self._addmm_ok(x2):
             return "addmm_fused" if fused else "addmm"
         return "base_fused" if fused else "base"
@@ -219,6 +267,11 @@ class LoRDBALinear(nn.Module):
         ops = select_ops(self.config.backend, x.device)
         packed = self.packed_signs()
         x2 = x.reshape(-1, self.in_features)
+        operands = self._epilogue_ok(x2, ops)
+        if operands is not None:
+            return self._epilogue_inference(x2, packed, ops, operands).reshape(
+                *x.shape[:-1], self.out_features
+            )
         fused = self._fused_ok(x2, ops)
         if self._addmm_ok(x2):
             return self._linear_inference(x2, packed, ops, fused).reshape(
@@ -260,6 +313,40 @@ class LoRDBALinear(nn.Module):
             and self.config.rank <= FUSED_MAX_RANK
             and x2.dtype in _KERNEL_DTYPES
             and self._inference(x2)
+        )
+
+    def _epilogue_ok(self, x2: torch.Tensor, ops) -> GemmOperands | None:
+        """The base's GEMM operands when the GEMM-epilogue path applies (see
+        :meth:`forward_path`), else None."""
+        if not (
+            self.config.gemm_epilogue
+            and ops.epilogue is not None
+            and self.config.rank <= EPILOGUE_MAX_RANK
+            and x2.dtype in _EPILOGUE_DTYPES
+            and not torch.is_autocast_enabled(x2.device.type)
+            and self._inference(x2)
+        ):
+            return None
+        return epilogue_operands(self.base, x2)
+
+    def _epilogue_inference(
+        self, x2: torch.Tensor, packed: PackedSigns, ops, operands: GemmOperands
+    ) -> torch.Tensor:
+        """``t = sign_down(x q)``, then the base GEMM whose epilogue adds
+        ``s * p * ((t * m) @ sign(B)^T)`` and the bias: the update never reaches memory."""
+        t = ops.down(x2, packed.a, self.scale_in)
+        return ops.epilogue(
+            x2,
+            operands.weight,
+            weight_scale=operands.weight_scale,
+            fp8_format=operands.fp8_format,
+            bias=operands.bias,
+            rank_act=t,
+            packed=packed.b,
+            rank_scale=self.scale_rank,
+            col_scale=self.scale_out,
+            alpha=self.scaling,
+            out_dtype=x2.dtype,
         )
 
     def _addmm_ok(self, x2: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ well; it is a subclass of ``nn.Linear`` and always runs through its own forward.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,34 @@ def plain_weight(module: nn.Module) -> torch.Tensor | None:
     if type(weight) not in (torch.Tensor, nn.Parameter):
         return None
     return weight if weight.dtype in _PLAIN_DTYPES else None
+
+
+class GemmOperands(NamedTuple):
+    """What LoKA's own GEMM (``loka.lordba.kernels.linear_sign_up``) reads of a base:
+    ``weight`` ``[N, K]`` (a float weight, or FP8 codes as uint8 with ``weight_scale`` ``[N]``
+    float32, ``dequant = code / scale``, in ``fp8_format``) and ``bias`` (or None)."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor | None
+    fp8_format: str
+    bias: torch.Tensor | None
+
+
+def gemm_operands(base: nn.Module, dtype: torch.dtype) -> GemmOperands | None:
+    """The operands of ``base``'s GEMM for inputs of ``dtype``, read as they are stored (no
+    copy of the weight), or None where LoKA's GEMM does not cover the base: a plain
+    ``nn.Linear`` with a weight of ``dtype``, and an :class:`Fp8WeightOnlyLinear` (any float
+    ``dtype``; its bias is cast to ``dtype`` as its forward does)."""
+    if type(base) is nn.Linear:
+        weight = plain_weight(base)
+        if weight is None or weight.dtype != dtype:
+            return None
+        bias = base.bias
+        return GemmOperands(weight.detach(), None, "e4m3", None if bias is None else bias.detach())
+    if type(base) is Fp8WeightOnlyLinear and dtype in _PLAIN_DTYPES:
+        bias = None if base.bias is None else base.bias.to(dtype)
+        return GemmOperands(base.weight_fp8, base.weight_scale.reshape(-1), base.config.fmt, bias)
+    return None
 
 
 class Fp8WeightOnlyLinear(nn.Module):

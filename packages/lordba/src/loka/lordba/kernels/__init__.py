@@ -4,6 +4,7 @@ The building blocks of binary-sign adapters (LoRDBA): signs stay packed 8 per by
 and are unpacked in registers; every kernel has a pure-torch ``*_reference`` beside it.
 """
 
+from loka.lordba.kernels.base_epilogue import linear_sign_up, linear_sign_up_reference
 from loka.lordba.kernels.down import sign_down, sign_down_reference
 from loka.lordba.kernels.fused import sign_adapter, sign_adapter_reference
 from loka.lordba.kernels.packing import (
@@ -21,6 +22,8 @@ __all__ = [
     "SIGNS_PER_BYTE",
     "check_packed_signs",
     "check_padding_bits",
+    "linear_sign_up",
+    "linear_sign_up_reference",
     "pack_signs",
     "packed_length",
     "sign_adapter",
@@ -36,14 +39,19 @@ __all__ = [
 
 
 def _register() -> None:
-    """Backends of ops ``sign_down``, ``sign_up`` and ``sign_wgrad`` (signatures: the
-    functions above): ``triton.<op>`` (the kernels) and ``torch.<op>`` (the references)."""
+    """Backends of ops ``sign_down``, ``sign_up``, ``sign_wgrad`` and ``linear_sign_up``
+    (signatures: the functions above): ``triton.<op>`` (the kernels) and ``torch.<op>`` (the references)."""
     from loka.kernels.registry import BF16, Backend, registry
 
     ops = {
         "sign_down": (sign_down, sign_down_reference, "(x * col_scale) @ S^T, S packed"),
         "sign_up": (sign_up, sign_up_reference, "addend + col * ((left * row) @ S), S packed"),
         "sign_wgrad": (sign_wgrad, sign_wgrad_reference, "straight-through grads of scaled S"),
+        "linear_sign_up": (
+            linear_sign_up,
+            linear_sign_up_reference,
+            "x @ W^T (W float or FP8 codes) + bias + col * ((left * row) @ S) in one GEMM",
+        ),
     }
     for op, (kernel, reference, what) in ops.items():
         variants = [
