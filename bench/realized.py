@@ -431,6 +431,12 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
     fns = {k: (lambda i, v=made[k]: step_fn(v, i)) for k in live}
     times = interleaved(fns, args.blocks, args.block_steps, clock, left)
     log(f"{name}/{mode}: timed {len(fns)} variant(s)")
+    if times.get("bf16"):  # on the console now: a run killed later still leaves its numbers
+        base_ms = statistics.median(times["bf16"])
+        for variant, blocks in times.items():
+            if blocks:
+                ms = statistics.median(blocks)
+                log(f"{name}/{mode}/{variant}: {ms:.2f} ms, {base_ms / ms:.3f}x bf16")
     if args.profile:
         # bf16 seed 0 and every FP8 variant (torchao's too: where it beats a plan, the
         # kernels side by side say why); the other bf16 seeds add nothing.
