@@ -64,6 +64,7 @@ VARIANTS = ("bf16", "bf16-seed1", "bf16-seed2", "torchao-tensorwise-auto",
 ANCHORS = {("dhen", "large", "compiled"): (30.3, 32.6)}
 
 _T0 = time.monotonic()
+MIN_BLOCKS = 3
 
 
 def log(message: str) -> None:
@@ -157,7 +158,7 @@ class Clock:
 
 def interleaved(fns: dict, blocks: int, calls: int, clock: Clock, left) -> dict[str, list[float]]:
     """ms per call of each `fns[name]()`, per block; blocks interleave the names, the order
-    rotating from block to block."""
+    rotating from block to block; at least `MIN_BLOCKS` of them (fewer only if asked)."""
     names = list(fns)
     times: dict[str, list[float]] = {k: [] for k in names}
     for block in range(blocks):
@@ -167,7 +168,9 @@ def interleaved(fns: dict, blocks: int, calls: int, clock: Clock, left) -> dict[
             for i in range(calls):
                 fns[name](i)
             times[name].append(clock.elapsed_ms(mark) / calls)
-        if left() < 20:
+        # Three blocks whatever the budget says (a block is seconds; a ratio from one block
+        # has no spread and was once all a tight budget left); then the budget decides.
+        if block >= MIN_BLOCKS - 1 and left() < 20:
             break
     return times
 

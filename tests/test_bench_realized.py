@@ -53,6 +53,18 @@ def test_interleaved_rotates_the_order_and_times_each_call():
     assert firsts == ["a", "b", "a"]  # block 1 starts with the other variant
 
 
+def test_interleaved_times_three_blocks_even_when_the_budget_is_spent():
+    clock = FakeClock({"a": 1.0})
+
+    def call(i):
+        clock.now += 1.0
+
+    times = realized.interleaved({"a": call}, 5, 2, clock, lambda: 0.0)
+    assert times == {"a": [1.0, 1.0, 1.0]}  # three, not one, and not all five
+    times = realized.interleaved({"a": call}, 5, 2, clock, lambda: 1e9)
+    assert len(times["a"]) == 5
+
+
 def test_quality_ok_is_not_worse_than_the_bf16_band():
     rows = [
         {"variant": "bf16", "quality": 0.80},
