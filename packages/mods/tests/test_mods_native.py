@@ -78,6 +78,25 @@ def test_native_linear_with_bias_under_autocast_gives_bf16():
     assert (y.float() - want).abs().max() < 0.1 * want.abs().max()
 
 
+@pytest.mark.parametrize("backend", [NATIVE, "torch.native.cpu"])
+def test_float32_input_under_autocast_is_quantized_as_its_autocast_cast(backend):
+    # A LayerNorm under autocast hands the linear float32: the FP8 passes quantize the bf16
+    # cast nn.Linear would multiply (what Probe measured), and the input gradient comes back
+    # in float32 as autocast's cast returns it.
+    recipe = "e4m3:e4m3/row/dynamic"
+    config = Fp8LinearConfig.from_recipes(recipe, recipe, recipe, backend=backend)
+    module = Fp8Linear(32, 16, config=config)
+    x = torch.randn(16, 32, requires_grad=True)
+    xb = x.detach().bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, yb = module(x), module(xb)
+    assert torch.equal(y, yb)
+    y.float().sum().backward()
+    yb.float().sum().backward()
+    assert x.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, xb.grad.float())
+
+
 def test_unaligned_batch_runs_wgrad_in_high_precision():
     config = native_config("bf16", "bf16", "e4m3:e4m3/row/dynamic")
     module = Fp8Linear(32, 16, bias=False, config=config)
