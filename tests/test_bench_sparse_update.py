@@ -64,6 +64,7 @@ def test_a_variant_step_updates_like_the_default(monkeypatch):
     values = torch.randn(150, 4, generator=g)
     start = torch.randn(9, 4, generator=g)
     results = []
+    defaults = (rowwise_adagrad.UPDATE_ROWS, rowwise_adagrad.HEADS)
     for method in ("coalesce", "sort[UPDATE_ROWS=4,HEADS=2]"):
         weight = torch.nn.Parameter(start.clone())
         with torch.sparse.check_sparse_tensor_invariants():
@@ -74,7 +75,7 @@ def test_a_variant_step_updates_like_the_default(monkeypatch):
     torch.testing.assert_close(results[1][0], results[0][0])
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
     assert calls == [dict(CHUNK=rowwise_adagrad.CHUNK, HEADS=2, UPDATE_ROWS=4)]
-    assert rowwise_adagrad.UPDATE_ROWS == 1 and rowwise_adagrad.HEADS == 32
+    assert (rowwise_adagrad.UPDATE_ROWS, rowwise_adagrad.HEADS) == defaults  # restored
 
 
 def test_lookup_stats_counts_duplicates():
