@@ -1,0 +1,68 @@
+"""Group the kernel rows of `bench/realized.py --profile` tables (torch.profiler's
+key_averages table, 160-character names) by kind, per step: FP8 GEMMs (cuBLAS `qq` kernels),
+bf16 GEMMs, Triton kernels that quantize (amax / _scaled_mm operands / pow2 bit masks),
+other Triton, the optimizers, the rest. Device-side rows only (self CPU 0), so a Triton
+kernel is not counted twice with its launcher row.
+
+    python bench/profile_summary.py bench/results/profiles_wukong_xl_20261202T0618Z/*.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+from pathlib import Path
+
+UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def to_ms(text: str) -> float:
+    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()
+    return float(value) * UNITS[unit]
+
+
+def kernel_rows(path: str, name_width: int = 160) -> list[tuple[str, float, int]]:
+    """(name, self CUDA ms, calls) of each device-side row of a profile table."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        cols = line[name_width:].split()
+        if len(cols) < 10 or line.startswith("-") or "Self CPU %" in line:
+            continue
+        self_cpu, self_cuda = to_ms(cols[1]), to_ms(cols[5])
+        if self_cpu == 0 and self_cuda > 0:
+            rows.append((line[:name_width].strip(), self_cuda, int(cols[9])))
+    return rows
+
+
+def kind(name: str) -> str:
+    if "qqtst" in name:
+        return "fp8 gemm"
+    if "nvjet" in name or "cutlass" in name or "gemm" in name.lower():
+        return "bf16 gemm"
+    if name.startswith("triton"):
+        quant = any(k in name for k in ("amax", "scaled_mm", "bitwise"))
+        return "triton w/ quant" if quant else "triton other"
+    if "multi_tensor" in name or "adagrad" in name.lower():
+        return "optimizer"
+    return "other"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("tables", nargs="+")
+    p.add_argument("--steps", type=int, default=4, help="steps the profile covered")
+    args = p.parse_args()
+    for path in args.tables:
+        rows = kernel_rows(path)
+        ms, launches = collections.Counter(), collections.Counter()
+        for name, cuda_ms, calls in rows:
+            ms[kind(name)] += cuda_ms / args.steps
+            launches[kind(name)] += calls / args.steps
+        print(f"{path}: listed kernels {sum(ms.values()):.2f} ms/step")
+        for k, v in ms.most_common():
+            print(f"   {k:18s} {v:7.2f} ms/step  {launches[k]:6.0f} launches/step")
+
+
+if __name__ == "__main__":
+    main()
