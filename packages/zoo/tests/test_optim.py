@@ -127,12 +127,19 @@ def test_make_optimizer_splits_tables_from_dense_parameters() -> None:
     optimizer = make_optimizer(sparse.model, OptimizerConfig(lr=2e-3, embedding_lr=0.1))
     assert isinstance(optimizer, HybridOptimizer)
     assert embedding_update(sparse.model) == SPARSE_EMBEDDINGS
-    tables = {id(sparse.model.inputs.embeddings.bags.weight), id(sparse.model.items.weight)}
-    assert {id(p) for p in optimizer.sparse.param_groups[0]["params"]} == tables
+    bags, items = sparse.model.inputs.embeddings.bags, sparse.model.items
+    tables = {id(bags.weight), id(items.weight)}
+    groups = optimizer.sparse.param_groups
+    assert {id(p) for g in groups for p in g["params"]} == tables
+    # The bag table keeps its padding lookups (no padding_idx: no host sync in its
+    # backward) and names its padding row; the item table's padding_idx masks them.
+    padding = {id(p): g["padding_row"] for g in groups for p in g["params"]}
+    assert bags.padding_idx is None and padding[id(bags.weight)] == 0
+    assert items.padding_idx == 0 and padding[id(items.weight)] == -1
     dense_ids = {id(p) for p in optimizer.dense.param_groups[0]["params"]}
     assert not dense_ids & tables
     assert dense_ids | tables == {id(p) for p in sparse.model.parameters()}
-    assert [group["lr"] for group in optimizer.param_groups] == [2e-3, 0.1]
+    assert [group["lr"] for group in optimizer.param_groups] == [2e-3, 0.1, 0.1]
 
 
 @pytest.mark.parametrize("name", ["dhen", "hstu"])
@@ -150,6 +157,35 @@ def test_training_with_sparse_tables_lowers_the_loss(name: str) -> None:
     # The tables moved only where batches looked them up; the padding row never.
     assert (table.detach() != before).any(1).sum() > 0
     torch.testing.assert_close(table.detach()[0], before[0])
+
+
+@pytest.mark.parametrize("dedupe", ["sort", "coalesce"])
+def test_sparse_bags_without_padding_idx_update_like_bags_with_it(dedupe: str) -> None:
+    # FeatureEmbeddings' sparse table leaves padding_idx out (its backward's mask syncs with
+    # the host); the optimizer skipping the padding row must give the same training.
+    setup = zoo.create("dlrm", sparse_embeddings=True, batch_size=64)
+    model = setup.model
+    bags = model.inputs.embeddings.bags
+    assert bags.padding_idx is None
+    twin = nn.EmbeddingBag(*bags.weight.shape, mode="sum", padding_idx=0, sparse=True)
+    twin.weight.data.copy_(bags.weight.data)
+    config = OptimizerConfig(embedding_lr=0.5, embedding_dedupe=dedupe)
+    ours = make_optimizer(model, config).sparse
+    theirs = RowWiseAdagrad(twin.parameters(), lr=0.5, dedupe=dedupe)
+    batches = setup.train_batches()
+    for _ in range(3):
+        sparse = next(batches)["sparse"]
+        rows = global_rows(sparse, model.inputs.embeddings.row_offsets)
+        assert (rows == 0).any()  # the batch pads some bags
+        rows = rows.reshape(-1, rows.size(-1))
+        for module, optimizer in ((bags, ours), (twin, theirs)):
+            optimizer.zero_grad()
+            torch.manual_seed(0)
+            (module(rows) * torch.randn(rows.size(0), bags.embedding_dim)).sum().backward()
+            optimizer.step()
+    assert bags.weight.grad._nnz() > twin.weight.grad._nnz()  # padding lookups kept
+    torch.testing.assert_close(bags.weight.detach(), twin.weight.detach(), rtol=0, atol=1e-6)
+    assert not bags.weight.detach()[0].any()
 
 
 def test_untouched_rows_stay_bit_identical_through_training() -> None:

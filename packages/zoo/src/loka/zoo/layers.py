@@ -80,6 +80,9 @@ def check_sparse_ids(sparse: torch.Tensor, cardinalities: torch.Tensor) -> None:
     torch._assert_async(in_range, "sparse id outside [-1, cardinality) of its feature")
 
 
+PADDING_ROW = 0  # the concatenated table's shared padding row (global_rows maps -1 there)
+
+
 class FeatureEmbeddings(nn.Module):
     """One pooled (sum) embedding bag per categorical feature, stored as one table.
 
@@ -96,9 +99,16 @@ class FeatureEmbeddings(nn.Module):
         self.register_buffer("cardinalities", sizes, persistent=False)
         self.num_features = len(cardinalities)
         self.dim = dim
+        # Row 0 is padding: zero, never updated. Dense tables say so with `padding_idx`. A
+        # sparse table does not: its backward's padding mask (a boolean select) synced with
+        # the host, 2.3 ms of host time per step at Wukong xl, stalling the queue of a
+        # compiled step; its gradient keeps the padding lookups and the row-wise optimizer
+        # skips the row (`padding_row`, read by `loka.zoo.optim.sparse_tables`).
         self.bags = nn.EmbeddingBag(
-            sum(cardinalities) + 1, dim, mode="sum", padding_idx=0, sparse=sparse
-        )
+            sum(cardinalities) + 1, dim, mode="sum", padding_idx=None if sparse else 0,
+            sparse=sparse,
+        )  # fmt: skip
+        self.bags.padding_row = PADDING_ROW
         with torch.no_grad():
             # Small init keeps the dot interaction's products near unit scale.
             self.bags.weight.normal_(0.0, dim**-0.5)
@@ -133,7 +143,8 @@ class FeatureEmbeddings(nn.Module):
         if self._fused is not None:
             state, group = self._fused
             pooled = FusedBagUpdate.apply(
-                self.update_trigger, self.bags.weight, rows, state, group["lr"], group["eps"], 0
+                self.update_trigger, self.bags.weight, rows, state, group["lr"], group["eps"],
+                PADDING_ROW,
             )
             return pooled.view(batch, features, self.dim)
         return self.bags(rows).view(batch, features, self.dim)

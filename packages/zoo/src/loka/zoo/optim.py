@@ -76,10 +76,19 @@ class OptimizerConfig:
 
 def sparse_embedding_weights(model: nn.Module) -> list[nn.Parameter]:
     """The weights of the model's `nn.Embedding`/`nn.EmbeddingBag` with `sparse=True`."""
-    found: dict[int, nn.Parameter] = {}
+    return [weight for weight, _ in sparse_tables(model)]
+
+
+def sparse_tables(model: nn.Module) -> list[tuple[nn.Parameter, int]]:
+    """`(weight, padding_row)` of each sparse `nn.Embedding`/`nn.EmbeddingBag`: the row the
+    optimizer must leave alone because its gradient still holds padding lookups (a module's
+    `padding_row` attribute, set where `padding_idx` is left out to keep the backward from
+    syncing: `FeatureEmbeddings`), else -1 (none, or `padding_idx` already masks them)."""
+    found: dict[int, tuple[nn.Parameter, int]] = {}
     for module in model.modules():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
-            found.setdefault(id(module.weight), module.weight)
+            row = getattr(module, "padding_row", None) if module.padding_idx is None else None
+            found.setdefault(id(module.weight), (module.weight, -1 if row is None else int(row)))
     return list(found.values())
 
 
@@ -129,7 +138,11 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     `dedupe="sort"` (the default) takes the gradient uncoalesced and sums duplicates in the
     update (`rowwise_adagrad_sparse_`); `"coalesce"` calls `grad.coalesce()` first and
     updates the distinct rows (`rowwise_adagrad_`). Both give the same update up to the
-    order of float32 sums."""
+    order of float32 sums.
+
+    A param group's `padding_row` (default -1: none) names a row whose lookups the gradient
+    still holds but that must never change: the padding row of a sparse table built without
+    `padding_idx` (`make_optimizer` sets it from `sparse_tables`)."""
 
     def __init__(
         self,
@@ -187,14 +200,19 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     continue
                 state = {"sum": self.accumulator(weight)}
                 lr, eps = group["lr"], group["eps"]
+                padding = int(group.get("padding_row", -1))
                 _check_sparse(weight.grad)
                 # A coalesced gradient (e.g. one set by hand) has its rows distinct already.
                 if group.get("dedupe", "sort") == "coalesce" or weight.grad.is_coalesced():
                     rows, grads = coalesce_rows(weight.grad)
+                    if padding >= 0:  # a boolean select: syncs, as coalesce does already
+                        keep = rows != padding
+                        rows, grads = rows[keep], grads[keep]
                     rowwise_adagrad_(weight, state["sum"], rows, grads, lr=lr, eps=eps)
                 else:
                     rows, grads = lookup_rows(weight.grad)
-                    rowwise_adagrad_sparse_(weight, state["sum"], rows, grads, lr=lr, eps=eps)
+                    rowwise_adagrad_sparse_(weight, state["sum"], rows, grads, lr=lr, eps=eps,
+                                            skip_row=padding)  # fmt: skip
         return loss
 
 
@@ -242,11 +260,16 @@ def make_optimizer(
     has sparse gradients, else a `HybridOptimizer` (AdamW on the dense parameters, row-wise
     Adagrad on the sparse tables). `embedding_update(model)` names which."""
     config = OptimizerConfig() if config is None else config
-    tables = sparse_embedding_weights(model)
+    found = sparse_tables(model)
+    tables = [weight for weight, _ in found]
+    padding_rows = sorted({row for _, row in found})
+    groups = [
+        {"params": [w for w, r in found if r == row], "padding_row": row} for row in padding_rows
+    ]
     sparse = None
     if tables:
         sparse = RowWiseAdagrad(
-            tables,
+            groups,
             lr=config.embedding_lr,
             eps=config.embedding_eps,
             dedupe=config.embedding_dedupe,
