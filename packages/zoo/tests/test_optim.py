@@ -131,15 +131,16 @@ def test_make_optimizer_splits_tables_from_dense_parameters() -> None:
     tables = {id(bags.weight), id(items.weight)}
     groups = optimizer.sparse.param_groups
     assert {id(p) for g in groups for p in g["params"]} == tables
-    # The bag table keeps its padding lookups (no padding_idx: no host sync in its
-    # backward) and names its padding row; the item table's padding_idx masks them.
+    # Both tables keep their padding lookups (no padding_idx: no host sync in the sparse
+    # backward) and the optimizer's group names the padding row.
     padding = {id(p): g["padding_row"] for g in groups for p in g["params"]}
     assert bags.padding_idx is None and padding[id(bags.weight)] == 0
-    assert items.padding_idx == 0 and padding[id(items.weight)] == -1
+    assert items.padding_idx is None and padding[id(items.weight)] == 0
+    assert zoo.create("interformer").model.items.padding_idx == 0  # dense: padding_idx
     dense_ids = {id(p) for p in optimizer.dense.param_groups[0]["params"]}
     assert not dense_ids & tables
     assert dense_ids | tables == {id(p) for p in sparse.model.parameters()}
-    assert [group["lr"] for group in optimizer.param_groups] == [2e-3, 0.1, 0.1]
+    assert [group["lr"] for group in optimizer.param_groups] == [2e-3, 0.1]
 
 
 @pytest.mark.parametrize("name", ["dhen", "hstu"])

@@ -83,6 +83,15 @@ def check_sparse_ids(sparse: torch.Tensor, cardinalities: torch.Tensor) -> None:
 PADDING_ROW = 0  # the concatenated table's shared padding row (global_rows maps -1 there)
 
 
+def item_table(rows: int, dim: int, *, sparse: bool) -> nn.Embedding:
+    """An embedding table whose row 0 is padding (zero, never updated): `padding_idx` when
+    dense; when sparse, the `padding_row` the row-wise optimizer skips instead (a sparse
+    backward with `padding_idx` syncs with the host: see `FeatureEmbeddings`)."""
+    table = nn.Embedding(rows, dim, padding_idx=None if sparse else PADDING_ROW, sparse=sparse)
+    table.padding_row = PADDING_ROW
+    return table
+
+
 class FeatureEmbeddings(nn.Module):
     """One pooled (sum) embedding bag per categorical feature, stored as one table.
 
@@ -143,7 +152,12 @@ class FeatureEmbeddings(nn.Module):
         if self._fused is not None:
             state, group = self._fused
             pooled = FusedBagUpdate.apply(
-                self.update_trigger, self.bags.weight, rows, state, group["lr"], group["eps"],
+                self.update_trigger,
+                self.bags.weight,
+                rows,
+                state,
+                group["lr"],
+                group["eps"],
                 PADDING_ROW,
             )
             return pooled.view(batch, features, self.dim)

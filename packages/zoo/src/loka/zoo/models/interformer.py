@@ -29,7 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loka.zoo.layers import Activation, dot_interaction, make_activation, make_norm, mlp
+from loka.zoo.layers import (
+    Activation,
+    dot_interaction,
+    item_table,
+    make_activation,
+    make_norm,
+    mlp,
+)
 from loka.zoo.models.features import CTRStackConfig, FeatureInputs, require_positive
 from loka.zoo.models.sequential import check_items
 
@@ -227,9 +234,7 @@ class InterFormer(nn.Module):
         self.config = config
         dim = config.embedding_dim
         self.inputs = FeatureInputs(config)
-        self.items = nn.Embedding(
-            config.num_items + 1, dim, padding_idx=0, sparse=config.sparse_embeddings
-        )
+        self.items = item_table(config.num_items + 1, dim, sparse=config.sparse_embeddings)
         self.positions = nn.Embedding(config.max_seq_len, dim)
         self.cls = nn.Parameter(torch.randn(config.num_cls, dim) * dim**-0.5)
         with torch.no_grad():

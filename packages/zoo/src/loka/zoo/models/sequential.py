@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loka.zoo.layers import NormKind
+from loka.zoo.layers import NormKind, item_table
 from loka.zoo.models.features import require_positive
 
 Similarity = Literal["dot", "cosine"]
@@ -70,8 +70,8 @@ class SequentialRecommender(nn.Module):
         super().__init__()
         self.config = config
         dim = config.embedding_dim
-        self.item_embeddings = nn.Embedding(
-            config.num_items + 1, dim, padding_idx=0, sparse=config.sparse_embeddings
+        self.item_embeddings = item_table(
+            config.num_items + 1, dim, sparse=config.sparse_embeddings
         )
         # Positions count back from the most recent item, so any history length lines up.
         self.position_embeddings = nn.Embedding(config.max_seq_len, dim)
