@@ -75,7 +75,7 @@ def test_a_variant_step_updates_like_the_default(monkeypatch):
     torch.testing.assert_close(results[1][0], results[0][0])
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
     assert calls == [dict(CHUNK=rowwise_adagrad.CHUNK, HEADS=2, UPDATE_ROWS=4)]
-    assert (rowwise_adagrad.UPDATE_ROWS, rowwise_adagrad.HEADS) == defaults  # restored
+    assert defaults == (rowwise_adagrad.UPDATE_ROWS, rowwise_adagrad.HEADS)  # restored
 
 
 def test_lookup_stats_counts_duplicates():
