@@ -48,11 +48,11 @@ def kind(name: str) -> str:
     return "other"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("tables", nargs="+")
     p.add_argument("--steps", type=int, default=4, help="steps the profile covered")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     for path in args.tables:
         rows = kernel_rows(path)
         ms, launches = collections.Counter(), collections.Counter()

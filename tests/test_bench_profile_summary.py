@@ -1,0 +1,36 @@
+"""bench/profile_summary.py on the recorded Wukong xl profiles: the kernel rows it groups."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+PROFILES = ROOT / "bench/results/profiles_wukong_xl_20261202T0618Z"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location(
+        "profile_summary", ROOT / "bench/profile_summary.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_groups_the_fp8_gemms_only_in_the_fp8_profile():
+    summary = _load()
+    by_kind = {}
+    for tag in ("bf16", "loka"):
+        rows = summary.kernel_rows(str(PROFILES / f"profile_wukong_compiled_{tag}.txt"))
+        assert rows and all(ms > 0 and calls > 0 for _, ms, calls in rows)
+        by_kind[tag] = {summary.kind(name) for name, _, _ in rows}
+    assert "fp8 gemm" in by_kind["loka"] and "triton w/ quant" in by_kind["loka"]
+    assert "fp8 gemm" not in by_kind["bf16"] and "triton w/ quant" not in by_kind["bf16"]
+
+
+def test_main_prints_a_line_per_kind(capsys):
+    _load().main([str(PROFILES / "profile_wukong_compiled_loka.txt")])
+    out = capsys.readouterr().out
+    assert "listed kernels 64.54 ms/step" in out  # as recorded in summary.txt
+    assert "fp8 gemm" in out
