@@ -52,7 +52,7 @@ def plan_rows(choice: SiteChoice, config: PlanConfig) -> list[dict]:
                 what = (
                     "slower than bf16"
                     if o.median_ms >= b.median_ms
-                    else f"not {config.margin:g}x faster than bf16"
+                    else f"not {config.margin(pass_):g}x faster than bf16"
                 )
                 reason = (
                     f"{what}: {o.median_ms:.4g} ms vs {b.median_ms:.4g} ms "

@@ -3,7 +3,7 @@ forward's `quantize(x)` also yields the wgrad's x^T when both quantize x alike (
 transpose-quantization instead), and the dgrad's dY serves the wgrad's dY^T. Each
 `kernel_bench` row costs its pass standalone; a combination is credited the shared
 quantization time, booked to the wgrad. A combination is valid only if every FP8 pass,
-credits included, is faster than bf16 by `PlanConfig.margin`; bf16 everywhere is always valid.
+credits included, is faster than bf16 by `PlanConfig.margin(pass_)`; bf16 everywhere is always valid.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def combine(choice: SiteChoice, config: PlanConfig) -> list[Combo]:
     for options in itertools.product(*pools):
         times = effective_times(options, share)
         if any(
-            not o.is_bf16 and t * config.margin >= b.median_ms
-            for o, t, b in zip(options, times, bf16, strict=True)
+            not o.is_bf16 and t * config.margin(p) >= b.median_ms
+            for o, t, b, p in zip(options, times, bf16, PASSES, strict=True)
         ):
             continue
         error = sum(o.err for o in options if not o.is_bf16)
