@@ -27,7 +27,9 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    in the same mode, interleaved blocks: `infer-bf16`, `infer-torchao-rowwise` (dynamic
    FP8, torchao), `infer-loka` (`PlanConfig(inference=True, mode=mode)`); compiled modes
    freeze the weights (`torch._inductor.config.freezing`), so inductor folds the weight
-   quantization into constants: pre-quantized weights.
+   quantization into constants: pre-quantized weights. `--infer-batch 16384,65536` serves
+   at those batch sizes (training batches stacked; rows carry `batch_size`); the inference
+   plan is made from the kernel timings at the training shapes.
 On a machine without a GPU (`--device cpu`, implied there) it runs the tiny presets as a
 smoke test of the script itself; its times say nothing of GPU speed.
 
@@ -96,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="profile bf16, FP8 variants")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new work after")
     p.add_argument("--inference", action="store_true", help="also time forward-only serving")
+    p.add_argument("--infer-batch", default=None,
+                   help="serving batch sizes, comma list (multiples of the training batch, up "
+                        "to --batches of them; default: the training batch)")  # fmt: skip
     p.add_argument(
         "--quality-steps",
         type=int,
@@ -303,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'model':<7} {'mode':<10} {'variant':<24} {'fp8':>4} {'ms':>8} {'x bf16':>7} "
           f"{'ratio min..max':>15} {'pred':>6} {'pstep':>6} {'quality':>8}")  # fmt: skip
     for r in rows:
+        if r.get("batch_size") and str(r.get("variant", "")).startswith("infer"):
+            r = r | {"variant": f"{r['variant']}@{r['batch_size']}"}  # the console's name only
         if "step_ms" not in r and "fwd_ms" not in r:
             print(f"{r.get('model', ''):<7} {r.get('mode', ''):<10} {r.get('variant', ''):<24} "
                   f"{r.get('skipped') or r.get('error', '')[:80]}")  # fmt: skip
@@ -488,18 +495,21 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
     band = [r["speedup_vs_bf16"] for r in rows if r["variant"].startswith("bf16") and "speedup_vs_bf16" in r]  # fmt: skip
     for r in rows:
         r["bf16_band"] = (min(band), max(band)) if band else None
-    if args.inference and "bf16" in made and left() <= INFERENCE_MIN_S:
-        rows.append({"model": name, "mode": mode, "variant": "infer",
-                     "skipped": f"over the time budget ({left():.0f} s left)"})  # fmt: skip
-    elif args.inference and "bf16" in made:
-        log(f"{name}/{mode}: inference")
+    for size in serving_sizes(args.infer_batch) if args.inference and "bf16" in made else []:
+        where = {"model": name, "mode": mode, "variant": "infer"}
+        if left() <= INFERENCE_MIN_S:
+            rows.append(where | {"batch_size": size,
+                                 "skipped": f"over the time budget ({left():.0f} s left)"})  # fmt: skip
+            continue
+        log(f"{name}/{mode}: inference" + (f" at B={size}" if size else ""))
         try:
-            rows += inference_rows(args, name, mode, made["bf16"]["setup"], tables, bench,
-                                   batches[0], clock, left, dynamic)  # fmt: skip
+            batch = serving_batch(batches, size)
+            new = inference_rows(args, name, mode, made["bf16"]["setup"], tables, bench,
+                                 batch, clock, left, dynamic)  # fmt: skip
+            rows += [r | {"batch_size": size or batch_rows(batch)} for r in new]
         except Exception as exc:
-            rows.append({"model": name, "mode": mode, "variant": "infer",
-                         "error": f"{type(exc).__name__}: {exc}"[:2000],
-                         "traceback": traceback.format_exc()[-3000:]})  # fmt: skip
+            rows.append(where | {"batch_size": size, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                                 "traceback": traceback.format_exc()[-3000:]})  # fmt: skip
     made.clear()
     return rows
 
@@ -667,6 +677,42 @@ def evaluate(setup, autocast) -> dict[str, float]:
         metrics = setup.metrics(model, setup.eval_batches())
     model.train()
     return {k: float(v) for k, v in metrics.items()}
+
+
+def serving_sizes(text: str | None) -> list[int | None]:
+    """`--infer-batch` as a list of batch sizes (None: the training batch)."""
+    if not text:
+        return [None]
+    sizes = [int(v) for v in text.split(",")]
+    if any(v <= 0 for v in sizes):
+        raise ValueError(f"--infer-batch: sizes must be positive, got {text!r}")
+    return sizes
+
+
+def batch_rows(batch: dict) -> int:
+    """Examples in a CTR batch (its leading dimension)."""
+    return next(iter(batch.values())).shape[0]
+
+
+def serving_batch(batches: list[dict], size: int | None) -> dict:
+    """A batch of `size` examples for serving: the training batches stacked (a multiple of
+    the training batch; each tensor's first dimension is the example), or the first one."""
+    import torch
+
+    first = batches[0]
+    if size is None:
+        return first
+    tensors = all(isinstance(v, torch.Tensor) and v.dim() for v in first.values())
+    rows = batch_rows(first) if tensors else None
+    if not tensors or any(v.shape[0] != rows for v in first.values()):
+        raise ValueError("serving at another batch size needs a batch of per-example tensors")
+    if size % rows or size // rows > len(batches):
+        raise ValueError(
+            f"--infer-batch {size}: a multiple of the training batch ({rows}) up to "
+            f"{rows * len(batches)} (--batches {len(batches)})"
+        )
+    chosen = batches[: size // rows]
+    return {k: torch.cat([b[k] for b in chosen]) for k in first}
 
 
 def inference_rows(

@@ -142,3 +142,22 @@ def test_variants_that_cannot_all_be_held_on_the_gpu_are_refused_in_one_line(mon
     ):
         realized.check_memory("wukong", "xl", ["v"] * 6)
     realized.check_memory("wukong", "xl", ["v"] * 3)  # fits: no error
+
+
+def test_serving_batches_stack_training_batches():
+    torch = pytest.importorskip("torch")
+    batches = [{"dense": torch.full((4, 2), float(i)), "labels": torch.zeros(4)} for i in range(3)]
+    assert realized.serving_sizes(None) == [None]
+    assert realized.serving_sizes("8,12") == [8, 12]
+    assert realized.serving_batch(batches, None) is batches[0]
+    big = realized.serving_batch(batches, 12)
+    assert (
+        realized.batch_rows(big) == 12
+        and big["dense"][:, 0].tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    )
+    with pytest.raises(ValueError, match="multiple of the training batch"):
+        realized.serving_batch(batches, 6)
+    with pytest.raises(ValueError, match="up to 12"):
+        realized.serving_batch(batches, 16)
+    with pytest.raises(ValueError, match="per-example"):
+        realized.serving_batch([{"jagged": [1, 2]}], 8)
