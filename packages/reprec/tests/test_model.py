@@ -315,3 +315,35 @@ def test_pretraining_lowers_the_language_model_loss(parts: SimpleNamespace) -> N
     losses = pretrain_backbone(llm, prompts, parts.data, config)
     assert len(losses) > 10 and not llm.training
     assert np.mean(losses[-3:]) < 0.9 * np.mean(losses[:3]), losses
+
+
+def test_pretraining_loss_predicts_items_and_answers_only_when_asked(
+    parts: SimpleNamespace,
+) -> None:
+    from loka.reprec.backbone import pretraining_blocks, pretraining_loss
+
+    prompts, llm = parts.prompts, parts.llm
+    ids = pretraining_blocks(prompts, parts.data, block=48, questions=2, seed=0, epoch=0)[:6]
+    with torch.no_grad():
+        logits = llm(input_ids=ids).logits[:, :-1]
+    targets = ids[:, 1:]
+    token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    answer = (targets == prompts.yes_id) | (targets == prompts.no_id)
+    item = torch.isin(targets, prompts.item_ids[1:].flatten()) & (targets != prompts.pad_id)
+    for predict, kept in (("all", targets != prompts.pad_id), ("items", answer | item)):
+        weight = kept * (1.0 + 9.0 * answer)
+        with torch.no_grad():
+            value, answers = pretraining_loss(
+                llm, prompts, ids, answer_weight=10.0, predict=predict
+            )
+            # Padding after the longest text changes nothing.
+            padded = torch.cat([ids, torch.full_like(ids[:, :5], prompts.pad_id)], 1)
+            again, _ = pretraining_loss(llm, prompts, padded, answer_weight=10.0, predict=predict)
+        expected = (token * weight).sum() / weight.sum()
+        assert torch.allclose(value, expected, atol=1e-5) and torch.allclose(
+            again, expected, atol=1e-5
+        )
+        assert torch.allclose(answers, token[answer], atol=1e-5)
+    assert bool((~(answer | item) & (targets != prompts.pad_id)).any())  # template words exist
+    with pytest.raises(ValueError, match="predict"):
+        PretrainConfig(predict="words")

@@ -86,6 +86,10 @@ class PretrainConfig:
     questions: int = 4  # per text (0: the histories alone)
     next_item: bool = True
     answer_weight: float = 1000.0
+    # "items": only item and answer tokens are predicted, so the vocabulary head (most of
+    # a step's time at thousands of items) runs on a few positions per text; "all": every
+    # token, the template's words too (`pretraining_loss`).
+    predict: str = "items"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -104,12 +108,15 @@ class PretrainConfig:
             raise ValueError(f"schedule must be 'constant' or 'cosine', got {self.schedule!r}")
         if not self.answer_weight > 0:
             raise ValueError(f"answer_weight must be positive, got {self.answer_weight}")
+        if self.predict not in ("all", "items"):
+            raise ValueError(f"predict must be 'all' or 'items', got {self.predict!r}")
 
     @classmethod
     def legacy(cls, **overrides: Any) -> PretrainConfig:
         """The objective before issue 19: one membership question per text, unweighted,
         under a cosine schedule from 3e-3 (with `BackboneConfig(initializer_range=0.02)`)."""
         legacy = {"questions": 1, "next_item": False, "answer_weight": 1.0, "lr": 3e-3}
+        legacy["predict"] = "all"
         return cls(**{**legacy, "schedule": "cosine", **overrides})
 
 
@@ -234,6 +241,39 @@ def pretraining_texts(
     )
 
 
+def pretraining_loss(
+    llm: nn.Module,
+    prompts: PromptEncoder,
+    ids: torch.Tensor,
+    *,
+    answer_weight: float = 1.0,
+    predict: str = "all",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted next-token loss of right-padded pretraining texts `ids` `[B, T]` (one
+    text a row), and the loss of each answer token (detached, whole-vocabulary
+    cross-entropy). Answer tokens weigh `answer_weight` times any other predicted token;
+    padding is not predicted. `predict="items"` predicts only the tokens that are items or
+    answers, so the vocabulary head runs on those positions alone (the template's words,
+    most of a text, are not predicted); `"all"` predicts every token."""
+    if predict not in ("all", "items"):
+        raise ValueError(f"predict must be 'all' or 'items', got {predict!r}")
+    answer_ids = torch.tensor([prompts.yes_id, prompts.no_id], device=ids.device)
+    targets = ids[:, 1:]
+    keep = targets != prompts.pad_id
+    answer = torch.isin(targets, answer_ids)
+    if predict == "items":
+        items = prompts.item_ids[prompts.item_mask].to(ids.device)
+        keep = keep & (answer | torch.isin(targets, items))
+        hidden = llm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        logits = llm.get_output_embeddings()(hidden[:, :-1][keep])
+    else:
+        logits = llm(input_ids=ids, use_cache=False).logits[:, :-1][keep]
+    token = F.cross_entropy(logits.float(), targets[keep], reduction="none")
+    answer = answer[keep]
+    weight = 1.0 + (answer_weight - 1.0) * answer.float()
+    return (token * weight).sum() / weight.sum(), token.detach()[answer]
+
+
 def pretrain_backbone(
     llm: nn.Module,
     prompts: PromptEncoder,
@@ -250,7 +290,6 @@ def pretrain_backbone(
     better than the prior). `on_step(step, total, loss)` follows progress."""
     config = config or PretrainConfig()
     device = next(llm.parameters()).device
-    answer_ids = torch.tensor([prompts.yes_id, prompts.no_id], device=device)
 
     def blocks(epoch: int) -> torch.Tensor:
         return pretraining_blocks(
@@ -264,16 +303,12 @@ def pretrain_backbone(
         )
 
     def loss(ids: torch.Tensor) -> torch.Tensor:
-        # One text a row: the padding after it is neither read nor predicted.
-        logits = llm(input_ids=ids, use_cache=False).logits[:, :-1]
-        targets = ids[:, 1:].flatten()
-        token = F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="none")
-        answer = torch.isin(targets, answer_ids)
-        if answer_losses is not None and bool(answer.any()):
-            answer_losses.append(float(token.detach()[answer].mean()))
-        weight = 1.0 + (config.answer_weight - 1.0) * answer.float()
-        weight = weight * (targets != prompts.pad_id)
-        return (token * weight).sum() / weight.sum()
+        value, answers = pretraining_loss(
+            llm, prompts, ids, answer_weight=config.answer_weight, predict=config.predict
+        )
+        if answer_losses is not None and answers.numel():
+            answer_losses.append(float(answers.mean()))
+        return value
 
     first = blocks(0)
     per_epoch = max(1, len(first) // config.batch_size)
@@ -296,6 +331,8 @@ def pretrain_backbone(
             ids = chunk[b * config.batch_size : (b + 1) * config.batch_size]
             if len(ids) == 0:
                 break
+            # Right padding after a batch's longest text is neither read nor predicted.
+            ids = ids[:, : int((ids != prompts.pad_id).sum(1).max())]
             value = optimizer_step(
                 optimizer,
                 functools.partial(loss, ids),
