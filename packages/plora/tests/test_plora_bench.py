@@ -80,4 +80,8 @@ def test_smoke_fair_baseline_rates_and_ratios(tmp_path):
         assert fair["makespan_s"] == pytest.approx(seq_s)
         assert fair["samples"] == sum(j["steps"] * j["batch_size"] for j in jobs)
     assert makespan["best_sequential_s"] <= makespan["eager_own_sequential_s"]
-    assert makespan["best_compile_s"] > 0 and makespan["best_missing"] == []
+    # Compile time is charged only where the compiled variant won, which on a CPU is a
+    # matter of timing noise: check the charge against the variants chosen.
+    best = record["baseline_makespans"][str(makespan["jobs"])]["best"]
+    compiled = any(job["variant"] == "compiled" for job in best["jobs"])
+    assert (makespan["best_compile_s"] > 0) == compiled and makespan["best_missing"] == []
