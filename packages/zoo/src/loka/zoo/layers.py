@@ -114,14 +114,14 @@ class FeatureEmbeddings(nn.Module):
         # compiled step; its gradient keeps the padding lookups and the row-wise optimizer
         # skips the row (`padding_row`, read by `loka.zoo.optim.sparse_tables`).
         self.bags = nn.EmbeddingBag(
-            sum(cardinalities) + 1, dim, mode="sum", padding_idx=None if sparse else 0,
+            sum(cardinalities) + 1, dim, mode="sum", padding_idx=None if sparse else PADDING_ROW,
             sparse=sparse,
         )  # fmt: skip
         self.bags.padding_row = PADDING_ROW
         with torch.no_grad():
             # Small init keeps the dot interaction's products near unit scale.
             self.bags.weight.normal_(0.0, dim**-0.5)
-            self.bags.weight[0].zero_()
+            self.bags.weight[PADDING_ROW].zero_()
         self._fused: tuple[torch.Tensor, dict[str, Any]] | None = None
 
     def fuse_rowwise_adagrad(self, state: torch.Tensor, group: dict[str, Any]) -> None:
