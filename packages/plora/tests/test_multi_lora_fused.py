@@ -179,6 +179,48 @@ def test_backward_data_accumulates_into_the_base_input_gradient():
     assert y is base
 
 
+@pytest.fixture
+def gpu_tuning(monkeypatch):
+    """The GPU's launch path in the interpreter: every kernel goes through its autotuner,
+    which runs each of two configs three times (a stand-in for the benchmark) before the
+    winner runs: what `triton.autotune` does to arguments on the first call of a shape."""
+    import triton
+
+    from loka.plora.kernels import _launch, fused_backward, fused_forward
+
+    def bench(fn, quantiles=None, **_):
+        for _ in range(3):
+            fn()
+        return [1.0, 1.0, 1.0]
+
+    for pair in (fused_forward._FORWARD, fused_backward._BACKWARD):
+        tuner = pair[1]
+        small = [triton.Config(dict(c.kwargs), num_warps=c.num_warps) for c in tuner.configs[:2]]
+        monkeypatch.setattr(tuner, "configs", small)
+        monkeypatch.setitem(tuner.__dict__, "do_bench", bench)  # a cached_property
+        monkeypatch.setattr(tuner, "cache", {})
+
+    def launch(pair, device, grid, tiles, args, **constexprs):
+        pair[1][grid](*args, **constexprs, INTERPRETER=True)
+
+    monkeypatch.setattr(_launch, "launch", launch)
+
+
+def test_tuning_leaves_in_place_outputs_as_one_run_would(gpu_tuning):
+    # The H200 bench found dx of multi_lora_base_linear 336x off: the tuner's repeated
+    # runs of the accumulating backward each added the adapters' term into dx.
+    layout = _layout()
+    x, a_cat, b_cat, base, dy = _operands(layout, torch.float32, seed=3)
+    into = torch.randn(layout.num_tokens, K)
+    want = into + lora_backward_data_reference(dy, a_cat, b_cat, layout)[0]
+    dx, _ = lora_backward_data(dy, a_cat, b_cat, layout, accumulate_into=into, groups=2)
+    _close(dx, want, torch.float32)
+    want_y = lora_forward_reference(x, a_cat, b_cat, base, layout)[0]
+    y, _ = lora_forward(x, a_cat, b_cat, base, layout, out=base)  # base read and written
+    assert y is base
+    _close(y, want_y, torch.float32)
+
+
 def test_fused_backward_without_input_gradient_and_nan_isolation():
     # Adapter 1's tokens first; a NaN in adapter 0's input stays in adapter 0.
     layout = MultiLoraLayout.from_segments((6, 0), (11, 6), (8, 4), (2.0, 1.0))

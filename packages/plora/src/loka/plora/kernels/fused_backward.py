@@ -64,9 +64,13 @@ _BACKWARD_CONFIGS = [
     triton.Config({"BLOCK_T": 128, "BLOCK_K": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_T": 32, "BLOCK_K": 128, "BLOCK_N": 128}, num_warps=4, num_stages=3),
 ]
+# dx may be the base GEMM's input gradient, added to in place (ACCUMULATE): tuning runs each
+# config several times, so it restores dx after each run, or the adapters' term is added as
+# often as the kernel ran (the H200 bench measured dx off by 336x relative error).
 _BACKWARD = _launch.autotuned(
-    _backward_data_kernel, _BACKWARD_CONFIGS, key=["K", "N", "R_OUT", "HAS_DX"]
-)
+    _backward_data_kernel, _BACKWARD_CONFIGS, key=["K", "N", "R_OUT", "HAS_DX"],
+    restore_value=["dx_ptr"],
+)  # fmt: skip
 _BACKWARD_INTERPRETED = triton.Config({"BLOCK_T": 32, "BLOCK_K": 64, "BLOCK_N": 64})
 
 
