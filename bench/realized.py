@@ -98,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="profile bf16, FP8 variants")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new work after")
     p.add_argument("--inference", action="store_true", help="also time forward-only serving")
+    p.add_argument("--infer-freezing", default="on", choices=("on", "off"),
+                   help="inductor freezing of the served models (compiled modes): weights as "
+                        "constants, their quantization folded; off: quantized per call")  # fmt: skip
     p.add_argument("--infer-batch", default=None,
                    help="serving batch sizes, comma list (multiples of the training batch, up "
                         "to --batches of them; default: the training batch)")  # fmt: skip
@@ -281,9 +284,19 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append({"model": name, "mode": mode, "dynamic": dynamic,
                                  "skipped": "over the time budget"})  # fmt: skip
                     continue
+
+                def tagged(new, dynamic=dynamic):
+                    return [r | {"dynamic": dynamic, "preset": args.preset} for r in new]
+
+                def save(new, tagged=tagged, done=rows):  # training rows, before serving
+                    write_json(out / f"realized_{meta['date_utc']}.json",
+                               {"meta": meta | {"partial": True}, "runs": done + tagged(new),
+                                "plans": plans})  # fmt: skip
+
                 try:
-                    new = run_mode(args, name, mode, variants, tables, plans, left, dynamic)
-                    rows += [r | {"dynamic": dynamic, "preset": args.preset} for r in new]
+                    new = run_mode(args, name, mode, variants, tables, plans, left, dynamic,
+                                   save=save)  # fmt: skip
+                    rows += tagged(new)
                 except Exception as exc:
                     rows.append({"model": name, "mode": mode, "dynamic": dynamic,
                                  "error": f"{type(exc).__name__}: {exc}",
@@ -328,7 +341,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {path} ({time.monotonic() - start:.0f} s)")
 
 
-def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") -> list[dict]:
+def run_mode(
+    args, name, mode, variants, tables, plans, left, dynamic="auto", save=None
+) -> list[dict]:
+    """One mode's variants: timed training blocks, then (`--inference`) serving. `save` gets
+    the training rows before serving starts: a serving compile that outlasts the device's
+    limit (Wukong xl's did, at 16k) must not take the timed steps with it."""
     import torch
 
     import loka.zoo as zoo
@@ -445,6 +463,9 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
             made[variant]["row"] |= verify_loka(
                 made[variant], step_fn, made[variant]["applied"], args.verify_unit
             )
+            row = made[variant]["row"]
+            log(f"{name}/{mode}/{variant}: verified in {row['verify_s']:.0f} s, "
+                f"{row['fp8_layers']} sites kept, {len(row['demoted'])} demoted")  # fmt: skip
     fns = {k: (lambda i, v=made[k]: step_fn(v, i)) for k in live}
     times = interleaved(fns, args.blocks, args.block_steps, clock, left)
     log(f"{name}/{mode}: timed {len(fns)} variant(s)")
@@ -495,6 +516,8 @@ def run_mode(args, name, mode, variants, tables, plans, left, dynamic="auto") ->
     band = [r["speedup_vs_bf16"] for r in rows if r["variant"].startswith("bf16") and "speedup_vs_bf16" in r]  # fmt: skip
     for r in rows:
         r["bf16_band"] = (min(band), max(band)) if band else None
+    if save is not None and args.inference:
+        save(rows)
     for size in serving_sizes(args.infer_batch) if args.inference and "bf16" in made else []:
         where = {"model": name, "mode": mode, "variant": "infer"}
         if left() <= INFERENCE_MIN_S:
@@ -754,7 +777,7 @@ def inference_rows(
                            "passes_fp8": s.passes_fp8}  # fmt: skip
     if mode != "eager":
         # Frozen weights: inductor folds their quantization into constants (pre-quantized).
-        torch._inductor.config.freezing = True
+        torch._inductor.config.freezing = args.infer_freezing == "on"
         models = {k: torch.compile(m, **compile_kwargs(mode, dynamic)) for k, m in models.items()}
     autocast = torch.bfloat16 if gpu else None
 
@@ -770,11 +793,14 @@ def inference_rows(
 
     fns, rows = {}, []
     for variant, model in models.items():
+        t0 = time.monotonic()
         try:
             for i in range(3):
                 forward(model)(i)
             clock.sync()
             fns[variant] = forward(model)
+            extra[variant] = {**extra.get(variant, {}), "compile_s": time.monotonic() - t0}
+            log(f"{name}/{mode}/{variant}: compiled and warm in {time.monotonic() - t0:.0f} s")
         except Exception as exc:
             extra[variant] = {
                 **extra.get(variant, {}),
