@@ -21,7 +21,7 @@ from loka.dispatch.bench.candidates import (
     speed_key,
 )
 from loka.dispatch.bench.cost_model import CostModel
-from loka.dispatch.bench.runner import Shape, benchmark, site_shapes
+from loka.dispatch.bench.runner import Shape, benchmark, by_promise, site_shapes
 from loka.dispatch.bench.timing import NativeQuantTimes, PassTimer, QuantOperand
 from loka.dispatch.device import DeviceInfo
 from loka.schema import read_table, validate
@@ -169,6 +169,61 @@ def test_benchmark_measures_then_reuses_its_cache(tmp_path) -> None:
     late = benchmark([Shape(64, 128, 64)], budget_s=0.0, **kw)
     assert late.measured == 0 and late.table.is_empty() and late.failed
     assert any("budget" in note for note in late.notes)
+
+
+def test_measuring_order_gives_every_shape_its_most_promising_candidates_first() -> None:
+    shapes = [Shape(4096, 1024, 4096), Shape(1024, 256, 512)]  # most important first
+    plan = [(s, st) for s in shapes for st in candidates(s.M_bucket, s.K, s.N)]
+    model = CostModel.shipped()
+    order = by_promise(plan, model)
+    assert sorted(map(id, order)) == sorted(map(id, plan))  # the same entries, reordered
+    kinds = ["bf16" if st.candidate.is_bf16 else "fp8" for _, st in order]
+    assert kinds[:6] == ["bf16"] * 6  # every pass's baseline first
+    # Then each (shape, pass)'s fastest estimate, the important shape's first, before any
+    # second choice: a budget cut after 12 rows still times an FP8 candidate of each pass
+    # of both shapes (shape-major order gave the first shape all 12).
+    first = order[6:12]
+    assert [(s, st.candidate.pass_) for s, st in first] == [
+        (s, p) for s in shapes for p in ("fwd", "dgrad", "wgrad")
+    ]
+    for shape, status in first:
+        rivals = [
+            model.estimate(st.candidate, s.M_bucket, s.K, s.N)
+            for s, st in plan
+            if s == shape and st.candidate.pass_ == status.candidate.pass_
+            and not st.candidate.is_bf16
+        ]  # fmt: skip
+        best = min(t.median_ms for t in rivals if t is not None)
+        mine = model.estimate(status.candidate, shape.M_bucket, shape.K, shape.N)
+        assert mine is not None and mine.median_ms == best
+    # Without a cost model: round robin in the given order.
+    plain = by_promise(plan, None)
+    assert [(s, st.candidate.pass_) for s, st in plain[6:12]] == [
+        (s, p) for s in shapes for p in ("fwd", "dgrad", "wgrad")
+    ]
+
+
+def test_a_budget_cut_measures_some_fp8_candidate_of_every_shape(monkeypatch) -> None:
+    import loka.dispatch.bench.runner as runner
+
+    clock = [0.0]
+    timed = runner._time
+
+    def one_second_each(timer, c):  # each measurement costs one (fake) second
+        clock[0] += 1.0
+        return timed(timer, c)
+
+    monkeypatch.setattr(runner, "_time", one_second_each)
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    recipes = {"fwd": ["e4m3:e4m3/row/dynamic", "e4m3:e4m3/tensor/dynamic"], "dgrad": [],
+               "wgrad": []}  # fmt: skip
+    shapes = [Shape(64, 128, 64), Shape(32, 64, 128)]
+    result = benchmark(shapes, recipes=recipes, time_on_cpu=True, budget_s=7.5,
+                       cost_model=CostModel.shipped())  # fmt: skip
+    fp8 = result.table.filter(pl.col("recipe") != "bf16")
+    assert result.measured == 8 and set(zip(fp8["K"], fp8["N"], strict=True)) == {
+        (128, 64), (64, 128)
+    }
 
 
 def test_site_shapes_dedupe_and_order_by_importance() -> None:
