@@ -222,7 +222,8 @@ def test_a_budget_cut_measures_some_fp8_candidate_of_every_shape(monkeypatch) ->
                        cost_model=CostModel.shipped())  # fmt: skip
     fp8 = result.table.filter(pl.col("recipe") != "bf16")
     assert result.measured == 8 and set(zip(fp8["K"], fp8["N"], strict=True)) == {
-        (128, 64), (64, 128)
+        (128, 64),
+        (64, 128),
     }
 
 
