@@ -86,7 +86,9 @@ class HSTU(SequentialRecommender):
         super().__init__(config)
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
 
-    def encode(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def encode(
+        self, batch: dict[str, torch.Tensor], item_vectors: torch.Tensor | None = None
+    ) -> torch.Tensor:
         items = batch["items"]
         if "offsets" in batch:
             tokens, from_end, grid = self._jagged(items, batch["offsets"])
@@ -95,7 +97,8 @@ class HSTU(SequentialRecommender):
             batch_size, length = items.shape
             grid = TokenGrid(batch_size, length, None, items != 0)
             tokens, from_end = items.reshape(-1), from_end.reshape(-1)
-        x = self.embed(tokens, from_end)
+        vectors = None if item_vectors is None else item_vectors.reshape(*tokens.shape, -1)
+        x = self.embed(tokens, from_end, vectors)
         for layer in self.layers:
             x = layer(x, grid)
         return x if "offsets" in batch else x.view(*items.shape, -1)

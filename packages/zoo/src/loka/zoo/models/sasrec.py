@@ -68,11 +68,13 @@ class SASRec(SequentialRecommender):
         self.blocks = nn.ModuleList(SASRecBlock(config) for _ in range(config.num_layers))
         self.final_norm = make_norm(config.norm, config.embedding_dim)
 
-    def encode(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def encode(
+        self, batch: dict[str, torch.Tensor], item_vectors: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if "offsets" in batch:
             raise ValueError("SASRec takes padded batches; build the data with layout='padded'")
         items = batch["items"]
-        x = self.embed(items, self.padded_positions(items))
+        x = self.embed(items, self.padded_positions(items), item_vectors)
         x = F.dropout(x, self.config.dropout, self.training)
         valid = (items != 0).unsqueeze(-1).to(x.dtype)
         for block in self.blocks:

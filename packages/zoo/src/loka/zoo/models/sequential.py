@@ -8,6 +8,13 @@
 
 Scoring multiplies hidden states with rows of the (tied) item embedding table: that GEMM is
 the one in these models that is not an `nn.Linear`, as in production retrieval heads.
+
+A training forward looks the table up once, for the history, targets and negatives together
+(`lookup`): a sparse table (`sparse_embeddings=True`) then gets one sparse gradient from the
+backward. Three lookups gave three, summed by an `aten.add` inside the compiled backward,
+which torch 2.11's inductor miscompiles: it runs ops on sparse tensors made in the graph as
+fallbacks whose output it infers from dense stand-ins (an `assert_size_stride` failure on
+the first backward; pytorch/pytorch#192092, still open, would fix it upstream).
 """
 
 from __future__ import annotations
@@ -80,13 +87,30 @@ class SequentialRecommender(nn.Module):
             self.item_embeddings.weight[0].zero_()
             self.position_embeddings.weight.normal_(0.0, dim**-0.5)
 
-    def encode(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def encode(
+        self, batch: dict[str, torch.Tensor], item_vectors: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Hidden states of `batch["items"]`; `item_vectors`, their table rows (`[*items.shape,
+        D]`) when already looked up (`lookup`), else `embed` looks them up."""
         raise NotImplementedError
 
-    def embed(self, items: torch.Tensor, from_end: torch.Tensor) -> torch.Tensor:
-        check_items(items, self.config.num_items)
+    def lookup(self, *ids: torch.Tensor) -> list[torch.Tensor]:
+        """The item-table rows `[*i.shape, D]` of each id tensor `i`, from one lookup of the
+        concatenated ids: one (sparse) table gradient, not one per tensor (module docstring)."""
+        flat = torch.cat([i.reshape(-1) for i in ids])
+        check_items(flat, self.config.num_items)
+        vectors = self.item_embeddings(flat).split([i.numel() for i in ids])
+        return [v.view(*i.shape, -1) for v, i in zip(vectors, ids, strict=True)]
+
+    def embed(
+        self, items: torch.Tensor, from_end: torch.Tensor, vectors: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Input tokens: item rows (`vectors`, or looked up here) scaled, plus positions."""
+        if vectors is None:
+            check_items(items, self.config.num_items)
+            vectors = self.item_embeddings(items)
         scale = self.config.embedding_dim**0.5
-        tokens = self.item_embeddings(items) * scale + self.position_embeddings(from_end)
+        tokens = vectors * scale + self.position_embeddings(from_end)
         return tokens * (items != 0).unsqueeze(-1)
 
     def padded_positions(self, items: torch.Tensor) -> torch.Tensor:
@@ -101,7 +125,9 @@ class SequentialRecommender(nn.Module):
         return torch.arange(length - 1, -1, -1, device=items.device).expand_as(items)
 
     def item_vectors(self, items: torch.Tensor) -> torch.Tensor:
-        vectors = self.item_embeddings(items)
+        return self._candidate_space(self.item_embeddings(items))
+
+    def _candidate_space(self, vectors: torch.Tensor) -> torch.Tensor:
         return F.normalize(vectors, dim=-1) if self.config.similarity == "cosine" else vectors
 
     def _queries(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -115,8 +141,8 @@ class SequentialRecommender(nn.Module):
         return hidden[:, -1]
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        hidden = self.encode(batch)
         if "candidates" in batch:
+            hidden = self.encode(batch)
             check_items(batch["candidates"], self.config.num_items)
             users = self._queries(self.final_states(hidden, batch))
             candidates = self.item_vectors(batch["candidates"])
@@ -126,9 +152,12 @@ class SequentialRecommender(nn.Module):
                 "a sequential batch needs 'candidates' (evaluation) or 'targets' and "
                 f"'negatives' (training); got keys {sorted(batch)}"
             )
-        queries = self._queries(hidden)
-        positives = self.item_vectors(batch["targets"]).to(queries.dtype)
-        negatives = self.item_vectors(batch["negatives"]).to(queries.dtype)
+        tokens, positives, negatives = self.lookup(
+            batch["items"], batch["targets"], batch["negatives"]
+        )
+        queries = self._queries(self.encode(batch, tokens))
+        positives = self._candidate_space(positives).to(queries.dtype)
+        negatives = self._candidate_space(negatives).to(queries.dtype)
         positive = (queries * positives).sum(-1, keepdim=True)
         return torch.cat([positive, queries @ negatives.T], dim=-1)
 
