@@ -67,10 +67,22 @@ ANCHORS = {("dhen", "large", "compiled"): (30.3, 32.6)}
 
 _T0 = time.monotonic()
 MIN_BLOCKS = 3
-# Serving is three more compiled models (bf16, torchao, LoKA; each ~30-50 s to compile at xl,
-# with freezing): started with less left, a run overran the device's per-call limit and lost
-# every row it had timed.
+# Serving is three more compiled models (bf16, torchao, LoKA): started with less left, a run
+# overran the device's per-call limit and lost every row it had timed. At Wukong xl, where a
+# training variant took 35-50 s to compile, serving at B=16384 had not finished after 230 s
+# (twice): so the need also scales with the slowest training compile this run saw.
 INFERENCE_MIN_S = 150
+SERVED_MODELS = 3
+SERVING_COMPILE_FACTOR = 1.5
+
+
+def inference_need_s(rows: list[dict]) -> float:
+    """Seconds a serving phase needs: each served model compiles about as long as the slowest
+    training variant did (its gradient check or warm-up, whichever compiled it), times
+    `SERVING_COMPILE_FACTOR`, plus the timed blocks; never less than `INFERENCE_MIN_S`."""
+    compiles = [r.get("grad_check_s", 0.0) + r.get("warmup_s", 0.0) for r in rows]
+    slowest = max(compiles, default=0.0)
+    return max(INFERENCE_MIN_S, SERVED_MODELS * SERVING_COMPILE_FACTOR * slowest + 30.0)
 
 
 def log(message: str) -> None:
@@ -520,9 +532,9 @@ def run_mode(
         save(rows)
     for size in serving_sizes(args.infer_batch) if args.inference and "bf16" in made else []:
         where = {"model": name, "mode": mode, "variant": "infer"}
-        if left() <= INFERENCE_MIN_S:
-            rows.append(where | {"batch_size": size,
-                                 "skipped": f"over the time budget ({left():.0f} s left)"})  # fmt: skip
+        if left() <= (need := inference_need_s(rows)):
+            rows.append(where | {"batch_size": size, "skipped": f"over the time budget "
+                                 f"({left():.0f} s left, about {need:.0f} s needed)"})  # fmt: skip
             continue
         log(f"{name}/{mode}: inference" + (f" at B={size}" if size else ""))
         try:
@@ -631,11 +643,15 @@ def gradient_check(made: dict, batch, autocast, cudagraphs: bool) -> None:
     live = {k: v for k, v in made.items() if "skipped" not in v["row"] and v["row"]["seed"] == 0}
     if "bf16" not in live:
         return
+    t0 = time.monotonic()
     reference = grads(live["bf16"])
+    live["bf16"]["row"]["grad_check_s"] = time.monotonic() - t0  # its first compile, mostly
     for name, v in live.items():
         if name == "bf16":
             continue
+        t0 = time.monotonic()
         got = grads(v)
+        v["row"]["grad_check_s"] = time.monotonic() - t0
         worst, worst_name = 1.0, None
         for pname, want in reference.items():
             if want is None or pname not in got or float(want.norm()) == 0.0:

@@ -161,3 +161,15 @@ def test_serving_batches_stack_training_batches():
         realized.serving_batch(batches, 16)
     with pytest.raises(ValueError, match="per-example"):
         realized.serving_batch([{"jagged": [1, 2]}], 8)
+
+
+def test_serving_waits_for_the_time_its_compiles_take():
+    need = realized.inference_need_s
+    assert need([]) == realized.INFERENCE_MIN_S  # nothing compiled yet: the floor
+    quick = [{"variant": "bf16", "warmup_s": 2.0}, {"variant": "loka", "grad_check_s": 5.0}]
+    assert need(quick) == realized.INFERENCE_MIN_S
+    # Wukong xl: a variant compiled in its gradient check (50 s) and warmed up in 1 s: three
+    # served models need more than the floor the runs that overran the device had.
+    xl = [{"variant": "bf16", "grad_check_s": 30.0, "warmup_s": 0.5},
+          {"variant": "loka", "grad_check_s": 50.0, "warmup_s": 1.0}]  # fmt: skip
+    assert need(xl) == pytest.approx(3 * 1.5 * 51.0 + 30.0) and need(xl) > 230
