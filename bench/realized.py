@@ -29,7 +29,10 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    freeze the weights (`torch._inductor.config.freezing`), so inductor folds the weight
    quantization into constants: pre-quantized weights. `--infer-batch 16384,65536` serves
    at those batch sizes (training batches stacked; rows carry `batch_size`); the inference
-   plan is made from the kernel timings at the training shapes.
+   plan is made from the kernel timings at the training shapes. The training rows are on
+   disk before serving starts, which begins only with the time its compiles need left
+   (`inference_need_s`); `--infer-freezing off` serves unfrozen weights. At the xl presets
+   give serving a call of its own: `--variants bf16 --inference --infer-batch 16384`.
 On a machine without a GPU (`--device cpu`, implied there) it runs the tiny presets as a
 smoke test of the script itself; its times say nothing of GPU speed.
 
