@@ -100,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma list; LoKA variants take options: loka+fast, loka+min=1.15, loka+x=GLOB/pass")  # fmt: skip
     p.add_argument("--preset", default="large")
+    p.add_argument("--model-options", default="", type=model_options,
+                   help="model config fields for every variant, e.g. lcb_layout=bmm (Wukong); "
+                        "comma list of key=value, values parsed as Python literals")  # fmt: skip
     p.add_argument("--probe-steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=6, help="untimed steps per variant")
     p.add_argument("--blocks", type=int, default=5)
@@ -273,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"model": name, "skipped": "over the time budget"})
             continue
         # -- probe once ---------------------------------------------------------------
-        setup = zoo.create(name, args.preset, device=device, seed=0)
+        setup = zoo.create(name, args.preset, device=device, seed=0, **args.model_options)
         batches = [b for b, _ in zip(setup.train_batches(), range(args.batches), strict=False)]
         P = args.probe_steps
         probe = Probe(setup.model, ProbeConfig(
@@ -301,7 +304,10 @@ def main(argv: list[str] | None = None) -> None:
                     continue
 
                 def tagged(new, dynamic=dynamic):
-                    return [r | {"dynamic": dynamic, "preset": args.preset} for r in new]
+                    tags = {"dynamic": dynamic, "preset": args.preset}
+                    if args.model_options:
+                        tags["model_options"] = args.model_options
+                    return [r | tags for r in new]
 
                 def save(new, tagged=tagged, done=rows):  # training rows, before serving
                     write_json(out / f"realized_{meta['date_utc']}.json",
@@ -402,7 +408,7 @@ def run_mode(
     made: dict[str, dict] = {}
     for variant in variants:
         seed = {"bf16-seed1": 1, "bf16-seed2": 2}.get(variant, 0)
-        setup = zoo.create(name, args.preset, device=device, seed=seed)
+        setup = zoo.create(name, args.preset, device=device, seed=seed, **args.model_options)
         row = {"model": name, "mode": mode, "variant": variant, "seed": seed, "fp8_layers": 0,
                "embedding_update": zoo.embedding_update(setup.model)}  # fmt: skip
         if variant.startswith("torchao"):
@@ -592,6 +598,22 @@ def predicted_from_step(plan, demoted, bf16_step_ms: float) -> float | None:
     return bf16_step_ms / (bf16_step_ms - saving) if saving < bf16_step_ms else None
 
 
+def model_options(text: str) -> dict:
+    """`--model-options`: ``key=value,...`` (values as Python literals, else strings)."""
+    import ast
+
+    out: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"--model-options: {item!r} is not key=value")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    return out
+
+
 def loka_options(variant: str) -> dict:
     """`PlanConfig` fields of a LoKA variant: ``loka`` is the default plan; options follow
     ``+``: ``fast`` (allow fast accumulation, `torch.native.fast` timed too), ``min=X``
@@ -692,7 +714,8 @@ def train_and_evaluate(args, name, mode, variant, plan, demoted, dynamic) -> dic
 
     gpu = args.device == "cuda"
     autocast = torch.bfloat16 if gpu else None
-    setup = zoo.create(name, args.preset, device=args.device, seed=QUALITY_SEEDS.get(variant, 0))
+    setup = zoo.create(name, args.preset, device=args.device, seed=QUALITY_SEEDS.get(variant, 0),
+                       **args.model_options)  # fmt: skip
     if plan is not None:
         applied = apply(setup.model, plan)
         for site, reason in demoted.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -173,3 +174,15 @@ def test_serving_waits_for_the_time_its_compiles_take():
     xl = [{"variant": "bf16", "grad_check_s": 30.0, "warmup_s": 0.5},
           {"variant": "loka", "grad_check_s": 50.0, "warmup_s": 1.0}]  # fmt: skip
     assert need(xl) == pytest.approx(3 * 1.5 * 51.0 + 30.0) and need(xl) > 230
+
+
+def test_model_options_parse_literals_and_refuse_what_is_not_key_value():
+    parse = realized.model_options
+    assert parse("") == {}
+    assert parse("lcb_layout=bmm, num_layers=4,sparse_embeddings=True") == {
+        "lcb_layout": "bmm",
+        "num_layers": 4,
+        "sparse_embeddings": True,
+    }
+    with pytest.raises(argparse.ArgumentTypeError, match="key=value"):
+        parse("bmm")

@@ -144,3 +144,69 @@ def test_rmsnorm_variant_builds_and_trains(norm: str) -> None:
     kinds = {type(m) for m in setup.model.modules()}
     assert (zoo.RMSNorm in kinds) == (norm == "rmsnorm")
     assert torch.isfinite(torch.tensor(zoo.train(setup, 2))).all()
+
+
+def test_wukong_lcb_layouts_compute_the_same_function() -> None:
+    linear = zoo.create("wukong", seed=5)
+    bmm = zoo.create("wukong", seed=5, lcb_layout="bmm")
+    state = {
+        k.replace(".compress.weight", ".weight") if (".lcb." in k or ".residual." in k) else k: v
+        for k, v in linear.model.state_dict().items()
+    }
+    assert set(state) == set(bmm.model.state_dict())  # the same weights, held by the block
+    assert torch.equal(state["layers.0.lcb.weight"], bmm.model.state_dict()["layers.0.lcb.weight"])
+    batch = next(linear.train_batches())
+    for autocast in (False, True):
+        losses, grads = [], []
+        for setup in (linear, bmm):
+            setup.model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = setup.loss(setup.model, batch)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({
+                k.replace(".compress.weight", ".weight"): p.grad.float()
+                for k, p in setup.model.named_parameters()
+            })  # fmt: skip
+        tol = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(losses[0], losses[1], **tol)
+        for name, grad in grads[0].items():
+            cos = torch.nn.functional.cosine_similarity(grad.flatten(), grads[1][name].flatten(), 0)
+            assert cos > (0.99 if autocast else 0.99999), (name, autocast, float(cos))
+    with pytest.raises(ValueError, match="lcb_layout"):
+        zoo.create("wukong", lcb_layout="einsum")
+    # No nn.Linear mixes the embeddings any more: nothing for Probe to hook there.
+    assert not any(".lcb." in n for n, m in bmm.model.named_modules() if type(m) is torch.nn.Linear)
+
+
+def test_wukong_bmm_lcb_traces_without_transposed_copies() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from loka.zoo.models.wukong import LinearCompressionBlock
+
+    x = torch.randn(4, 6, 8)
+
+    def graph(layout: str):
+        block = LinearCompressionBlock(6, 3, layout)
+
+        def forward_backward(x):
+            y = block(x)
+            return y, torch.autograd.grad(y.square().sum(), [x, *block.parameters()])
+
+        return make_fx(forward_backward)(x.clone().requires_grad_()).graph
+
+    def strided(g) -> list[str]:
+        """Copies of transposed views, and transposed views that reach anything but a bmm
+        (which reads a transposed operand as it is): what makes later kernels read strided."""
+        out = []
+        for n in g.nodes:
+            name = str(n.target)
+            if "clone" in name or name.endswith(".t.default"):
+                out.append(name)
+            elif "transpose" in name and any("bmm" not in str(u.target) for u in n.users):
+                out.append(f"{name} -> {[str(u.target) for u in n.users]}")
+        return out
+
+    assert strided(graph("linear"))  # the [B, o, d] output is a transposed view
+    bmm = graph("bmm")
+    assert any("bmm" in str(n.target) for n in bmm.nodes) and not strided(bmm), strided(bmm)

@@ -8,6 +8,16 @@ compression block (LCB), concatenated, added to a residual and normalized over d
   Linear -> activation -> Linear to `fm_outputs` embeddings;
 - LCB: a Linear(n, `lcb_outputs`) mixing embeddings.
 Several of these GEMMs are deliberately skinny (K or N = n or k, tens), as in the paper.
+
+`lcb_layout` says how the LCB mixes embeddings. "linear" (the default): an `nn.Linear(n, o)`
+over the transposed `[B, d, n]` view, so its output is `[B, o, d]` with d strided, and the
+layer's LayerNorm over d (with the concatenation and residual inductor fuses into it) reads
+and, in the backward, writes it strided: in the compiled Wukong xl step those kernels took
+~21 ms of 71 ms of GPU time (H200 profile, `bench/results/profiles_wukong_xl_20261202T0618Z`).
+"bmm": the weight applied from the left, `W @ X_b` for every example as one batched matmul
+(`torch.bmm` over the expanded weight; `torch.matmul` would fold it back into the transposed
+form), so the output is `[B, o, d]` contiguous; the weight is then a parameter of the block,
+not an `nn.Linear` (no site for Probe: these GEMMs, K = n, N = o, are never FP8 candidates).
 """
 
 from __future__ import annotations
@@ -27,10 +37,16 @@ class WukongConfig(CTRStackConfig):
     lcb_outputs: int = 4
     fm_rank: int = 8
     fm_hidden: int = 64
+    lcb_layout: str = "linear"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_positive(self, "fm_outputs", "lcb_outputs", "fm_rank", "fm_hidden")
+        if self.lcb_layout not in LCB_LAYOUTS:
+            raise ValueError(f"lcb_layout must be one of {LCB_LAYOUTS}, got {self.lcb_layout!r}")
+
+
+LCB_LAYOUTS = ("linear", "bmm")
 
 
 class FactorizationMachineBlock(nn.Module):
@@ -53,12 +69,24 @@ class FactorizationMachineBlock(nn.Module):
 
 
 class LinearCompressionBlock(nn.Module):
-    def __init__(self, num_inputs: int, num_outputs: int) -> None:
+    """`[B, n, d] -> [B, o, d]`: `W @ X_b`, W `[o, n]` (module docstring: `layout`)."""
+
+    def __init__(self, num_inputs: int, num_outputs: int, layout: str = "linear") -> None:
         super().__init__()
-        self.compress = nn.Linear(num_inputs, num_outputs, bias=False)
+        self.layout = layout
+        compress = nn.Linear(num_inputs, num_outputs, bias=False)
+        if layout == "linear":
+            self.compress = compress
+        else:  # the same initialization, held by the block
+            self.weight = nn.Parameter(compress.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.compress(x.transpose(1, 2)).transpose(1, 2)
+        if self.layout == "linear":
+            return self.compress(x.transpose(1, 2)).transpose(1, 2)
+        weight = self.weight
+        if torch.is_autocast_enabled(x.device.type):
+            weight = weight.to(torch.get_autocast_dtype(x.device.type))
+        return torch.bmm(weight.expand(x.shape[0], -1, -1), x.to(weight.dtype))
 
 
 class WukongLayer(nn.Module):
@@ -66,10 +94,13 @@ class WukongLayer(nn.Module):
         super().__init__()
         num_outputs = config.fm_outputs + config.lcb_outputs
         self.fmb = FactorizationMachineBlock(config, num_inputs)
-        self.lcb = LinearCompressionBlock(num_inputs, config.lcb_outputs)
+        layout = config.lcb_layout
+        self.lcb = LinearCompressionBlock(num_inputs, config.lcb_outputs, layout)
         # The residual needs its own compression when the embedding count changes.
         self.residual = (
-            LinearCompressionBlock(num_inputs, num_outputs) if num_inputs != num_outputs else None
+            LinearCompressionBlock(num_inputs, num_outputs, layout)
+            if num_inputs != num_outputs
+            else None
         )
         self.norm = make_norm(config.norm, config.embedding_dim)
 
