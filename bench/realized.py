@@ -372,7 +372,7 @@ def run_mode(
 
     import loka.zoo as zoo
     from loka.dispatch import PlanConfig, apply, make_plan
-    from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_shapes
+    from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_recipes, site_shapes
     from loka.dispatch.bench.runner import mode_backends
 
     device = args.device
@@ -387,7 +387,7 @@ def run_mode(
     bench = benchmark(
         site_shapes(sites), device=device, cache=BenchCache(args.cache),
         cost_model=CostModel.shipped(), budget_s=args.bench_budget_s,
-        backends=mode_backends(mode),
+        backends=mode_backends(mode), recipes=site_recipes(tables["site_errors"]),
         include_fast_accum=any(o.get("allow_fast_accum") for o in options.values()),
     )  # fmt: skip
     log(f"{name}/{mode}: bench {bench.measured} measured, {bench.reused} cached, "

@@ -21,7 +21,7 @@ from loka.dispatch.bench.candidates import (
     speed_key,
 )
 from loka.dispatch.bench.cost_model import CostModel
-from loka.dispatch.bench.runner import Shape, benchmark, by_promise, site_shapes
+from loka.dispatch.bench.runner import Shape, benchmark, by_promise, site_recipes, site_shapes
 from loka.dispatch.bench.timing import NativeQuantTimes, PassTimer, QuantOperand
 from loka.dispatch.device import DeviceInfo
 from loka.schema import read_table, validate
@@ -224,6 +224,33 @@ def test_a_budget_cut_measures_some_fp8_candidate_of_every_shape(monkeypatch) ->
     assert result.measured == 8 and set(zip(fp8["K"], fp8["N"], strict=True)) == {
         (128, 64),
         (64, 128),
+    }
+
+
+def test_the_bench_times_only_recipes_probe_measured() -> None:
+    errors = pl.DataFrame(
+        {"site": ["a", "a", "a", "b", "b"],
+         "recipe": ["e4m3:e4m3/row/dynamic", "e4m3:e4m3/row/dynamic/pow2",
+                    "e5m2:e4m3/tensor/dynamic", "e4m3:e4m3/row/dynamic", "e4m3:e4m3/row/dynamic"],
+         "pass": ["fwd", "fwd", "dgrad", "fwd", "wgrad"]}
+    )  # fmt: skip
+    recipes = site_recipes(errors)
+    assert recipes == {
+        "fwd": ["e4m3:e4m3/row/dynamic", "e4m3:e4m3/row/dynamic/pow2"],
+        "dgrad": ["e5m2:e4m3/tensor/dynamic"],
+        "wgrad": ["e4m3:e4m3/row/dynamic"],
+    }
+    shape = [Shape(8192, 1024, 4096)]
+    everything = benchmark(shape, cost_model=CostModel.shipped(), device="cpu").table
+    assert "e5m2:e4m3/row/dynamic" in set(everything["recipe"])  # the default timing list
+    table = benchmark(shape, cost_model=CostModel.shipped(), device="cpu", recipes=recipes).table
+    by_pass = {
+        p: set(table.filter(pl.col("pass") == p)["recipe"]) for p in ("fwd", "dgrad", "wgrad")
+    }
+    assert by_pass == {
+        "fwd": {"bf16", "e4m3:e4m3/row/dynamic"},  # pow2 shares the row recipe's timing
+        "dgrad": {"bf16", "e5m2:e4m3/tensor/dynamic"},
+        "wgrad": {"bf16", "e4m3:e4m3/row/dynamic"},
     }
 
 

@@ -10,6 +10,7 @@ from loka.dispatch.bench.runner import (
     benchmark,
     can_measure,
     site_norm_shapes,
+    site_recipes,
     site_shapes,
 )
 from loka.dispatch.bench.timing import PassTimer, PassTiming
@@ -29,6 +30,7 @@ __all__ = [
     "default_cache_dir",
     "m_bucket",
     "site_norm_shapes",
+    "site_recipes",
     "site_shapes",
     "speed_key",
 ]

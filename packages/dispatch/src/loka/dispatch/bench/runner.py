@@ -65,6 +65,18 @@ def site_shapes(sites: pl.DataFrame) -> list[Shape]:
     return sorted(weight, key=lambda s: -weight[s])
 
 
+def site_recipes(site_errors: pl.DataFrame) -> dict[str, list[str]]:
+    """The recipes a `site_errors` table measured, per pass: the only FP8 recipes a plan
+    can pick (it needs their error), so the only ones worth a bench's time. The default
+    timing list has `e5m2:e4m3/row/dynamic` for the backward passes, which Probe's default
+    recipes do not measure: timed for nothing, and with the bench ordered by promise
+    (`by_promise`) it could take a pass's first slot."""
+    out: dict[str, list[str]] = {}
+    for row in site_errors.select("pass", "recipe").unique(maintain_order=True).iter_rows():
+        out.setdefault(row[0], []).append(row[1])
+    return out
+
+
 def site_norm_shapes(sites: pl.DataFrame) -> list[tuple[int, int]]:
     """(M, K) of the norm feeding each linear site alone (`sites.norm`): the `norm_shapes` of
     `benchmark`, whose rows cost fusing such a norm into its linear."""

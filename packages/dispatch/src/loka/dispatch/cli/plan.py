@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         CostModel,
         benchmark,
         site_norm_shapes,
+        site_recipes,
         site_shapes,
     )
     from loka.dispatch.console import console, plan_lines, print_lines, print_plan, wrap_lines
@@ -62,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
             sites = tables["sites"]
             result = benchmark(site_shapes(sites), cache=BenchCache(),
                                cost_model=CostModel.shipped(), budget_s=args.budget_s,
-                               norm_shapes=site_norm_shapes(sites))  # fmt: skip
+                               norm_shapes=site_norm_shapes(sites),
+                               recipes=site_recipes(tables["site_errors"]))  # fmt: skip
             for note in result.notes:
                 console.print(f"bench: {note}")
             bench = result.table

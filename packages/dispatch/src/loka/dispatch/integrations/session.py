@@ -40,7 +40,14 @@ import torch
 from torch import nn
 
 from loka.dispatch.apply_plan import Applied, ApplyConfig, apply
-from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_norm_shapes, site_shapes
+from loka.dispatch.bench import (
+    BenchCache,
+    CostModel,
+    benchmark,
+    site_norm_shapes,
+    site_recipes,
+    site_shapes,
+)
 from loka.dispatch.bench.runner import mode_backends
 from loka.dispatch.integrations.distributed import is_distributed, plan_once, rank
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
@@ -380,11 +387,11 @@ class Session:
         # The tables say everything the plan needs, the norm feeding each site included
         # (Probe traced it): the model is not traced again.
         sites, errors = self.tables["sites"], self.tables["site_errors"]
-        self.kernel_bench = self._kernel_bench(sites)
+        self.kernel_bench = self._kernel_bench(sites, errors)
         return make_plan(sites, errors, self.kernel_bench, self.config.plan,
                          gemm_share=self.config.gemm_share)  # fmt: skip
 
-    def _kernel_bench(self, sites: pl.DataFrame) -> pl.DataFrame:
+    def _kernel_bench(self, sites: pl.DataFrame, errors: pl.DataFrame) -> pl.DataFrame:
         given = self.config.kernel_bench
         if isinstance(given, pl.DataFrame):
             return given
@@ -397,7 +404,7 @@ class Session:
         result = benchmark(
             site_shapes(sites), device=device, cache=BenchCache(self.config.cache_dir),
             cost_model=CostModel.shipped(), budget_s=self.config.bench_budget_s,
-            norm_shapes=norm_shapes, backends=mode_backends(mode),
+            norm_shapes=norm_shapes, backends=mode_backends(mode), recipes=site_recipes(errors),
         )  # fmt: skip
         for note in result.notes:
             self._event(f"bench: {note}")
