@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list; LoKA variants take options: loka+fast, loka+min=1.15, loka+x=GLOB/pass")  # fmt: skip
     p.add_argument("--preset", default="large")
     p.add_argument("--model-options", default="", type=model_options,
-                   help="model config fields for every variant, e.g. lcb_layout=bmm (Wukong); "
+                   help="model config fields for every variant, e.g. mixing=bmm (Wukong); "
                         "comma list of key=value, values parsed as Python literals")  # fmt: skip
     p.add_argument("--probe-steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=6, help="untimed steps per variant")

@@ -179,8 +179,8 @@ def test_serving_waits_for_the_time_its_compiles_take():
 def test_model_options_parse_literals_and_refuse_what_is_not_key_value():
     parse = realized.model_options
     assert parse("") == {}
-    assert parse("lcb_layout=bmm, num_layers=4,sparse_embeddings=True") == {
-        "lcb_layout": "bmm",
+    assert parse("mixing=bmm, num_layers=4,sparse_embeddings=True") == {
+        "mixing": "bmm",
         "num_layers": 4,
         "sparse_embeddings": True,
     }

@@ -9,15 +9,18 @@ compression block (LCB), concatenated, added to a residual and normalized over d
 - LCB: a Linear(n, `lcb_outputs`) mixing embeddings.
 Several of these GEMMs are deliberately skinny (K or N = n or k, tens), as in the paper.
 
-`lcb_layout` says how the LCB mixes embeddings. "linear" (the default): an `nn.Linear(n, o)`
-over the transposed `[B, d, n]` view, so its output is `[B, o, d]` with d strided, and the
-layer's LayerNorm over d (with the concatenation and residual inductor fuses into it) reads
-and, in the backward, writes it strided: in the compiled Wukong xl step those kernels took
-~21 ms of 71 ms of GPU time (H200 profile, `bench/results/profiles_wukong_xl_20261202T0618Z`).
-"bmm": the weight applied from the left, `W @ X_b` for every example as one batched matmul
-(`torch.bmm` over the expanded weight; `torch.matmul` would fold it back into the transposed
-form), so the output is `[B, o, d]` contiguous; the weight is then a parameter of the block,
-not an `nn.Linear` (no site for Probe: these GEMMs, K = n, N = o, are never FP8 candidates).
+`mixing` says how the blocks mix the n embeddings (the FMB's compression `X^T W` and the
+LCB). "linear" (the default): `nn.Linear`s over the transposed `[B, d, n]` view, so the
+LCB's output `[B, o, d]` has d strided and both blocks hand the layer's input a transposed
+gradient; the LayerNorms over d, with the concatenation, residual and gradient sums inductor
+fuses into them, then read and write with a stride of o or n: in the compiled Wukong xl step
+those kernels took ~21 ms of 71 ms of GPU time (H200 profile,
+`bench/results/profiles_wukong_xl_20261202T0618Z`). "bmm": the weights applied from the
+left, `W @ X_b` for every example as one batched matmul over the expanded weight
+(`torch.matmul` would fold it back into the transposed form), so every output and input
+gradient is contiguous `[B, *, d]`; the weights are then parameters of the blocks
+(`compress_weight`), not `nn.Linear`s: no sites for Probe (these GEMMs, K = n or N = k, o,
+are never FP8 candidates).
 """
 
 from __future__ import annotations
@@ -37,24 +40,48 @@ class WukongConfig(CTRStackConfig):
     lcb_outputs: int = 4
     fm_rank: int = 8
     fm_hidden: int = 64
-    lcb_layout: str = "linear"
+    mixing: str = "linear"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_positive(self, "fm_outputs", "lcb_outputs", "fm_rank", "fm_hidden")
-        if self.lcb_layout not in LCB_LAYOUTS:
-            raise ValueError(f"lcb_layout must be one of {LCB_LAYOUTS}, got {self.lcb_layout!r}")
+        if self.mixing not in MIXINGS:
+            raise ValueError(f"mixing must be one of {MIXINGS}, got {self.mixing!r}")
 
 
-LCB_LAYOUTS = ("linear", "bmm")
+MIXINGS = ("linear", "bmm")
 
 
-class FactorizationMachineBlock(nn.Module):
-    def __init__(self, config: WukongConfig, num_inputs: int) -> None:
+class EmbeddingMix(nn.Module):
+    """A block whose `mix(x)` is `[B, n, d] -> [B, o, d]`, `W @ X_b` with W `[o, n]`, laid out
+    as `mixing` says (module docstring): W is `compress` (an `nn.Linear`, "linear") or
+    `compress_weight` ("bmm"). `mix(x, transposed=True)` returns `[B, d, o]`."""
+
+    def __init__(self, num_inputs: int, num_outputs: int, mixing: str = "linear") -> None:
         super().__init__()
+        self.mixing = mixing
+        compress = nn.Linear(num_inputs, num_outputs, bias=False)
+        if mixing == "linear":
+            self.compress = compress
+        else:  # the same initialization, held by the block
+            self.compress_weight = nn.Parameter(compress.weight.detach())
+
+    def mix(self, x: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+        if self.mixing == "linear":
+            out = self.compress(x.transpose(1, 2))  # [B, d, o]
+            return out if transposed else out.transpose(1, 2)
+        weight = self.compress_weight
+        if torch.is_autocast_enabled(x.device.type):
+            weight = weight.to(torch.get_autocast_dtype(x.device.type))
+        out = torch.bmm(weight.expand(x.shape[0], -1, -1), x.to(weight.dtype))  # [B, o, d]
+        return out.transpose(1, 2) if transposed else out
+
+
+class FactorizationMachineBlock(EmbeddingMix):
+    def __init__(self, config: WukongConfig, num_inputs: int) -> None:
+        super().__init__(num_inputs, config.fm_rank, config.mixing)
         flat = num_inputs * config.fm_rank
         self.outputs, self.dim = config.fm_outputs, config.embedding_dim
-        self.compress = nn.Linear(num_inputs, config.fm_rank, bias=False)
         self.mlp = nn.Sequential(
             make_norm(config.norm, flat),
             nn.Linear(flat, config.fm_hidden),
@@ -63,30 +90,16 @@ class FactorizationMachineBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        compressed = self.compress(x.transpose(1, 2))  # [B, d, k]
+        compressed = self.mix(x, transposed=True)  # [B, d, k] (for "bmm" a view of [B, k, d])
         interactions = torch.bmm(x.to(compressed.dtype), compressed)  # [B, n, k]
         return self.mlp(interactions.flatten(1)).view(-1, self.outputs, self.dim)
 
 
-class LinearCompressionBlock(nn.Module):
-    """`[B, n, d] -> [B, o, d]`: `W @ X_b`, W `[o, n]` (module docstring: `layout`)."""
-
-    def __init__(self, num_inputs: int, num_outputs: int, layout: str = "linear") -> None:
-        super().__init__()
-        self.layout = layout
-        compress = nn.Linear(num_inputs, num_outputs, bias=False)
-        if layout == "linear":
-            self.compress = compress
-        else:  # the same initialization, held by the block
-            self.weight = nn.Parameter(compress.weight.detach())
+class LinearCompressionBlock(EmbeddingMix):
+    """The LCB: `Linear(n, n_L)` over the embedding axis (`EmbeddingMix`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == "linear":
-            return self.compress(x.transpose(1, 2)).transpose(1, 2)
-        weight = self.weight
-        if torch.is_autocast_enabled(x.device.type):
-            weight = weight.to(torch.get_autocast_dtype(x.device.type))
-        return torch.bmm(weight.expand(x.shape[0], -1, -1), x.to(weight.dtype))
+        return self.mix(x)
 
 
 class WukongLayer(nn.Module):
@@ -94,11 +107,10 @@ class WukongLayer(nn.Module):
         super().__init__()
         num_outputs = config.fm_outputs + config.lcb_outputs
         self.fmb = FactorizationMachineBlock(config, num_inputs)
-        layout = config.lcb_layout
-        self.lcb = LinearCompressionBlock(num_inputs, config.lcb_outputs, layout)
+        self.lcb = LinearCompressionBlock(num_inputs, config.lcb_outputs, config.mixing)
         # The residual needs its own compression when the embedding count changes.
         self.residual = (
-            LinearCompressionBlock(num_inputs, num_outputs, layout)
+            LinearCompressionBlock(num_inputs, num_outputs, config.mixing)
             if num_inputs != num_outputs
             else None
         )
