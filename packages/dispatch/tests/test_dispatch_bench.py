@@ -21,7 +21,14 @@ from loka.dispatch.bench.candidates import (
     speed_key,
 )
 from loka.dispatch.bench.cost_model import CostModel
-from loka.dispatch.bench.runner import Shape, benchmark, by_promise, site_recipes, site_shapes
+from loka.dispatch.bench.runner import (
+    Shape,
+    benchmark,
+    by_promise,
+    site_recipes,
+    site_shapes,
+    timed_shape,
+)
 from loka.dispatch.bench.timing import NativeQuantTimes, PassTimer, QuantOperand
 from loka.dispatch.device import DeviceInfo
 from loka.schema import read_table, validate
@@ -252,6 +259,26 @@ def test_the_bench_times_only_recipes_probe_measured() -> None:
         "dgrad": {"bf16", "e5m2:e4m3/tensor/dynamic"},
         "wgrad": {"bf16", "e4m3:e4m3/row/dynamic"},
     }
+
+
+def test_an_unaligned_site_gets_native_candidates_timed_as_they_pad() -> None:
+    # InterFormer xl's fc1 (K = 7507): the native linear pads its GEMMs, so it is a
+    # candidate; it is timed at the padded dims and recorded at the site's.
+    native = Candidate("torch.native", "e4m3:e4m3/row/dynamic", "fwd")
+    assert timed_shape(Shape(64, 7507, 4096), native) == Shape(64, 7520, 4096)
+    scaled = Candidate("torch.scaled_mm", "e4m3:e4m3/row/dynamic", "fwd")
+    assert timed_shape(Shape(64, 7507, 4096), scaled) == Shape(64, 7507, 4096)
+    refused = {
+        st.candidate.backend: st.refusal
+        for st in candidates(64, 7507, 4096, {"fwd": ["e4m3:e4m3/row/dynamic"]})
+        if not st.candidate.is_bf16 and st.candidate.pass_ == "fwd"
+    }
+    assert refused["torch.native"] is None and "multiple of 16" in refused["torch.scaled_mm"]
+    recipes = {"fwd": ["e4m3:e4m3/row/dynamic"], "dgrad": [], "wgrad": []}
+    result = benchmark([Shape(32, 30, 24)], recipes=recipes, time_on_cpu=True,
+                       backends=["torch.bf16", "torch.native"])  # fmt: skip
+    row = result.table.filter(pl.col("backend") == "torch.native")
+    assert row.height == 1 and (row["K"][0], row["N"][0]) == (30, 24) and not result.failed
 
 
 def test_site_shapes_dedupe_and_order_by_importance() -> None:

@@ -97,12 +97,49 @@ def test_float32_input_under_autocast_is_quantized_as_its_autocast_cast(backend)
     torch.testing.assert_close(x.grad, xb.grad.float())
 
 
-def test_unaligned_batch_runs_wgrad_in_high_precision():
-    config = native_config("bf16", "bf16", "e4m3:e4m3/row/dynamic")
+@pytest.mark.parametrize("recipes", RECIPES[:3])
+def test_unaligned_shapes_run_in_fp8_padded_exactly_as_the_reference(recipes):
+    # M = 13 (wgrad contracts it), K = 30, N = 7: _scaled_mm needs multiples of 16, so the
+    # native linear zero-pads the operands and slices the results: the same products as
+    # the unpadded FP8 reference, every pass in FP8 (InterFormer xl's fc1 has K = 7507;
+    # jagged batches have any M).
+    config = native_config(*recipes)
+    g = torch.Generator().manual_seed(2)
+    module = Fp8Linear(30, 7, config=config)
+    x = torch.randn(13, 30, generator=g, requires_grad=True)
+    dy = torch.randn(13, 7, generator=g)
+    y = module(x)
+    y.backward(dy)
+    assert y.shape == (13, 7) and x.grad.shape == (13, 30) and module.weight.grad.shape == (7, 30)
+    ref = fp8_linear_reference(x.detach(), module.weight.detach(), config, dy)
+    tol = {"rtol": 2**-7, "atol": 1e-5}
+    torch.testing.assert_close(y, (ref.y + module.bias.detach()).to(y.dtype), **tol)
+    torch.testing.assert_close(x.grad, ref.dx, **tol)
+    torch.testing.assert_close(module.weight.grad, ref.dw, **tol)
+    torch.testing.assert_close(module.bias.grad, dy.sum(0))
+    exact = dy.t() @ x.detach()
+    if not config.wgrad.is_bf16:
+        assert not torch.allclose(module.weight.grad, exact, rtol=1e-5, atol=1e-6)  # FP8
+
+
+def test_a_dynamic_batch_is_padded_without_a_guard_on_its_alignment():
+    # A compiled linear whose batch size varies (jagged batches): one dynamic graph for
+    # every M, aligned or not, each in FP8.
+    import torch._dynamo.testing
+
+    recipe = "e4m3:e4m3/row/dynamic"
+    config = native_config(recipe, recipe, recipe)
     module = Fp8Linear(32, 16, bias=False, config=config)
-    x = torch.randn(13, 32)  # M = 13: no _scaled_mm for the wgrad's contracted dim
-    module(x).sum().backward()
-    torch.testing.assert_close(module.weight.grad, torch.ones(16, 13) @ x)
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(module, backend=counter, dynamic=True)
+    for m in (16, 13, 32, 21):
+        x = torch.randn(m, 32, requires_grad=True)
+        dy = torch.randn(m, 16)
+        module.weight.grad = None
+        compiled(x).backward(dy)
+        ref = fp8_linear_reference(x.detach(), module.weight.detach(), config, dy)
+        torch.testing.assert_close(module.weight.grad, ref.dw, rtol=2**-7, atol=1e-5)
+    assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("recipes", RECIPES[:2])
@@ -150,7 +187,13 @@ def test_backend_is_registered_traceable_and_refuses_what_it_cannot_run():
 
     assert backend.supports(Recipe.parse("e4m3:e4m3/row/dynamic"), 128, 64, 32) is None
     assert "delayed" in backend.supports(Recipe.parse("e4m3:e4m3/tensor/delayed16"), 128, 64, 32)
-    assert "multiple of 16" in backend.supports(Recipe.parse("e4m3:e4m3/row/dynamic"), 128, 60, 32)
+    # A native linear pads its GEMMs (any shape); its GEMM alone still needs aligned dims.
+    assert backend.linear_pads
+    assert backend.supports(Recipe.parse("e4m3:e4m3/row/dynamic"), 13, 7507, 30, "wgrad") is None
+    from loka.kernels.registry import GemmSpec
+
+    spec = GemmSpec.for_linear(Recipe.parse("e4m3:e4m3/row/dynamic"), "fwd", 128, 60, 32)
+    assert "multiple of 16" in backend.refuse(spec)
 
 
 def test_fast_accumulation_variant_mixes_with_native_and_flags_only_its_passes():

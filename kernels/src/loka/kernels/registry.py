@@ -11,6 +11,7 @@ Triton's CPU interpreter runs kernels for tests but is never "available").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,10 @@ class Backend:
     # Quantization and GEMM in plain torch ops, run inside the model's own graph: under
     # torch.compile inductor fuses the quantization with its neighbours (`loka.kernels.native`).
     traceable: bool = False
+    # A linear on this backend zero-pads its GEMM dims to `align` itself (exact: the torch-
+    # native linear does), so `supports` takes any linear shape; its GEMM alone (`refuse`,
+    # `fp8_mm`) still needs them aligned.
+    linear_pads: bool = False
     scalings: frozenset[str] = frozenset({"dynamic", "delayed"})
     priority: int = 0  # default choice among backends that support a request: highest first
     check: Callable[[GemmSpec], str | None] | None = None  # further constraints
@@ -168,6 +173,9 @@ class Backend:
                 f"{self.name}: {recipe.scaling} scaling not supported "
                 f"(only {sorted(self.scalings)})"
             )
+        if self.linear_pads:
+            multiple = math.lcm(1, *(m for _, m in self.align))
+            M, K, N = (-(-d // multiple) * multiple for d in (M, K, N))
         return self.refuse(GemmSpec.for_linear(recipe, pass_, M, K, N))
 
     def unavailable_reason(self, device: torch.device | str | None = None) -> str | None:

@@ -10,8 +10,15 @@ the graph where its amax reduction rides along with the optimizer's write of it,
 
 Operands per pass (row scales per row of the operand as the GEMM reads it):
 fwd ``x[M,K] @ W[N,K]^T``; dgrad ``dY[M,N] @ (W^T)[K,N]^T``; wgrad ``(dY^T)[N,M] @ (x^T)[K,M]^T``.
-A pass whose GEMM dims are not multiples of 16 (``_scaled_mm``'s rule; in practice a batch
-of odd size in wgrad) runs in high precision for that call.
+``_scaled_mm`` needs a GEMM's contracted dim and its output's columns in multiples of 16: K
+and N (every pass) and M (wgrad contracts the tokens). Where they are not, the operands are
+zero-padded up to them before quantizing and the result is sliced back: exact (a zero row
+or column adds nothing to any product and changes no amax; an all-zero row gets scale 1),
+and under torch.compile the pad is part of the quantization's fused kernel. So every shape
+runs in FP8: InterFormer xl's 7507-wide `fc1` (refused before) and the jagged batches whose
+token count M is rarely a multiple of 16 (their wgrad ran in high precision, and a compiled
+graph guarded on M's alignment). A symbolic M (a dynamic-shape graph) is always padded, by
+`(-M) % 16` rows, so the graph does not guard on it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from loka.kernels.native import (
     NATIVE_ALIGN,
@@ -70,7 +78,7 @@ class NativePlan:
     fwd: NativePass | None
     dgrad: NativePass | None
     wgrad: NativePass | None
-    any_shape: bool = False  # torch.native.cpu: on the CPU every shape runs in FP8
+    any_shape: bool = False  # torch.native.cpu (every native linear pads: any shape runs)
 
     @classmethod
     def of(cls, config: Fp8LinearConfig) -> NativePlan | None:
@@ -99,12 +107,24 @@ class NativePlan:
         )
 
 
-def _aligned(plan: NativePlan, t: torch.Tensor, *dims: int) -> bool:
-    """Whether the pass runs in FP8 at these GEMM dims: multiples of 16 for _scaled_mm, any
-    on the CPU for torch.native.cpu (its GEMM is emulated there)."""
-    if plan.any_shape and t.device.type == "cpu":
-        return True
-    return all(d % NATIVE_ALIGN == 0 for d in dims)
+def _up(d):
+    """`d` rounded up to a multiple of NATIVE_ALIGN (an int or a symbolic size)."""
+    return (d + NATIVE_ALIGN - 1) // NATIVE_ALIGN * NATIVE_ALIGN
+
+
+def _pad_to(t: torch.Tensor, rows, cols) -> torch.Tensor:
+    """`t` ``[R, C]`` zero-padded to ``[rows, cols]``; `t` itself when no padding is needed
+    and that is known without a guard (static sizes)."""
+    r, c = t.shape
+    pad_r, pad_c = rows - r, cols - c
+    if statically_known_true(pad_r == 0) and statically_known_true(pad_c == 0):
+        return t
+    return F.pad(t, (0, pad_c, 0, pad_r))
+
+
+def _cols(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` columns of a padded GEMM output."""
+    return t if t.shape[1] == n else t[:, :n]
 
 
 class NativeFp8LinearFunction(torch.autograd.Function):
@@ -123,20 +143,23 @@ class NativeFp8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         M, K = x.shape
         N = weight.shape[0]
-        fwd = plan.fwd if _aligned(plan, x, K, N) else None
+        Kp, Np = _up(K), _up(N)
+        fwd = plan.fwd
         if fwd is not None:
-            xq, x_inv = fwd.quantize(x, "a")
-            wq, w_inv = fwd.quantize(weight, "b")
+            xq, x_inv = fwd.quantize(_pad_to(x, M, Kp), "a")
+            wq, w_inv = fwd.quantize(_pad_to(weight, Np, Kp), "b")
+            b = bias if bias is None or Np == N else F.pad(bias, (0, Np - N))
             # Every FP8 GEMM writes bf16 (rowwise _scaled_mm writes nothing else); cast after.
-            y = native_mm(xq, x_inv, wq, w_inv, bias, torch.bfloat16, fast_accum=fwd.fast_accum)
-            y = cast(y, compute_dtype)
+            y = native_mm(xq, x_inv, wq, w_inv, b, torch.bfloat16, fast_accum=fwd.fast_accum)
+            y = cast(_cols(y, N), compute_dtype)
         else:
             b = None if bias is None else cast(bias, compute_dtype)
             y = F.linear(cast(x, compute_dtype), cast(weight, compute_dtype), b)
-        wgrad = plan.wgrad if keep_wgrad and _aligned(plan, x, M, K) else None
+        wgrad = plan.wgrad if keep_wgrad else None
         if wgrad is not None:
-            # x^T quantized now (one pass over x, fused with its producer) and saved in FP8.
-            xt, xt_inv = wgrad.quantize(x, "b", transpose=True)
+            # x^T quantized now (one pass over x, fused with its producer) and saved in FP8,
+            # padded to [Kp, Mp] (wgrad contracts the tokens).
+            xt, xt_inv = wgrad.quantize(_pad_to(x, _up(M), Kp), "b", transpose=True)
             ctx.save_for_backward(weight, xt, xt_inv)
         else:
             ctx.save_for_backward(weight, x if keep_wgrad else None)
@@ -152,19 +175,22 @@ class NativeFp8LinearFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         weight = saved[0]
         N, K = weight.shape
+        M = dy.shape[0]
+        Kp, Np = _up(K), _up(N)
         dx = dw = db = None
-        dgrad = plan.dgrad if _aligned(plan, dy, N, K) else None
+        dgrad = plan.dgrad
         if need_dx and dgrad is not None:
-            dyq, dy_inv = dgrad.quantize(dy, "a")
-            wt, wt_inv = dgrad.quantize(weight, "b", transpose=True)
-            dx = cast(native_mm(dyq, dy_inv, wt, wt_inv, fast_accum=dgrad.fast_accum), x_dtype)
+            dyq, dy_inv = dgrad.quantize(_pad_to(dy, M, Np), "a")
+            wt, wt_inv = dgrad.quantize(_pad_to(weight, Np, Kp), "b", transpose=True)
+            dx = native_mm(dyq, dy_inv, wt, wt_inv, fast_accum=dgrad.fast_accum)
+            dx = cast(_cols(dx, K), x_dtype)
         elif need_dx:
             dx = cast(cast(dy, compute_dtype) @ cast(weight, compute_dtype), x_dtype)
         if need_dw and ctx.wgrad_fp8:
             xt, xt_inv = saved[1], saved[2]
-            dyt, dyt_inv = plan.wgrad.quantize(dy, "a", transpose=True)
+            dyt, dyt_inv = plan.wgrad.quantize(_pad_to(dy, _up(M), N), "a", transpose=True)
             fast = plan.wgrad.fast_accum
-            dw = cast(native_mm(dyt, dyt_inv, xt, xt_inv, fast_accum=fast), w_dtype)
+            dw = cast(_cols(native_mm(dyt, dyt_inv, xt, xt_inv, fast_accum=fast), K), w_dtype)
         elif need_dw:
             x = saved[1]
             dw = cast(cast(dy.t(), compute_dtype) @ cast(x, compute_dtype), w_dtype)

@@ -159,6 +159,17 @@ def by_promise(
     return [plan[i] for i in order]
 
 
+def timed_shape(shape: Shape, c: Candidate) -> Shape:
+    """The shape `c` is timed at: `shape`, or for a backend whose linear pads its GEMMs
+    (`Backend.linear_pads`: torch.native) its dims padded as that linear pads them, the
+    operands it quantizes and multiplies (the row keeps the site's shape)."""
+    if c.backend not in registry.names("mm") or not registry.get(c.backend).linear_pads:
+        return shape
+    multiple = math.lcm(1, *(m for _, m in registry.get(c.backend).align))
+    M, K, N = (-(-d // multiple) * multiple for d in (shape.M_bucket, shape.K, shape.N))
+    return Shape(M, K, N, shape.groups)
+
+
 def _host_ms(c: Candidate, shape: Shape, device: torch.device) -> float | None:
     """The pass's extra host time per step in eager mode (`host_overhead_ms`); None where
     it cannot be measured (the planner then charges none and says nothing more)."""
@@ -296,12 +307,13 @@ def benchmark(
             continue
         if measuring and (deadline is None or time.monotonic() < deadline):
             native_quant.fit_only = quant_deadline is not None and time.monotonic() > quant_deadline
-            timer = timers.pop(shape, None)
+            timed = timed_shape(shape, c)
+            timer = timers.pop(timed, None)
             if timer is None:
                 timer = PassTimer(
-                    shape.M_bucket, shape.K, shape.N, device, native_quant=native_quant
+                    timed.M_bucket, timed.K, timed.N, device, native_quant=native_quant
                 )
-            timers[shape] = timer  # the most recent last
+            timers[timed] = timer  # the most recent last
             if len(timers) > TIMERS_KEPT:  # free the least recent shape's inputs
                 del timers[next(iter(timers))]
             try:
