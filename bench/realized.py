@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="dhen")
     p.add_argument("--modes", default="compiled,eager")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma list; LoKA variants take options: loka+fast, loka+min=1.15, loka+x=GLOB/pass")  # fmt: skip
+                   help="comma list; LoKA variants take options: loka+fast, loka+nohost, loka+min=1.15, loka+x=GLOB/pass")  # fmt: skip
     p.add_argument("--preset", default="large")
     p.add_argument("--model-options", default="", type=model_options,
                    help="model config fields for every variant, e.g. mixing=bmm (Wukong); "
@@ -616,7 +616,8 @@ def model_options(text: str) -> dict:
 
 def loka_options(variant: str) -> dict:
     """`PlanConfig` fields of a LoKA variant: ``loka`` is the default plan; options follow
-    ``+``: ``fast`` (allow fast accumulation, `torch.native.fast` timed too), ``min=X``
+    ``+``: ``fast`` (allow fast accumulation, `torch.native.fast` timed too), ``nohost``
+    (eager: `charge_host=False`, plan on device time alone), ``min=X``
     (`min_speedup`), ``x=GLOB`` (`exclude`: a site glob, or ``site-glob/pass``; repeatable),
     e.g. ``loka+fast+min=1.15``, ``loka+min=1.05+x=*.mlp.1/wgrad``: several LoKA variants
     side by side, to see which passes pay inside the real step."""
@@ -627,12 +628,16 @@ def loka_options(variant: str) -> dict:
     for opt in opts:
         if opt == "fast":
             out["allow_fast_accum"] = True
+        elif opt == "nohost":
+            out["charge_host"] = False
         elif opt.startswith("min="):
             out["min_speedup"] = float(opt[4:])
         elif opt.startswith("x="):
             out["exclude"] = (*out.get("exclude", ()), opt[2:])
         else:
-            raise ValueError(f"{variant!r}: unknown LoKA option {opt!r} (fast, min=X, x=GLOB)")
+            raise ValueError(
+                f"{variant!r}: unknown LoKA option {opt!r} (fast, nohost, min=X, x=GLOB)"
+            )
     return out
 
 

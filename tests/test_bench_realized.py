@@ -129,6 +129,7 @@ def test_loka_variants_name_their_plan_options():
         "min_speedup": 1.05,
         "exclude": ("*.mlp.1/wgrad", "head.*"),
     }
+    assert realized.loka_options("loka+nohost") == {"charge_host": False}
     with pytest.raises(ValueError, match="unknown LoKA option 'quick'"):
         realized.loka_options("loka+quick")
     with pytest.raises(ValueError, match="not a LoKA variant"):

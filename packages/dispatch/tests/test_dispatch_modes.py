@@ -62,6 +62,9 @@ def test_eager_plan_charges_host_time():
     # A compiled plan pays no host time per pass (and the native rows carry none).
     rows = plan_rows(make_plan(SITES, ERRORS, host, PlanConfig(mode="compiled")))
     assert {r["recipe"] for r in rows.values()} == {ROW}
+    # A step bound by the device hides the host work: charge_host=False plans on device time.
+    rows = plan_rows(make_plan(SITES, ERRORS, host, PlanConfig(mode="eager", charge_host=False)))
+    assert {(r["recipe"], r["backend"]) for r in rows.values()} == {(ROW, "torch.scaled_mm")}
 
 
 def test_host_overhead_is_zero_where_nothing_runs_on_the_host():

@@ -118,15 +118,15 @@ def kernel_index(kernel_bench: pl.DataFrame) -> KernelIndex:
     return index
 
 
-def _timing(row: dict, mode: str = "compiled") -> Timing:
+def _timing(row: dict, mode: str = "compiled", charge_host: bool = True) -> Timing:
     """(median, GEMM, quantization) ms of a kernel_bench row; in an eager plan the pass's
     measured extra host time (`host_ms`, see `bench.host`) is charged to its median, since an
-    eager step pays it unless the device is the slower side."""
+    eager step pays it unless the device is the slower side (`PlanConfig.charge_host`)."""
     gemm = row.get("gemm_ms")
     quant = row.get("quant_ms")
     median = row["median_ms"]
     host = row.get("host_ms")
-    if mode == "eager" and host is not None and math.isfinite(host):
+    if mode == "eager" and charge_host and host is not None and math.isfinite(host):
         median += host
     return Timing(median, median if gemm is None else gemm, 0.0 if quant is None else quant)
 
@@ -264,7 +264,7 @@ def site_candidates(
             ):  # fmt: skip
                 choice.undecided.append({**err, "budget": budget})
             for r in timed:
-                median, gemm, quant = _timing(r, config.mode)
+                median, gemm, quant = _timing(r, config.mode, config.charge_host)
                 option = Option(
                     r["backend"], recipe, pass_, median, gemm, quant, bool(r["estimated"]),
                     bound, budget,

@@ -66,6 +66,11 @@ class PlanConfig:
     # inductor, no Python per call, capturable as a CUDA graph); eager plans take the others,
     # since a traceable backend's quantization runs unfused (and is timed fused) in eager.
     mode: str = "eager"
+    # Eager plans add each FP8 pass's measured extra host time (`host_ms`) to its time, as a
+    # step bound by the host pays it. A step bound by the device hides that host work behind
+    # the GPU's queue: False plans on device time alone (and verification on the real step
+    # says whether the step was in fact device-bound).
+    charge_host: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
