@@ -173,10 +173,15 @@ class Backend:
                 f"{self.name}: {recipe.scaling} scaling not supported "
                 f"(only {sorted(self.scalings)})"
             )
-        if self.linear_pads:
-            multiple = math.lcm(1, *(m for _, m in self.align))
-            M, K, N = (-(-d // multiple) * multiple for d in (M, K, N))
-        return self.refuse(GemmSpec.for_linear(recipe, pass_, M, K, N))
+        return self.refuse(GemmSpec.for_linear(recipe, pass_, *self.linear_dims(M, K, N)))
+
+    def linear_dims(self, M: int, K: int, N: int) -> tuple[int, int, int]:
+        """The dims a linear ``x[M,K] W[N,K]^T`` on this backend multiplies at: its own, or
+        padded up to `align` where the linear pads them itself (`linear_pads`)."""
+        if not self.linear_pads:
+            return M, K, N
+        multiple = math.lcm(1, *(m for _, m in self.align))
+        return tuple(-(-d // multiple) * multiple for d in (M, K, N))
 
     def unavailable_reason(self, device: torch.device | str | None = None) -> str | None:
         """Why this backend cannot be timed for speed on `device` (None when it can)."""

@@ -163,10 +163,9 @@ def timed_shape(shape: Shape, c: Candidate) -> Shape:
     """The shape `c` is timed at: `shape`, or for a backend whose linear pads its GEMMs
     (`Backend.linear_pads`: torch.native) its dims padded as that linear pads them, the
     operands it quantizes and multiplies (the row keeps the site's shape)."""
-    if c.backend not in registry.names("mm") or not registry.get(c.backend).linear_pads:
+    if c.backend not in registry.names("mm"):
         return shape
-    multiple = math.lcm(1, *(m for _, m in registry.get(c.backend).align))
-    M, K, N = (-(-d // multiple) * multiple for d in (shape.M_bucket, shape.K, shape.N))
+    M, K, N = registry.get(c.backend).linear_dims(shape.M_bucket, shape.K, shape.N)
     return Shape(M, K, N, shape.groups)
 
 
