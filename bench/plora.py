@@ -46,6 +46,10 @@ sizes 1-4, lr, alpha, 12-20 steps each); everything in one run:
 Results in --out (default $OUT, else bench/results/): plora_<mode>_<utc>.json (every raw
 record, the summary, the metadata), plora_steps_<mode>_<utc>.csv (step profiles),
 plora_schedule_<mode>_<utc>.csv (the plan section's schedule, with measured pack times).
+The files are written (atomically) as the run goes: after each section and before each unit
+of work in one, the JSON with "complete": false, "sections_done" and "section_running" (its
+rows so far), so a run that is killed keeps what it finished; "complete": true at the end.
+Progress lines ([plora  35 s] ..., flushed) tell where the time went.
 """
 
 from __future__ import annotations
@@ -60,6 +64,14 @@ from pathlib import Path
 
 from harness import Budget, metadata, parser, rel_err, time_ms, version, write_csv, write_json
 from harness import stamp as utc_stamp
+
+_T0 = time.monotonic()  # progress lines count from here (imports, model build included)
+
+
+def log(message: str) -> None:
+    """A progress line with the seconds since start, flushed at once (bench/realized.py's):
+    a killed run's log still shows where its time went."""
+    print(f"[plora {time.monotonic() - _T0:6.0f} s] {message}", flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -187,13 +199,18 @@ def bench_kernels(jobs: list[LoraJobConfig]) -> list[dict]:
     shapes = {"q/o": (h, h), "k/v": (h, kv), "gate/up": (h, i), "down": (i, h)}
     for name, (k, n) in list(shapes.items())[: 1 if ARGS.smoke else None]:
         if over_budget():
+            log(f"kernels: {name} skipped, over the time budget")
             rows.append({"shape": name, "error": "skipped: over the time budget"})
             continue
+        log(f"kernels: {name} (K {k}, N {n}) ...")
+        begin = time.monotonic()
         try:
             rows.append(_bench_shape(name, k, n, jobs, layout))
         except Exception as err:  # one failing shape is a row, not a crash
             rows.append({"shape": name, "K": k, "N": n, "error": f"{type(err).__name__}: {err}",
                          "trace": traceback.format_exc(limit=3)})  # fmt: skip
+        log(f"kernels: {name} {'failed' if 'error' in rows[-1] else 'done'} in "
+            f"{time.monotonic() - begin:.1f} s")  # fmt: skip
     return rows
 
 
@@ -434,7 +451,8 @@ def peft_step_profile(model, job) -> dict:
     }  # fmt: skip
 
 
-def bench_steps(model, jobs) -> list[dict]:
+def bench_steps(model, jobs, rows: list | None = None) -> list[dict]:
+    """Step profiles, appended to `rows` (main's: a partial write keeps those done)."""
     plans = [("triton", jobs[:n]) for n in PACK_SIZES]
     first = jobs[0]
     doubled = LoraJobConfig(
@@ -443,31 +461,64 @@ def bench_steps(model, jobs) -> list[dict]:
     # Tokens change alone: separates the per-token from the per-step cost.
     plans.append(("triton", [doubled]))
     plans += [("loop", jobs[:n]) for n in JOB_COUNTS]
-    rows = []
+    rows = [] if rows is None else rows
     for backend, pack in plans:
+        label = f"steps: packed {backend}, {len(pack)} job(s), {sum(j.batch_size for j in pack)} samples"
         rows.append(_guarded(lambda b=backend, p=pack: packed_step_profile(model, p, b),
-                             {"kind": "packed", "backend": backend, "n_adapters": len(pack)}))  # fmt: skip
+                             {"kind": "packed", "backend": backend, "n_adapters": len(pack)}, label))  # fmt: skip
     pairs = sorted({(j.rank, j.batch_size) for j in jobs})
     for rank, batch in pairs:
         job = next(j for j in jobs if (j.rank, j.batch_size) == (rank, batch))
         rows.append(_guarded(lambda j=job: peft_step_profile(model, j),
-                             {"kind": "solo_peft", "rank": rank, "batch_size": batch}))  # fmt: skip
+                             {"kind": "solo_peft", "rank": rank, "batch_size": batch},
+                             f"steps: peft alone r{rank} batch {batch}"))  # fmt: skip
     return rows
 
 
-def _guarded(fn, context: dict) -> dict:
-    if over_budget():
-        return {**context, "error": "skipped: over the time budget"}
+_CHECKPOINT = None  # main() sets it: writes the partial results (the rows so far)
+_LAST_UNIT_S = 0.0  # seconds the last unit _guarded ran took (its checkpoint not included)
+
+
+def checkpoint() -> None:
+    """Write the partial results, if main() asked for it; a failure is logged, not raised
+    (the run goes on, and its final write says what is wrong)."""
+    if _CHECKPOINT is not None:
+        try:
+            _CHECKPOINT()
+        except Exception as err:
+            log(f"could not write the partial results: {type(err).__name__}: {err}")
+
+
+def _guarded(fn, context: dict, label: str | None = None, need_s: float = 0.0) -> dict:
+    """fn()'s row, or `context` with its error; skipped when less than `need_s` seconds of
+    the budget are left (none: past the budget). The rows so far are written first, and
+    progress lines mark the unit's start and end (`label`, default: from `context`)."""
+    global _LAST_UNIT_S
+    checkpoint()
+    _LAST_UNIT_S = 0.0
+    label = label or " ".join(f"{k} {v}" for k, v in context.items())
+    left = BUDGET.left()
+    if BUDGET.over(need_s):
+        why = f" (about {need_s:.1f} s needed, {max(left, 0.0):.1f} s left)" if need_s else ""
+        log(f"{label}: skipped, over the time budget{why}")
+        return {**context, "error": f"skipped: over the time budget{why}"}
+    log(f"{label} ...")
+    begin = time.monotonic()
     try:
-        return fn()
+        row = fn()
     except Exception as err:
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
+        _LAST_UNIT_S = time.monotonic() - begin
+        log(f"{label}: {type(err).__name__} after {_LAST_UNIT_S:.1f} s")
         return {
             **context,
             "error": f"{type(err).__name__}: {err}",
             "trace": traceback.format_exc(limit=3),
         }
+    _LAST_UNIT_S = time.monotonic() - begin
+    log(f"{label}: done in {_LAST_UNIT_S:.1f} s")
+    return row
 
 
 # ---------------------------------------------------------------------------------------
@@ -520,17 +571,16 @@ def run_sequential(model, jobs) -> dict:
             "tokens_per_s": tokens / wall}  # fmt: skip
 
 
-def bench_makespan(model, jobs) -> list[dict]:
-    rows = []
+def bench_makespan(model, jobs, rows: list | None = None) -> list[dict]:
+    """Packed and sequential runs, appended to `rows` (main's: a partial write keeps them)."""
+    rows = [] if rows is None else rows
     for n in JOB_COUNTS:
-        rows.append(
-            _guarded(lambda n=n: run_packed(model, jobs[:n]), {"kind": "packed", "jobs": n})
-        )
-        rows.append(
-            _guarded(
-                lambda n=n: run_sequential(model, jobs[:n]), {"kind": "sequential_peft", "jobs": n}
-            )
-        )
+        steps = sum(j.steps for j in jobs[:n])
+        rows.append(_guarded(lambda n=n: run_packed(model, jobs[:n]), {"kind": "packed", "jobs": n},
+                             f"makespan: packed, {n} jobs ({steps} job steps)"))  # fmt: skip
+        rows.append(_guarded(lambda n=n: run_sequential(model, jobs[:n]),
+                             {"kind": "sequential_peft", "jobs": n},
+                             f"makespan: sequential peft, {n} jobs ({steps} steps)"))  # fmt: skip
     return rows
 
 
@@ -576,6 +626,8 @@ def baseline_peak(model, rank: int, micro_batch: int) -> int | None:
         opt.zero_grad(set_to_none=True)
         peft_model.unload()
     torch.cuda.empty_cache()
+    got = "out of memory" if peak is None else f"peak {peak / 2**30:.1f} GiB"
+    log(f"baseline: probe r{rank} micro-batch {micro_batch}: {got}")
     return peak
 
 
@@ -620,6 +672,8 @@ def baseline_rate(model, rank: int, micro_batch: int, variant: str) -> dict:
         peft_step(peft_model, params, opt, job, ids, loss_fn)
         sync()
         first = time.perf_counter() - begin
+        log(f"baseline: r{rank} micro-batch {micro_batch} {variant}: first step "
+            f"{'(compile) ' if compiled else ''}{first:.1f} s")  # fmt: skip
         for _ in range(max(WARMUP - 1, 1 if compiled else 0)):
             peft_step(peft_model, params, opt, job, ids, loss_fn)
         sync()
@@ -644,14 +698,17 @@ def baseline_rate(model, rank: int, micro_batch: int, variant: str) -> dict:
     }  # fmt: skip
 
 
-def bench_baseline(model, jobs) -> list[dict]:
+def bench_baseline(model, jobs, rows: list | None = None) -> list[dict]:
     """Rates for every (rank, batch size) pair of `jobs`, cheapest and most telling first
-    (work past the budget is recorded as skipped): eager at the job's own batch (the old
-    baseline), the largest micro-batch that fits per rank (probe), eager and compiled at
-    it, then compiled at each own batch."""
+    (work past the budget is recorded as skipped, and so is a rate when less of the budget
+    is left than the longest of its variant took so far, e.g. a compile): eager at the
+    job's own batch (the old baseline), the largest micro-batch that fits per rank (probe),
+    eager and compiled at it, then compiled at each own batch. Rows are appended to `rows`
+    (main's: a partial write keeps those done)."""
     pairs = sorted({(j.rank, j.batch_size) for j in jobs})
     ranks = sorted({r for r, _ in pairs})
-    rows, done = [], set()
+    rows, done = [] if rows is None else rows, set()
+    longest: dict[str, float] = {}  # variant -> the longest rate of it so far (seconds)
 
     def rate(rank, micro_batch, variant):
         if (rank, micro_batch, variant) in done:
@@ -659,14 +716,20 @@ def bench_baseline(model, jobs) -> list[dict]:
         done.add((rank, micro_batch, variant))
         context = {"kind": "baseline_rate", "rank": rank, "micro_batch": micro_batch,
                    "variant": variant}  # fmt: skip
-        rows.append(_guarded(lambda: baseline_rate(model, rank, micro_batch, variant), context))
+        row = _guarded(lambda: baseline_rate(model, rank, micro_batch, variant), context,
+                       f"baseline: r{rank} micro-batch {micro_batch} {variant}",
+                       need_s=longest.get(variant, 0.0))  # fmt: skip
+        if "error" not in row:
+            longest[variant] = max(longest.get(variant, 0.0), _LAST_UNIT_S)
+        rows.append(row)
 
     for rank, batch in pairs:
         rate(rank, batch, "eager")
     largest = {}
     for rank in ranks:
         row = _guarded(lambda r=rank: baseline_probe(model, r),
-                       {"kind": "baseline_probe", "rank": rank})  # fmt: skip
+                       {"kind": "baseline_probe", "rank": rank},
+                       f"baseline: probe r{rank} (micro-batch cap {CAP})")  # fmt: skip
         rows.append(row)
         if row.get("micro_batch"):
             largest[rank] = row["micro_batch"]
@@ -760,10 +823,16 @@ def run_pack(model, jobs: list[LoraJobConfig], seed: int) -> dict:
     return {"pack_steps": steps, "measured_s": wall}
 
 
-def bench_plan(model, jobs, steps: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Plan `jobs`, run every pack of the schedule; returns (rows, the schedule's rows)."""
+def bench_plan(
+    model, jobs, steps: list[dict], rows: list | None = None
+) -> tuple[list[dict], list[dict]]:
+    """Plan `jobs`, run every pack of the schedule; returns (rows, the schedule's rows).
+    Rows are appended to `rows` (main's: a partial write keeps the packs done)."""
     base_jobs, jobs = jobs, plan_jobs(jobs)
+    log("plan: step time and memory models ...")
     throughput, memory = plan_models(model, steps, base_jobs, jobs)
+    log(f"plan: models ready ({throughput.source}); planning {len(jobs)} jobs on "
+        f"{ARGS.plan_gpus} GPU(s) ...")  # fmt: skip
     if DEVICE.type == "cuda":
         gpu_memory = torch.cuda.get_device_properties(DEVICE).total_memory
     else:
@@ -773,8 +842,10 @@ def bench_plan(model, jobs, steps: list[dict]) -> tuple[list[dict], list[dict]]:
                           num_gpus=ARGS.plan_gpus)  # fmt: skip
     planning_s = time.perf_counter() - begin
     schedule = plan.schedule.filter(plan.schedule["status"] == "planned")
+    log(f"plan: {plan.solver} in {planning_s:.1f} s, predicted makespan {plan.makespan_s:.1f} s")
     by_name = {j.name: j for j in jobs}
-    rows, measured_by_gpu, sched_rows = [], {}, []
+    rows = [] if rows is None else rows
+    measured_by_gpu, sched_rows = {}, []
     for (gpu, order), group in schedule.sort(["gpu", "pack_order"]).group_by(
         ["gpu", "pack_order"], maintain_order=True
     ):
@@ -782,8 +853,9 @@ def bench_plan(model, jobs, steps: list[dict]) -> tuple[list[dict], list[dict]]:
         predicted = float(group["pack_end_s"][0] - group["pack_start_s"][0])
         context = {"kind": "plan_pack", "gpu": gpu, "pack_order": order, "jobs": names,
                    "predicted_s": predicted}  # fmt: skip
+        label = f"plan: GPU {gpu} pack {order} ({len(names)} jobs, predicted {predicted:.1f} s)"
         row = _guarded(lambda n=names, g=gpu, o=order: run_pack(model, [by_name[x] for x in n],
-                                                                 seed=1000 * g + 100 * o), context)  # fmt: skip
+                                                                 seed=1000 * g + 100 * o), context, label)  # fmt: skip
         row = {**context, **row}
         if "measured_s" in row:
             row["measured_over_predicted"] = row["measured_s"] / predicted
@@ -1022,36 +1094,95 @@ def print_baseline(base: dict, summary: dict) -> None:
                   f"{_x(r['ratio_vs_eager_own'])}  vs fair {_x(r['ratio_vs_best'])}{approx}")  # fmt: skip
 
 
+SECTIONS = ("kernels", "steps", "baseline", "makespan", "plan")  # the order they run in
+STEP_FIELDS = ["kind", "backend", "n_adapters", "rank", "batch_size", "tokens", "rank_tokens",
+               "step_time_s", "tokens_per_s", "peak_memory_bytes", "device"]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _CHECKPOINT
     configure(parse_args(argv))
     if DEVICE.type != "cuda" and not ARGS.smoke:
         raise SystemExit("bench/plora.py needs a CUDA GPU; use --smoke on CPU")
     if ARGS.no_autotune:
         os.environ["LOKA_KERNELS_AUTOTUNE"] = "0"
     sections = set(ARGS.sections.split(","))
+    order = [s for s in SECTIONS if s in sections]
     out = Path(ARGS.out)
     stamp = utc_stamp()
+    json_path = out / f"plora_{MODE}_{stamp}.json"
+    steps_path = out / f"plora_steps_{MODE}_{stamp}.csv"
+    schedule_path = out / f"plora_schedule_{MODE}_{stamp}.csv"
     jobs = make_jobs(max(JOB_COUNTS))
-    kernels = bench_kernels(jobs) if "kernels" in sections else []
-    model = build_model() if sections & {"steps", "baseline", "makespan", "plan"} else None
-    steps = bench_steps(model, jobs) if "steps" in sections else []
-    baseline = bench_baseline(model, jobs) if "baseline" in sections else []
-    makespans = bench_makespan(model, jobs) if "makespan" in sections else []
-    plan_rows, schedule = bench_plan(model, jobs, steps) if "plan" in sections else ([], [])
-    summary = summarize(kernels, steps, makespans, jobs, plan_rows, baseline)
-    meta = run_metadata(BUDGET.elapsed())
-    record = {"meta": meta, "jobs": [j.to_dict() for j in jobs], "kernels": kernels, "steps": steps,
-              "makespan": makespans, "plan": plan_rows, "baseline": baseline,
-              "baseline_makespans": {n: fair_makespans(baseline_rates(baseline), jobs[:n])
-                                     for n in JOB_COUNTS} if baseline else {},
-              "summary": summary}  # fmt: skip
-    write_json(out / f"plora_{MODE}_{stamp}.json", record, indent=2)
-    fields = ["kind", "backend", "n_adapters", "rank", "batch_size", "tokens", "rank_tokens",
-              "step_time_s", "tokens_per_s", "peak_memory_bytes", "device"]  # fmt: skip
+    res: dict[str, list] = {k: [] for k in (*SECTIONS, "schedule")}
+    state: dict = {"done": [], "running": None}
+
+    def record(complete: bool) -> dict:
+        kernels, steps, baseline = res["kernels"], res["steps"], res["baseline"]
+        makespans, plan_rows = res["makespan"], res["plan"]
+        summary = summarize(kernels, steps, makespans, jobs, plan_rows, baseline)
+        return {"meta": run_metadata(BUDGET.elapsed()), "complete": complete,
+                "sections": order, "sections_done": list(state["done"]),
+                "section_running": state["running"],
+                "jobs": [j.to_dict() for j in jobs], "kernels": kernels, "steps": steps,
+                "makespan": makespans, "plan": plan_rows, "baseline": baseline,
+                "baseline_makespans": {n: fair_makespans(baseline_rates(baseline), jobs[:n])
+                                       for n in JOB_COUNTS} if baseline else {},
+                "summary": summary}  # fmt: skip
+
+    def save_partial() -> None:
+        """The results so far ("complete": false); the step profiles and schedule too."""
+        write_json(json_path, record(complete=False), indent=2)
+        steps_ok = [r for r in res["steps"] if "error" not in r]
+        if steps_ok:
+            write_csv(steps_path, steps_ok, STEP_FIELDS)
+        if res["schedule"]:
+            write_csv(schedule_path, res["schedule"], list(res["schedule"][0]))
+
+    def section(name: str, run) -> None:
+        state["running"] = name
+        log(f"{name}: start ({max(BUDGET.left(), 0.0):.0f} s of the budget left)")
+        begin = time.monotonic()
+        run()
+        state["done"].append(name)
+        state["running"] = None
+        checkpoint()
+        log(f"{name}: done in {time.monotonic() - begin:.0f} s (partial results: {json_path})")
+
+    def plan() -> None:
+        _, res["schedule"] = bench_plan(model, jobs, res["steps"], res["plan"])
+
+    log(f"start: {MODE}, sections {','.join(order)}, budget {BUDGET.seconds:.0f} s, "
+        f"device {DEVICE}; results {json_path}")  # fmt: skip
+    _CHECKPOINT = save_partial
+    try:
+        if "kernels" in sections:
+            section("kernels", lambda: res["kernels"].extend(bench_kernels(jobs)))
+        model = None
+        if sections & {"steps", "baseline", "makespan", "plan"}:
+            log("model: building ...")
+            model = build_model()
+            size = sum(p.numel() for p in model.parameters()) / 1e9
+            log(f"model: built ({size:.2f}B parameters)")
+        if "steps" in sections:
+            section("steps", lambda: bench_steps(model, jobs, res["steps"]))
+        if "baseline" in sections:
+            section("baseline", lambda: bench_baseline(model, jobs, res["baseline"]))
+        if "makespan" in sections:
+            section("makespan", lambda: bench_makespan(model, jobs, res["makespan"]))
+        if "plan" in sections:
+            section("plan", plan)
+    finally:
+        _CHECKPOINT = None
+    kernels, steps, baseline = res["kernels"], res["steps"], res["baseline"]
+    makespans, plan_rows, schedule = res["makespan"], res["plan"], res["schedule"]
+    full = record(complete=True)
+    summary = full["summary"]
+    write_json(json_path, full, indent=2)
     rows = [r for r in steps if "error" not in r]
-    write_csv(out / f"plora_steps_{MODE}_{stamp}.csv", rows, fields)
+    write_csv(steps_path, rows, STEP_FIELDS)
     if schedule:
-        write_csv(out / f"plora_schedule_{MODE}_{stamp}.csv", schedule, list(schedule[0]))
+        write_csv(schedule_path, schedule, list(schedule[0]))
     print_summary(summary)
     errors = [r for r in (*kernels, *steps, *baseline, *makespans, *plan_rows) if "error" in r]
     for r in errors:
@@ -1062,7 +1193,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  CORRECTNESS FAILED for {bad}")
     also = f", plora_schedule_{MODE}_{stamp}.csv" if schedule else ""
     print(f"wrote {out}/plora_{MODE}_{stamp}.json, plora_steps_{MODE}_{stamp}.csv{also} "
-          f"({BUDGET.elapsed():.0f} s)")  # fmt: skip
+          f"({BUDGET.elapsed():.0f} s)", flush=True)  # fmt: skip
     return 1 if bad or (errors and ARGS.smoke) else 0
 
 

@@ -153,7 +153,7 @@ def test_a_gpu_without_fp8_tensor_cores_is_reported_unavailable(monkeypatch):
     assert "8.9" in registry.get("triton.fp8").unavailable_reason(cuda)
     assert "9.0" in registry.get("triton.fp8.tma").unavailable_reason(cuda)
     assert registry.get("torch.bf16").unavailable_reason(cuda) is None
-    assert available(cuda, op="mm") == ["torch.bf16"]
+    assert available(cuda, op="mm") == ["torch.bf16", "inductor.bf16"]
 
 
 def test_fp8_mm_choice_follows_registry_changes():
@@ -173,3 +173,20 @@ def test_fp8_mm_choice_follows_registry_changes():
     finally:
         registry.unregister("test.best")
     torch.testing.assert_close(fp8_mm(a, b), first, rtol=0, atol=0)
+
+
+def test_the_padded_bf16_baseline_runs_unaligned_shapes_exactly_and_refuses_aligned_ones():
+    padded = registry.get("inductor.bf16")
+    # Aligned dims: the plain torch.bf16 row is the same GEMM, so it is not timed twice.
+    assert "aligned already" in padded.supports("bf16", 256, 1024, 512)
+    assert padded.supports("bf16", 256, 1003, 512) is None
+    assert padded.linear_dims(250, 1003, 509) == (256, 1008, 512)
+    assert padded.supports("e4m3:e4m3/row/dynamic", 256, 1003, 512) is not None
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(13, 1003, generator=gen).to(torch.bfloat16)
+    b = torch.randn(509, 1003, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(509, generator=gen).to(torch.bfloat16)
+    want = registry.get("torch.bf16").run(a, b, bias=bias, activation="relu")
+    got = padded.run(a, b, bias=bias, activation="relu")
+    assert got.shape == want.shape == (13, 509)
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.05)

@@ -185,11 +185,12 @@ def test_measuring_order_gives_every_shape_its_most_promising_candidates_first()
     order = by_promise(plan, model)
     assert sorted(map(id, order)) == sorted(map(id, plan))  # the same entries, reordered
     kinds = ["bf16" if st.candidate.is_bf16 else "fp8" for _, st in order]
-    assert kinds[:6] == ["bf16"] * 6  # every pass's baseline first
+    baselines = kinds.count("bf16")  # torch.bf16's, and inductor.bf16's (refused: aligned)
+    assert baselines >= 6 and kinds[:baselines] == ["bf16"] * baselines  # baselines first
     # Then each (shape, pass)'s fastest estimate, the important shape's first, before any
     # second choice: a budget cut after 12 rows still times an FP8 candidate of each pass
     # of both shapes (shape-major order gave the first shape all 12).
-    first = order[6:12]
+    first = order[baselines : baselines + 6]
     assert [(s, st.candidate.pass_) for s, st in first] == [
         (s, p) for s in shapes for p in ("fwd", "dgrad", "wgrad")
     ]
@@ -205,7 +206,7 @@ def test_measuring_order_gives_every_shape_its_most_promising_candidates_first()
         assert mine is not None and mine.median_ms == best
     # Without a cost model: round robin in the given order.
     plain = by_promise(plan, None)
-    assert [(s, st.candidate.pass_) for s, st in plain[6:12]] == [
+    assert [(s, st.candidate.pass_) for s, st in plain[baselines : baselines + 6]] == [
         (s, p) for s in shapes for p in ("fwd", "dgrad", "wgrad")
     ]
 

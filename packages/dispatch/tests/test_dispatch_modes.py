@@ -50,6 +50,35 @@ def test_mode_backends_split_the_registry():
     compiled, eager = set(mode_backends("compiled")), set(mode_backends("eager"))
     assert compiled & eager == {"torch.bf16"}
     assert "torch.native" in compiled and "triton.fp8" in eager
+    # The baseline as inductor pads an unaligned matmul: a compiled model's only.
+    assert "inductor.bf16" in compiled and "inductor.bf16" not in eager
+
+
+def test_a_compiled_plan_beats_the_padded_bf16_baseline_an_eager_plan_the_plain_one():
+    # At an unaligned K bf16 unpadded takes 1.0 ms per pass, padded as inductor runs it 0.55:
+    # FP8 at 0.6 wins in eager and loses compiled, and the plan's bf16 time says which.
+    unaligned = sites_table(("fc", 1003, 4096, 8192, 0.5))
+    padded = bench_table(
+        BF16_ROWS
+        + [("inductor.bf16", "bf16", p, 0.55, 0.0) for p in PASSES]
+        + [("torch.scaled_mm", ROW, p, 0.5, 0.1) for p in PASSES]
+        + [("torch.native", ROW, p, 0.5, 0.1) for p in PASSES],
+        K=1003,
+    )
+    compiled = plan_rows(make_plan(unaligned, ERRORS, padded, PlanConfig(mode="compiled")))
+    assert {r["recipe"] for r in compiled.values()} == {"bf16"}
+    assert {r["bf16_ms"] for r in compiled.values()} == {0.55}
+    eager = plan_rows(make_plan(unaligned, ERRORS, padded, PlanConfig(mode="eager")))
+    assert {r["recipe"] for r in eager.values()} == {ROW}
+    assert {r["bf16_ms"] for r in eager.values()} == {1.0}
+    # Slower padded than plain (padding is not always faster): the plain row stands.
+    slower = padded.with_columns(
+        pl.when(pl.col("backend") == "inductor.bf16").then(2.0).otherwise(pl.col("median_ms"))
+        .alias("median_ms")
+    )  # fmt: skip
+    compiled = plan_rows(make_plan(unaligned, ERRORS, slower, PlanConfig(mode="compiled")))
+    assert {r["recipe"] for r in compiled.values()} == {ROW}
+    assert {r["bf16_ms"] for r in compiled.values()} == {1.0}
 
 
 def test_eager_plan_charges_host_time():

@@ -25,8 +25,16 @@ from loka.kernels.native import (
     native_refusal,
 )
 from loka.kernels.registry import BF16, Backend, GemmSpec, registry
-from loka.kernels.torch_gemm import bf16_mm, scaled_mm, scaled_mm_refusal
+from loka.kernels.torch_gemm import (
+    INDUCTOR_BF16_ALIGN,
+    bf16_mm,
+    padded_bf16_mm,
+    scaled_mm,
+    scaled_mm_refusal,
+)
 
+# The bf16 baseline of a compiled model at unaligned shapes (see `padded_bf16_mm`).
+INDUCTOR_BF16_BACKEND = "inductor.bf16"
 FP8_PAIRS = frozenset(itertools.product(("e4m3", "e5m2"), repeat=2))
 
 
@@ -75,6 +83,25 @@ def _register_builtins() -> None:
         runs_on_cpu=True,
     )
     registry.register(bf16, replace=True)
+    inductor_bf16 = Backend(
+        name=INDUCTOR_BF16_BACKEND,
+        op="mm",
+        run=padded_bf16_mm,
+        reference=mm_reference,
+        description="bf16 F.linear at M, K, N zero-padded to multiples of 8, as torch.compile "
+        "runs an unaligned matmul (inductor's pad_mm): the compiled baseline where a linear's "
+        "dims are unaligned; timed there only",
+        formats=frozenset({(BF16, BF16)}),
+        granularities=frozenset({"none"}),
+        align=tuple((dim, INDUCTOR_BF16_ALIGN) for dim in ("m", "k", "n")),
+        min_capability=None,
+        runs_on_cpu=True,
+        traceable=True,
+        linear_pads=True,
+        pads_only=True,
+        priority=-1,
+    )
+    registry.register(inductor_bf16, replace=True)
     for fast in (False, True):
         suffix = ".fast" if fast else ""
         accum = "tensor-core (fast) accumulation" if fast else "float32 accumulation"

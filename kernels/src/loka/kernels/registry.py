@@ -135,6 +135,9 @@ class Backend:
     # native linear does), so `supports` takes any linear shape; its GEMM alone (`refuse`,
     # `fp8_mm`) still needs them aligned.
     linear_pads: bool = False
+    # A padded twin of another backend (with `linear_pads`): refused where a linear's dims
+    # are aligned already, since there it would run (and be timed as) the same GEMM.
+    pads_only: bool = False
     scalings: frozenset[str] = frozenset({"dynamic", "delayed"})
     priority: int = 0  # default choice among backends that support a request: highest first
     check: Callable[[GemmSpec], str | None] | None = None  # further constraints
@@ -173,7 +176,10 @@ class Backend:
                 f"{self.name}: {recipe.scaling} scaling not supported "
                 f"(only {sorted(self.scalings)})"
             )
-        return self.refuse(GemmSpec.for_linear(recipe, pass_, *self.linear_dims(M, K, N)))
+        dims = self.linear_dims(M, K, N)
+        if self.pads_only and dims == (M, K, N):
+            return f"{self.name}: dims ({M}, {K}, {N}) are aligned already, nothing to pad"
+        return self.refuse(GemmSpec.for_linear(recipe, pass_, *dims))
 
     def linear_dims(self, M: int, K: int, N: int) -> tuple[int, int, int]:
         """The dims a linear ``x[M,K] W[N,K]^T`` on this backend multiplies at: its own, or

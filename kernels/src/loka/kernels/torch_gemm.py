@@ -36,6 +36,33 @@ def bf16_mm(
     return apply_epilogue(y, None, activation).to(out_dtype)
 
 
+# torch.compile's inductor pads a bf16 matmul's dims to multiples of 8 (16 bytes) where it
+# measures the padded GEMM faster (`torch._inductor.fx_passes.pad_mm`).
+INDUCTOR_BF16_ALIGN = 8
+
+
+def padded_bf16_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """`bf16_mm` with M, K and N zero-padded to multiples of `INDUCTOR_BF16_ALIGN` and the
+    result sliced back: the GEMM a compiled model runs at an unaligned shape (exact, since
+    the padding is zeros)."""
+    m, n = a.shape[0], b.shape[0]
+    pad = [(-d) % INDUCTOR_BF16_ALIGN for d in (m, a.shape[1], n)]
+    if any(pad):
+        a = F.pad(a, (0, pad[1], 0, pad[0]))
+        b = F.pad(b, (0, pad[1], 0, pad[2]))
+        if bias is not None:
+            bias = F.pad(bias, (0, pad[2]))
+    y = bf16_mm(a, b, bias=bias, activation=activation, out_dtype=out_dtype)
+    return y[:m, :n] if any(pad) else y
+
+
 def scaled_mm_refusal(
     a_fmt: str, b_fmt: str, granularity: str, out_dtype: torch.dtype
 ) -> str | None:

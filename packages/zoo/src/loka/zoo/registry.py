@@ -132,7 +132,7 @@ SPECS: dict[str, _Spec] = {
             "xl": (
                 dict(embedding_dim=128, max_table_rows=_CTR_XL_ROWS, num_layers=8, fm_outputs=32,
                      lcb_outputs=32, fm_rank=32, fm_hidden=4096, bottom_widths=(512, 256),
-                     head_widths=(4096, 1024), sparse_embeddings=True),
+                     head_widths=(4096, 1024), sparse_embeddings=True, mixing="bmm"),
                 {},
                 16384,
             ),

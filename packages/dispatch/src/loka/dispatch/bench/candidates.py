@@ -19,6 +19,9 @@ from loka.kernels import registry
 from loka.schema import BF16, PASSES, Recipe
 
 BF16_BACKEND = "torch.bf16"
+# A compiled model's bf16 baseline where a linear's dims are unaligned: inductor pads such a
+# matmul when padding is faster, so a compiled plan compares FP8 with the faster of the two.
+INDUCTOR_BF16_BACKEND = "inductor.bf16"
 # Rows of a norm feeding a linear (N = 0: not a GEMM): the bf16 LayerNorm, and LayerNorm
 # fused with the rowwise quantization of its output, which replaces the norm and the
 # forward's quantize(x) when the norm is fused into the linear.

@@ -186,11 +186,12 @@ def _frame(rows: list[dict]) -> pl.DataFrame:
 
 def mode_backends(mode: str) -> list[str]:
     """The GEMM backends a plan for `mode` may use: traceable ones (and bf16) for a compiled
-    model, the others for an eager one (the planner's rule, `PlanConfig.mode`)."""
+    model, the others for an eager one (the planner's rule, `PlanConfig.mode`); `inductor.bf16`,
+    the baseline as inductor pads an unaligned matmul, is a compiled model's only."""
     compiled = mode != "eager"
     return [
         b.name for b in registry.backends("mm")
-        if ("bf16", "bf16") in b.formats or b.traceable == compiled
+        if b.traceable == compiled or (("bf16", "bf16") in b.formats and not b.traceable)
     ]  # fmt: skip
 
 
@@ -201,7 +202,9 @@ def can_measure(device: torch.device | str | None = None) -> bool:
         return False
     if device is None and not torch.cuda.is_available():
         return False
-    return any(name != "torch.bf16" for name in available(device, op="mm"))
+    return any(
+        ("bf16", "bf16") not in registry.get(name).formats for name in available(device, op="mm")
+    )
 
 
 def benchmark(

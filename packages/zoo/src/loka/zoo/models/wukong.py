@@ -10,9 +10,9 @@ compression block (LCB), concatenated, added to a residual and normalized over d
 Several of these GEMMs are deliberately skinny (K or N = n or k, tens), as in the paper.
 
 `mixing` says how the blocks mix the n embeddings (the FMB's compression `X^T W` and the
-LCB). "linear" (the default): `nn.Linear`s over the transposed `[B, d, n]` view, so the
-LCB's output `[B, o, d]` has d strided and both blocks hand the layer's input a transposed
-gradient; the LayerNorms over d, with the concatenation, residual and gradient sums inductor
+LCB). "linear" (the default; the xl preset uses "bmm"): `nn.Linear`s over the transposed
+`[B, d, n]` view, so the LCB's output `[B, o, d]` has d strided and both blocks hand the
+layer's input a transposed gradient; the LayerNorms over d, with the concatenation, residual and gradient sums inductor
 fuses into them, then read and write with a stride of o or n: in the compiled Wukong xl step
 those kernels took ~21 ms of 71 ms of GPU time (H200 profile,
 `bench/results/profiles_wukong_xl_20261202T0618Z`). "bmm": the weights applied from the
@@ -71,7 +71,8 @@ class EmbeddingMix(nn.Module):
             out = self.compress(x.transpose(1, 2))  # [B, d, o]
             return out if transposed else out.transpose(1, 2)
         weight = self.compress_weight
-        if torch.is_autocast_enabled(x.device.type):
+        kind = x.device.type  # meta (loka.zoo.estimate) has no autocast to ask about
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
             weight = weight.to(torch.get_autocast_dtype(x.device.type))
         out = torch.bmm(weight.expand(x.shape[0], -1, -1), x.to(weight.dtype))  # [B, o, d]
         return out.transpose(1, 2) if transposed else out
