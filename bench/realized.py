@@ -25,14 +25,18 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    models are not used: verification gives LoKA's more steps, over a few cycled batches.
 7. Inference (`--inference`): the bf16 seed-0 model's weights served in bf16, forward only,
    in the same mode, interleaved blocks: `infer-bf16`, `infer-torchao-rowwise` (dynamic
-   FP8, torchao), `infer-loka` (`PlanConfig(inference=True, mode=mode)`); compiled modes
-   freeze the weights (`torch._inductor.config.freezing`), so inductor folds the weight
-   quantization into constants: pre-quantized weights. `--infer-batch 16384,65536` serves
+   FP8, torchao), `infer-loka` (`PlanConfig(inference=True, mode=mode)`). Both FP8 variants
+   serve weights quantized once: torchao's `quantize_` stores FP8 weights, and `apply` of an
+   inference plan prequantizes every native FP8 site's weight (`ApplyConfig.prequantize_weights`),
+   so a served forward quantizes only its inputs without inductor freezing.
+   `--infer-freezing on` freezes every served model as well (weights, embedding tables
+   included, become constants; Wukong xl's frozen compile at 16k outlasted two 10-minute
+   calls). `--infer-batch 16384,65536` serves
    at those batch sizes (training batches stacked; rows carry `batch_size`); the inference
    plan is made from the kernel timings at the training shapes. The training rows are on
    disk before serving starts, which begins only with the time its compiles need left
-   (`inference_need_s`); `--infer-freezing off` serves unfrozen weights. At the xl presets
-   give serving a call of its own: `--variants bf16 --inference --infer-batch 16384`.
+   (`inference_need_s`). At the xl presets give serving a call of its own: `--variants bf16
+   --inference --infer-batch 16384`.
 On a machine without a GPU (`--device cpu`, implied there) it runs the tiny presets as a
 smoke test of the script itself; its times say nothing of GPU speed.
 
@@ -116,9 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="profile bf16, FP8 variants")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new work after")
     p.add_argument("--inference", action="store_true", help="also time forward-only serving")
-    p.add_argument("--infer-freezing", default="on", choices=("on", "off"),
+    p.add_argument("--infer-freezing", default="off", choices=("on", "off"),
                    help="inductor freezing of the served models (compiled modes): weights as "
-                        "constants, their quantization folded; off: quantized per call")  # fmt: skip
+                        "constants; off (default): the FP8 variants serve weights quantized "
+                        "once (torchao's FP8 weights, LoKA's prequantized ones)")  # fmt: skip
     p.add_argument("--infer-batch", default=None,
                    help="serving batch sizes, comma list (multiples of the training batch, up "
                         "to --batches of them; default: the training batch)")  # fmt: skip
@@ -817,13 +822,12 @@ def inference_rows(
     plan = make_plan(tables["sites"], tables["site_errors"], bench.table,
                      PlanConfig(inference=True, mode=mode))  # fmt: skip
     loka_model = copy.deepcopy(served)
-    applied = apply(loka_model, plan)
+    applied = apply(loka_model, plan)  # an inference plan: weights prequantized for serving
     models["infer-loka"] = loka_model
     s = plan.summary
     extra["infer-loka"] = {"fp8_layers": len(applied.sites), "predicted_gemm_speedup": s.gemm_speedup,
-                           "passes_fp8": s.passes_fp8}  # fmt: skip
+                           "passes_fp8": s.passes_fp8, "prequantized": len(applied.prequantized)}  # fmt: skip
     if mode != "eager":
-        # Frozen weights: inductor folds their quantization into constants (pre-quantized).
         torch._inductor.config.freezing = args.infer_freezing == "on"
         models = {k: torch.compile(m, **compile_kwargs(mode, dynamic)) for k, m in models.items()}
     autocast = torch.bfloat16 if gpu else None

@@ -369,3 +369,28 @@ def test_a_site_loka_mods_refuses_stays_bf16_and_the_rest_is_applied_in_one_retr
     assert type(model.fc1) is nn.Linear and isinstance(model.fc2, Fp8Linear)
     with pytest.raises(PlanMismatchError, match=r"loka\.mods refused the plan"):
         apply(Residual(), plan, ApplyConfig(strict=True), sample=x)
+
+
+def test_an_inference_plan_prequantizes_its_weights_for_serving(dhen) -> None:
+    sites, errors = probe_like_tables(dhen.model)
+    bench = synthetic_kernel_bench([(32, 32, 64)], backend="torch.native")
+    batch = dhen.eval_batches(1)[0]
+    training = apply(dhen.model, make_plan(sites, errors, bench, PlanConfig(mode="compiled")))
+    assert training.sites and training.prequantized == []
+    training.undo()
+    plan = make_plan(sites, errors, bench, PlanConfig(mode="compiled", inference=True))
+    assert plan.metadata["inference"] == "True"
+    dhen.model.eval()
+    with torch.no_grad():
+        per_call = apply(copy.deepcopy(dhen.model), plan, ApplyConfig(prequantize_weights=False))
+        want = per_call.model(batch)
+        applied = apply(dhen.model, plan)
+        assert applied.prequantized == applied.sites == ["blocks.0.fc1", "blocks.1.fc1"]
+        assert "2 with the weight prequantized for serving" in applied.summary()
+        assert torch.equal(dhen.model(batch), want)
+    # Training again needs the serving copies dropped; it says so rather than train on them.
+    dhen.model.train()
+    with pytest.raises(RuntimeError, match="prequantized for serving"):
+        dhen.model(batch)
+    assert applied.release_prequantized() == applied.sites and applied.prequantized == []
+    dhen.model(batch)

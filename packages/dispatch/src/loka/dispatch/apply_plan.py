@@ -34,6 +34,7 @@ from loka.kernels import registry
 from loka.mods.apply import ModsError
 from loka.mods.apply import apply as mods_apply
 from loka.mods.config import PassConfig
+from loka.mods.fp8_linear import prequantize_weights, release_prequantized_weights
 from loka.mods.spec import ModSpec, SiteMods, site_mods_from_plan
 from loka.schema import validate
 
@@ -74,6 +75,11 @@ class ApplyConfig:
         the same quantization bit for bit, the GEMM emulated in float32 (as torchao's
         ``emulate=True``). Other sites (block scales, delayed scaling) keep the planned or
         replacement backend. False: always the planned backends.
+    prequantize_weights: quantize the weight of every FP8 site on ``torch.native`` once, for
+        serving (`loka.mods.Fp8Linear.prequantize_weight`): forwards without gradients then
+        quantize only their input, with no inductor freezing needed. None (default): for an
+        inference plan (`PlanConfig(inference=True)`). A forward that would train such a
+        weight raises until `Applied.release_prequantized()` is called.
     """
 
     strict: bool = False
@@ -81,6 +87,7 @@ class ApplyConfig:
     fuse_norm: bool = False
     replace_unrunnable_backends: bool = True
     emulate_on_cpu: bool = True
+    prequantize_weights: bool | None = None
 
 
 @dataclass
@@ -105,6 +112,8 @@ class Applied:
     # FP8 passes run in bf16 from now on, while the rest of their site stays FP8
     # ("site/pass" -> why; `demote_pass`, verification with VerifyConfig(unit="pass")).
     demoted_passes: dict[str, str] = field(default_factory=dict)
+    # FP8 sites whose weight was quantized once for serving (ApplyConfig.prequantize_weights).
+    prequantized: list[str] = field(default_factory=list)
     # The planned config of each site's FP8 linears, before any pass was switched off.
     _planned_configs: dict[int, Any] = field(default_factory=dict, repr=False)
 
@@ -115,6 +124,13 @@ class Applied:
         if self.report is not None:
             self.report.undo()
         self.undone = True
+
+    def release_prequantized(self) -> list[str]:
+        """Drop the serving copies of the weights (`prequantized`), so that the model can
+        train again; the sites that had one."""
+        released = sorted(set(release_prequantized_weights(self.model)) & set(self.prequantized))
+        self.prequantized = []
+        return released
 
     def use(self, active: Iterable[str]) -> None:
         """Switch the live FP8 sites in place: those in `active` run their planned module,
@@ -244,6 +260,8 @@ class Applied:
             text += f", {len(self.fallbacks)} kept in bf16"
         if self.demoted:
             text += f", {len(self.demoted)} demoted since"
+        if self.prequantized:
+            text += f", {len(self.prequantized)} with the weight prequantized for serving"
         return text
 
 
@@ -522,5 +540,10 @@ def apply(
     applied = Applied(model, plan, sorted(sites), fallbacks, report,
                       emulated=sorted(set(emulated) & set(sites)))  # fmt: skip
     applied.variants = _variants(before, model, set(sites))
+    prequantize = config.prequantize_weights
+    if prequantize is None:
+        prequantize = plan.metadata.get("inference") == "True"
+    if prequantize:
+        applied.prequantized = sorted(set(prequantize_weights(model)) & set(sites))
     log.info("loka: plan applied: %s", applied.summary())
     return applied

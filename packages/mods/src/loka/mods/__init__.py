@@ -9,7 +9,12 @@ and the references are public in the modules of `__public_modules__`.
 
 from loka.mods.apply import ModsError, Report, apply, undo
 from loka.mods.config import Fp8LinearConfig, PassConfig
-from loka.mods.fp8_linear import Fp8Linear, convert_to_fp8_linear
+from loka.mods.fp8_linear import (
+    Fp8Linear,
+    convert_to_fp8_linear,
+    prequantize_weights,
+    release_prequantized_weights,
+)
 from loka.mods.spec import ModSpec, SiteMods
 
 __all__: list[str] = [
@@ -22,6 +27,8 @@ __all__: list[str] = [
     "SiteMods",
     "apply",
     "convert_to_fp8_linear",
+    "prequantize_weights",
+    "release_prequantized_weights",
     "undo",
 ]
 # Modules whose own `__all__` is public too (CONTRIBUTING.md, "Public faces").

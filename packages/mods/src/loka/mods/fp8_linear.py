@@ -24,7 +24,12 @@ from loka.mods.alignment import check_shape
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.linear_function import Fp8LinearFunction
 from loka.mods.linear_plan import LinearPlan
-from loka.mods.native_function import NativeFp8LinearFunction, NativePlan
+from loka.mods.native_function import (
+    NativeFp8LinearFunction,
+    NativePlan,
+    prequantized_forward,
+    quantize_weight,
+)
 from loka.mods.ops import call, decode
 from loka.mods.weight_stamp import weight_stamp
 from loka.schema.recipe import scale_grid
@@ -33,6 +38,8 @@ __all__ = [
     "Fp8Linear",
     "convert_to_fp8_linear",
     "convert_to_linear",
+    "prequantize_weights",
+    "release_prequantized_weights",
 ]
 
 HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
@@ -104,6 +111,8 @@ class Fp8Linear(nn.Linear):
         self.plan = LinearPlan.of(config)
         # The torch-native backend: quantization traced into the caller's graph, no cache.
         self.native_plan = native
+        self._prequantized: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._prequantized_stamp: tuple[int, int, int] | None = None
         device = self.weight.device
         windows = {
             "amax_history_input": self.plan.input_window,
@@ -172,9 +181,66 @@ class Fp8Linear(nn.Linear):
     def _apply(self, fn: Callable, recurse: bool = True) -> Fp8Linear:
         super()._apply(fn, recurse)
         # The cache is not a buffer (module.to(dtype) must not cast FP8 bytes): re-made on
-        # the weight's new device at the next forward.
+        # the weight's new device at the next forward; a prequantized copy at once.
         self._allocate_weight_cache()
+        if self._prequantized is not None:
+            self.prequantize_weight()
         return self
+
+    # --- serving: the weight quantized once --------------------------------------------------
+
+    def prequantize_weight(self) -> bool:
+        """Quantize the weight for the forward pass once, for serving: every later forward
+        that needs no weight gradient multiplies this FP8 copy (what inductor's freezing
+        folds into constants, here without freezing the whole model, embedding tables and
+        all). For a linear on the torch-native backend with an FP8 forward; the other
+        backends cache their FP8 weights already. Returns whether a copy was made.
+
+        A forward that trains the weight (grad enabled, weight requiring grad) raises: call
+        `release_prequantized_weight()` first. A weight changed since (an optimizer step, an
+        in-place write, another Parameter) makes an eager forward raise; a compiled graph
+        cannot check, so call this again after changing the weight (`load_state_dict` and
+        `module.to(...)` do)."""
+        fwd = None if self.native_plan is None else self.native_plan.fwd
+        if fwd is None:
+            return False
+        self._prequantized = quantize_weight(self.weight, fwd)
+        self._prequantized_stamp = weight_stamp(self.weight)
+        return True
+
+    def release_prequantized_weight(self) -> None:
+        """Drop the prequantized copy: every forward quantizes the weight again."""
+        self._prequantized = self._prequantized_stamp = None
+
+    @property
+    def prequantized(self) -> bool:
+        return self._prequantized is not None
+
+    def _serve(self, x2d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The prequantized forward of `x2d`, or None where the call needs gradients through
+        the input or bias only (the weight frozen): the usual path, quantizing the weight."""
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            raise RuntimeError(
+                f"{type(self).__name__}({self.in_features} -> {self.out_features}): the weight "
+                "is prequantized for serving and this forward would train it; call "
+                "release_prequantized_weight() (loka.mods.release_prequantized_weights) first"
+            )
+        if torch.is_grad_enabled() and (
+            x2d.requires_grad or (self.bias is not None and self.bias.requires_grad)
+        ):
+            return None
+        if (
+            not torch.compiler.is_compiling()
+            and weight_stamp(self.weight) != self._prequantized_stamp
+        ):
+            raise RuntimeError(
+                f"{type(self).__name__}({self.in_features} -> {self.out_features}): the weight "
+                "changed since prequantize_weight(); call it again to serve the new weight"
+            )
+        wq, w_inv = self._prequantized
+        return prequantized_forward(
+            x2d, wq, w_inv, self.bias, self.native_plan.fwd, dtype, self.out_features
+        )
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -186,6 +252,8 @@ class Fp8Linear(nn.Linear):
         for name in HISTORY_BUFFERS:
             if prefix + name in missing_keys:
                 missing_keys.remove(prefix + name)
+        if self._prequantized is not None:  # the loaded weight is the one to serve
+            self.prequantize_weight()
 
     # --- forward ----------------------------------------------------------------------------
 
@@ -207,6 +275,10 @@ class Fp8Linear(nn.Linear):
             # linears' wgrad passes lost 2.5% of the step though timed 1.07x in isolation.
             # The cast's backward returns the input gradient in float32, as autocast's does.
             x2d = x2d.to(dtype)
+        if self._prequantized is not None:
+            served = self._serve(x2d, dtype)
+            if served is not None:
+                return served.view(*x.shape[:-1], self.out_features)
         if self.native_plan is not None:
             y = NativeFp8LinearFunction.apply(
                 x2d, self.weight, self.bias, self.native_plan, dtype,
@@ -271,3 +343,22 @@ def convert_to_linear(model: nn.Module) -> nn.Module:
     for name, module in targets:
         _swap(model, name, module.to_linear())
     return model
+
+
+def prequantize_weights(model: nn.Module) -> list[str]:
+    """`Fp8Linear.prequantize_weight` on every `Fp8Linear` of `model` (for serving); the
+    names of those that made a copy (torch-native, FP8 forward)."""
+    return [
+        n for n, m in model.named_modules() if isinstance(m, Fp8Linear) and m.prequantize_weight()
+    ]
+
+
+def release_prequantized_weights(model: nn.Module) -> list[str]:
+    """Drop every prequantized weight copy in `model` (before training it again); the names
+    of the modules that had one."""
+    released = []
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear) and module.prequantized:
+            module.release_prequantized_weight()
+            released.append(name)
+    return released

@@ -197,3 +197,32 @@ class NativeFp8LinearFunction(torch.autograd.Function):
         if need_db:
             db = cast(dy.sum(0), b_dtype)
         return dx, dw, db, None, None, None
+
+
+def prequantized_forward(
+    x: torch.Tensor,
+    weight_fp8: torch.Tensor,
+    weight_inv_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    fwd: NativePass,
+    compute_dtype: torch.dtype,
+    out_features: int,
+) -> torch.Tensor:
+    """The forward pass of a native linear whose weight was quantized once
+    (`Fp8Linear.prequantize_weight`: `weight_fp8` ``[Np, Kp]``, padded as the forward pads
+    it), for a call that needs no gradient: only x is quantized."""
+    M = x.shape[0]
+    Np, Kp = weight_fp8.shape
+    xq, x_inv = fwd.quantize(_pad_to(x, M, Kp), "a")
+    b = bias if bias is None or Np == out_features else F.pad(bias, (0, Np - out_features))
+    y = native_mm(xq, x_inv, weight_fp8, weight_inv_scale, b, torch.bfloat16,
+                  fast_accum=fwd.fast_accum)  # fmt: skip
+    return cast(_cols(y, out_features), compute_dtype)
+
+
+def quantize_weight(weight: torch.Tensor, fwd: NativePass) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` ``[N, K]`` quantized as the native forward quantizes it (padded to multiples
+    of 16): (FP8 data ``[Np, Kp]``, inverse scales)."""
+    N, K = weight.shape
+    with torch.no_grad():
+        return fwd.quantize(_pad_to(weight.detach(), _up(N), _up(K)), "b")

@@ -117,6 +117,7 @@ def make_plan(
         "device": devices[0].describe() if devices else "none",
         "estimated": str(summary.estimated),
         "config": repr(config),
+        "inference": str(config.inference),
         "summary": json.dumps({k: v for k, v in summary.__dict__.items() if k != "notes"}),
     }
     return Plan(table, summary, metadata)
