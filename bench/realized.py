@@ -440,7 +440,8 @@ def run_mode(
             applied = apply(setup.model, loka_plans[variant])
             s = loka_plans[variant].summary
             row |= {"fp8_layers": len(applied.sites), "predicted_speedup": s.predicted_speedup,
-                    "ceiling": s.ceiling, "g": s.gemm_share, "s": s.prequant_speedup,
+                    "ceiling": s.ceiling, "safe_ceiling": s.safe_ceiling, "g": s.gemm_share,
+                    "s": s.prequant_speedup,
                     "passes_fp8": s.passes_fp8, "demoted": {},
                     "plan_options": options[variant]}  # fmt: skip
         model = setup.model

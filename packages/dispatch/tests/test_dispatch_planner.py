@@ -177,6 +177,11 @@ def test_summary_predicts_end_to_end_with_its_ceiling() -> None:
     assert summary.prequant_speedup == pytest.approx(6 / 5.0)
     assert summary.ceiling == pytest.approx(1 / (0.5 + 0.5 / 1.2))
     assert 0 < summary.share_of_ceiling < 1
+    # Over the safe candidates only, b's fwd GEMM counts at bf16's: s = 6 / 5.5.
+    assert summary.safe_prequant_speedup == pytest.approx(6 / 5.5)
+    assert summary.safe_ceiling == pytest.approx(1 / (0.5 + 0.5 / (6 / 5.5)))
+    assert summary.predicted_speedup < summary.safe_ceiling < summary.ceiling
+    assert any("safe candidates only" in line for line in summary.lines())
     assert summary.sites_fp8 == 1 and summary.passes_fp8 == 1 and not summary.estimated
     untimed = make_plan(
         sites.with_columns(pl.lit(None, pl.Float64).alias("time_share")), errors, bench

@@ -46,6 +46,11 @@ class PlanSummary:
     # FP8 candidates refused only because their verdict was undecided, and about how many
     # sampled batches would decide them (`undecided_note`); None when there were none.
     undecided: str | None = None
+    # The ceiling over the candidates the plan may take (safe, allowed): s counted on each
+    # pass's fastest such GEMM. ceiling -> safe_ceiling is lost to accuracy (passes no FP8
+    # recipe is safe for); safe_ceiling -> predicted to quantization and shared-pass costs.
+    safe_prequant_speedup: float | None = None
+    safe_ceiling: float | None = None
 
     @property
     def share_of_ceiling(self) -> float | None:
@@ -71,6 +76,12 @@ class PlanSummary:
                 f"end-to-end: predicted {self.predicted_speedup:.3f}x, ceiling "
                 f"1/((1-g)+g/s) = {self.ceiling:.3f}x with g = {self.gemm_share:.3f}{est}"
             )
+            if self.safe_ceiling is not None and self.safe_ceiling < self.ceiling - 5e-4:
+                out.append(
+                    f"ceiling over the safe candidates only: {self.safe_ceiling:.3f}x "
+                    f"(s = {self.safe_prequant_speedup:.2f}x): the rest of the ceiling is "
+                    "passes no FP8 recipe is accurate enough for"
+                )
         undecided = [self.undecided] if self.undecided else []
         return out + undecided + self.notes + self._measured_lines()
 
@@ -181,6 +192,11 @@ def summarize(
         min(c.best_gemm.get(p, math.inf), c.bf16[p].gemm_ms) for c in timed for p in passes
     )
     s_prequant = bf16_total / prequant_total if prequant_total > 0 else 1.0
+    safe_total = sum(
+        min([o.gemm_ms for o in c.options.get(p, [])] + [c.bf16[p].gemm_ms])
+        for c in timed for p in passes
+    )  # fmt: skip
+    s_safe = bf16_total / safe_total if safe_total > 0 else 1.0
     shares = [c.share for c in timed]
     g = None
     predicted = ceiling = None
@@ -192,8 +208,10 @@ def summarize(
         g = gemm_share
         predicted = 1.0 / ((1.0 - g) + g * plan_total / bf16_total) if bf16_total > 0 else None
         notes = [*notes, f"g = {g:.3f} given, not measured"]
+    safe_ceiling = None
     if g is not None:
         ceiling = 1.0 / ((1.0 - g) + g / s_prequant)
+        safe_ceiling = 1.0 / ((1.0 - g) + g / s_safe)
     unmeasured = _unmeasured_sites(choices)
     if unmeasured:
         shown = ", ".join(unmeasured[:5]) + (
@@ -219,6 +237,8 @@ def summarize(
         ceiling=ceiling,
         estimated=estimated,
         device=devices[0].device if devices else "none",
+        safe_prequant_speedup=s_safe,
+        safe_ceiling=safe_ceiling,
         notes=[*list(notes), f"{len(choices) - len(timed)} site(s) without timings stay bf16"]
         if len(timed) < len(choices) else list(notes),
     )  # fmt: skip
