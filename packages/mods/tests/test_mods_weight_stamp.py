@@ -78,3 +78,31 @@ def test_frozen_weights_keep_their_fp8_copy_across_optimizer_steps():
     invalidate_weight_caches()
     base(x)
     assert base._weight_stamp != cached
+
+
+def test_a_backward_pending_across_a_weight_refresh_uses_the_weight_of_its_forward():
+    # Eager refreshes replace the cached FP8 copies instead of writing into them: a backward
+    # still pending keeps the W^T its forward saved (an in-place refresh made autograd
+    # refuse it: "modified by an inplace operation").
+    row = "e4m3:e4m3/row/dynamic"
+    config = Fp8LinearConfig.from_recipes(row, row, "bf16")
+    torch.manual_seed(0)
+    module = Fp8Linear(32, 16, config=config)
+    twin = Fp8Linear(32, 16, config=config)
+    twin.load_state_dict(module.state_dict())
+    x = torch.randn(8, 32, requires_grad=True)
+    x_twin = x.detach().clone().requires_grad_()
+    first = module(x)
+    twin(x_twin).sum().backward()
+    with torch.no_grad():
+        module.weight.mul_(3.0)
+    second = module(x)
+    first.sum().backward()
+    assert torch.equal(x.grad, x_twin.grad)
+    assert torch.equal(second, _fresh_output_with(module, x, config))
+
+
+def _fresh_output_with(module: Fp8Linear, x: torch.Tensor, config) -> torch.Tensor:
+    twin = Fp8Linear(module.in_features, module.out_features, config=config)
+    twin.load_state_dict({k: v.detach().clone() for k, v in module.state_dict().items()})
+    return twin(x)

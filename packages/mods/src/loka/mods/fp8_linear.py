@@ -30,7 +30,7 @@ from loka.mods.native_function import (
     prequantized_forward,
     quantize_weight,
 )
-from loka.mods.ops import call, decode
+from loka.mods.ops import call, decode, refresh_weight_eager
 from loka.mods.weight_stamp import weight_stamp
 from loka.schema.recipe import scale_grid
 
@@ -166,17 +166,19 @@ class Fp8Linear(nn.Linear):
         layouts = self.plan.weight_layouts
         if not (layouts[0] or layouts[1]) or self.native_plan is not None:
             return
-        if not torch.compiler.is_compiling():
-            # Eager fast path: a Python comparison instead of reading the key tensor.
-            stamp = weight_stamp(self.weight)
-            if stamp == self._weight_stamp:
-                return
-            self._weight_stamp = stamp
         _, Kp, Np = self.plan.multiples.pad(1, self.in_features, self.out_features)
-        call(
-            "refresh_weight", self.weight, self._weight_key, self._weight_cache,
-            self._history("amax_history_weight"), *layouts, Np, Kp,
-        )  # fmt: skip
+        args = (self.weight, self._weight_key, self._weight_cache,
+                self._history("amax_history_weight"), *layouts, Np, Kp)  # fmt: skip
+        if torch.compiler.is_compiling():
+            call("refresh_weight", *args)
+            return
+        # Eager: a Python comparison instead of reading the key tensor, and the new copies
+        # replace the cache's entries (no copy kernels; `refresh_weight_eager`).
+        stamp = weight_stamp(self.weight)
+        if stamp == self._weight_stamp:
+            return
+        self._weight_stamp = stamp
+        refresh_weight_eager(*args)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Fp8Linear:
         super()._apply(fn, recurse)

@@ -267,6 +267,40 @@ def refresh_weight_impl(
     stamp = weight_stamp(weight)
     if tuple(int(v) for v in key) == stamp:
         return
+    for offset, made in _requantized_layouts(weight, history, fwd_config, dgrad_config,
+                                             fwd_delayed, dgrad_delayed, rows, cols):  # fmt: skip
+        for target, value in zip(cache[offset : offset + len(made)], made, strict=True):
+            target.copy_(value)
+    key[0], key[1], key[2] = stamp
+
+
+def refresh_weight_eager(
+    weight: torch.Tensor,
+    key: torch.Tensor,
+    cache: list[torch.Tensor],
+    history: torch.Tensor,
+    fwd_config: str,
+    dgrad_config: str,
+    fwd_delayed: bool,
+    dgrad_delayed: bool,
+    rows: int,
+    cols: int,
+) -> None:
+    """`refresh_weight_impl` outside a compiled graph: the new FP8 copies replace the cache's
+    entries instead of being copied into them. No copy kernels (eight launches and two
+    weight-sized copies per refresh), and a backward still pending from before the refresh
+    keeps the W^T it saved."""
+    for offset, made in _requantized_layouts(weight, history, fwd_config, dgrad_config,
+                                             fwd_delayed, dgrad_delayed, rows, cols):  # fmt: skip
+        cache[offset : offset + len(made)] = list(made)
+    key[0], key[1], key[2] = weight_stamp(weight)
+
+
+def _requantized_layouts(
+    weight, history, fwd_config, dgrad_config, fwd_delayed, dgrad_delayed, rows, cols
+) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+    """The weight's FP8 layouts as (offset in the cache, (data, scale, inv_scale, amax, ...));
+    a delayed layout's measured amax is pushed to `history`."""
     w = weight.detach()
     delayed_amax = None
     if fwd_delayed or dgrad_delayed:
@@ -275,23 +309,18 @@ def refresh_weight_impl(
         delayed_amax = torch.where(recorded > 0, recorded, finite_abs(w).amax().reshape(1))
     fwd_amax = delayed_amax if fwd_delayed else None
     dgrad_amax = delayed_amax if dgrad_delayed else None
+    layouts = []
     if fwd_config and (dgrad_config, dgrad_delayed) == (fwd_config, fwd_delayed):
-        made = quantize_transpose_impl(w, fwd_config, fwd_amax, rows, cols)
-        for target, value in zip(cache, made, strict=True):
-            target.copy_(value)
+        layouts.append((0, quantize_transpose_impl(w, fwd_config, fwd_amax, rows, cols)))
     else:
         if fwd_config:
-            made = quantize_impl(w, fwd_config, fwd_amax, rows, cols)
-            for target, value in zip(cache[:4], made, strict=True):
-                target.copy_(value)
+            layouts.append((0, quantize_impl(w, fwd_config, fwd_amax, rows, cols)))
         if dgrad_config:
-            made = quantize_impl(w.t(), dgrad_config, dgrad_amax, cols, rows)
-            for target, value in zip(cache[4:], made, strict=True):
-                target.copy_(value)
+            layouts.append((4, quantize_impl(w.t(), dgrad_config, dgrad_amax, cols, rows)))
     if delayed_amax is not None:
         measured = finite_abs(w).amax().reshape(1).to(history.dtype)
         history.copy_(torch.cat([measured, history[:-1]]))
-    key[0], key[1], key[2] = stamp
+    return layouts
 
 
 def _refresh_weight_fake(
