@@ -1,0 +1,147 @@
+"""The torch-native quantization compiled with a dynamic token count: what a jagged model pays.
+
+HSTU xl's compiled plan predicted 1.151x from its measured bf16 step and ran 1.040x
+(`bench/results/realized_20261202T141916Z`): 29% of the kernel time the bench said it would
+save. Its batches are jagged, so after the second batch torch.compile (dynamic="auto") runs a
+graph whose token count M is symbolic, while the bench times each quantization in a static
+graph; an earlier bench run saw dynamic-shape reductions 3-8x slower (tensorwise amax 1.1-1.5
+ms instead of ~0.1 ms at 16384 x 4096, with every dim symbolic). This script measures, at the
+plan's shapes, each quantization `quantize_native` does:
+
+- compiled static (what the bench times), compiled with M alone dynamic
+  (`torch._dynamo.mark_dynamic(x, 0)`: what the jagged model runs) and with every dim dynamic;
+- for tensor scales, the plain `amax()` beside a two-stage form (`amax(dim=1).amax()`: the
+  inner reduction over the static K, then one over M values), the same numbers bit for bit.
+
+Rows: shape, granularity, transpose, variant, compile mode, milliseconds, GB/s, and whether
+the output equals the static graph's. Results in --out: native_dynamic_<utc>.json.
+
+    python3 bench/native_dynamic.py                      # HSTU xl and DHEN xl shapes
+    python3 bench/native_dynamic.py --shapes 32320x3072,32320x12288
+On the CPU (no GPU) it runs small shapes as a check of the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+from harness import Budget, metadata, parser, stamp, time_ms, write_json
+
+# HSTU xl: uvqk's input and output (32320 tokens), out's input; DHEN xl's 2048-wide input.
+GPU_SHAPES = ((32320, 3072), (32320, 12288), (16384, 2048))
+CPU_SHAPES = ((320, 64), (96, 128))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser(__doc__, budget_s=240.0)
+    p.add_argument("--shapes", default=None, help="comma list of MxK (default: HSTU/DHEN xl)")
+    p.add_argument("--fmt", default="e4m3")
+    return p.parse_args(argv)
+
+
+def two_stage_tensor_quantize(t, fmt: str):
+    """`quantize_native(t, fmt, "tensor")` with its amax taken per row first (over the
+    static K), then over the rows: equal bit for bit (max is associative)."""
+    from loka.kernels.native import saturate_cast, scale_from_amax
+    from loka.schema.fp8 import finite_abs
+
+    amax = finite_abs(t).amax(dim=1).amax()
+    scale = scale_from_amax(amax, fmt, False, None)
+    return saturate_cast(t, scale, fmt), scale.reciprocal().contiguous()
+
+
+def variants(fmt: str) -> dict[tuple[str, bool], object]:
+    """(granularity/form, transpose) -> the function compiled."""
+    from loka.kernels.native import quantize_native
+
+    out = {}
+    for transpose in (False, True):
+        out["tensor", transpose] = functools.partial(
+            quantize_native, fmt=fmt, granularity="tensor", transpose=transpose
+        )
+        out["row", transpose] = functools.partial(
+            quantize_native, fmt=fmt, granularity="row", transpose=transpose
+        )
+    out["tensor-two-stage", False] = functools.partial(two_stage_tensor_quantize, fmt=fmt)
+    return out
+
+
+def compiled(fn, mode: str):
+    """`fn` compiled for `mode`: a fresh wrapper per call site, so that dynamo's cache of
+    one mode never serves another (the cache is per code object)."""
+    import torch
+
+    def run(t):
+        return fn(t)
+
+    run.__code__ = run.__code__.replace()  # its own code object: its own dynamo cache
+    return torch.compile(
+        run, dynamic={"static": False, "dynamic-M": None, "dynamic-all": True}[mode]
+    )
+
+
+def measure(source, name, transpose, fn, mode, device, reference) -> dict:
+    """One variant in one compile mode on a copy of `source` (the same values in every mode,
+    so that the outputs compare; a copy, since marking a dim dynamic marks the tensor)."""
+    import torch
+
+    M, K = source.shape
+    x = source.clone()
+    if mode == "dynamic-M":
+        torch._dynamo.mark_dynamic(x, 0)
+    run = compiled(fn, mode)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        t0 = time.monotonic()
+        out = run(x)
+        compile_s = time.monotonic() - t0
+        ms = time_ms(lambda: run(x), device)
+    same = None
+    if reference is not None:
+        same = all(torch.equal(a.float(), b.float()) for a, b in zip(out, reference, strict=True))
+    moved = M * K * (2 + 1)  # read bf16, write FP8 (a transpose writes the same bytes)
+    return {"M": M, "K": K, "variant": name, "transpose": transpose, "compile": mode,
+            "ms": ms, "gb_per_s": moved / (ms * 1e-3) / 1e9, "compile_s": compile_s,
+            "equal_to_static": same, "_out": out}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    else:
+        shapes = list(GPU_SHAPES if device == "cuda" else CPU_SHAPES)
+    budget = Budget(args.budget_s)
+    rows, skipped = [], []
+    for shape in shapes:
+        generator = torch.Generator(device).manual_seed(0)
+        source = torch.randn(*shape, device=device, generator=generator).to(torch.bfloat16)
+        for (name, transpose), fn in variants(args.fmt).items():
+            static = None
+            for mode in ("static", "dynamic-M", "dynamic-all"):
+                if budget.over():
+                    skipped.append(f"{shape} {name} transpose={transpose} {mode}")
+                    continue
+                row = measure(source, name, transpose, fn, mode, device, static)
+                if mode == "static":
+                    static = row["_out"]
+                del row["_out"]
+                rows.append(row)
+                print(f"[native_dynamic {budget.elapsed():5.0f} s] {shape[0]}x{shape[1]} "
+                      f"{name:17s} T={int(transpose)} {mode:11s} {row['ms']:8.4f} ms "
+                      f"{row['gb_per_s']:7.0f} GB/s equal={row['equal_to_static']}", flush=True)  # fmt: skip
+    path = Path(args.out) / f"native_dynamic_{stamp()}.json"
+    write_json(path, {"meta": metadata(device, fmt=args.fmt, shapes=shapes, skipped=skipped),
+                      "rows": rows})  # fmt: skip
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
