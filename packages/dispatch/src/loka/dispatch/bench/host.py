@@ -31,12 +31,17 @@ _REPEATS = 5
 _MEASURED: dict[tuple, float] = {}
 
 
-def _host_ms_per_call(module: nn.Module, x: torch.Tensor) -> float:
+def host_ms_per_call(
+    module: nn.Module, x: torch.Tensor, touch_weight: bool = True, calls: int = _CALLS
+) -> float:
+    """Median host milliseconds of one forward + backward of `module` on `x`, the weight
+    touched first (a new version, as after an optimizer step) unless `touch_weight` is False."""
     weight = module.weight
 
     def call() -> None:
-        with torch.no_grad():
-            weight.add_(0.0)  # a new version, as after an optimizer step
+        if touch_weight:
+            with torch.no_grad():
+                weight.add_(0.0)
         module(x).sum().backward()
 
     for _ in range(3):
@@ -46,9 +51,9 @@ def _host_ms_per_call(module: nn.Module, x: torch.Tensor) -> float:
     times = []
     for _ in range(_REPEATS):
         t0 = time.perf_counter()
-        for _ in range(_CALLS):
+        for _ in range(calls):
             call()
-        times.append((time.perf_counter() - t0) * 1e3 / _CALLS)
+        times.append((time.perf_counter() - t0) * 1e3 / calls)
         if x.is_cuda:
             torch.cuda.synchronize()
     return statistics.median(times)
@@ -76,7 +81,7 @@ def host_overhead_ms(
     bf16 = nn.Linear(K, N, device=device)
     x = torch.randn(HOST_M, K, device=device, requires_grad=True)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        base = _host_ms_per_call(bf16, x)
-        extra = _host_ms_per_call(fp8, x) - base
+        base = host_ms_per_call(bf16, x)
+        extra = host_ms_per_call(fp8, x) - base
     _MEASURED[key] = max(0.0, extra)
     return _MEASURED[key]

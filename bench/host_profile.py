@@ -1,0 +1,121 @@
+"""Where an eager FP8 pass's host time goes: one `Fp8Linear` pass against `nn.Linear`, profiled.
+
+`loka.dispatch.bench.host.host_overhead_ms` measured 0.6-1.4 ms of extra host time per FP8
+pass on the H200's host (eager, weight touched before every call as after an optimizer
+step), where the kernels' own launches cost 30-130 us each (kernels README, "Host
+overhead") and LoKA's Python, with the kernels stubbed on a CPU, about 0.1 ms for all three
+passes. So eager plans stay bf16 (DHEN xl eager: a plan on device time alone ran 0.820x).
+This script splits that time: for each pass in FP8 alone (the others bf16), and for the
+three together, it times host milliseconds per fwd+bwd call with and without the weight
+touched (the refresh of its FP8 copies, once per optimizer step in training) and profiles
+the FP8 call (`torch.profiler`, CPU side): the top host functions and ops by self CPU time,
+and the launch count per call. Results in --out: host_profile_<utc>.json.
+
+    python3 bench/host_profile.py                          # K = N = 4096, row recipes
+    python3 bench/host_profile.py --backend triton.fp8 --recipe e4m3:e4m3/tensor/dynamic
+On the CPU it runs (Triton interpreted, so its numbers say nothing of a GPU host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness import Budget, metadata, parser, stamp, write_json
+
+PASS_SETS = (("fwd",), ("dgrad",), ("wgrad",), ("fwd", "dgrad", "wgrad"))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser(__doc__, budget_s=180.0)
+    p.add_argument("--backend", default="torch.scaled_mm")
+    p.add_argument("--recipe", default="e4m3:e4m3/row/dynamic")
+    p.add_argument("--K", type=int, default=None)
+    p.add_argument("--N", type=int, default=None)
+    p.add_argument("--M", type=int, default=128, help="small: the device stays ahead")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--top", type=int, default=25)
+    return p.parse_args(argv)
+
+
+def profile(module, x, calls: int, top: int) -> dict:
+    """The FP8 call's host side under torch.profiler: top ops by self CPU time, launches."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if x.is_cuda else [])
+    with torch.profiler.profile(activities=activities, with_stack=False) as prof:
+        for _ in range(calls):
+            with torch.no_grad():
+                module.weight.add_(0.0)
+            module(x).sum().backward()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                        "cuLaunchKernelEx"))  # fmt: skip
+    return {
+        "launches_per_call": launches / calls,
+        "top_self_cpu": [
+            {
+                "op": e.key,
+                "calls_per_call": e.count / calls,
+                "self_cpu_us_per_call": e.self_cpu_time_total / calls,
+            }
+            for e in rows
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from torch import nn
+
+    from loka.dispatch.bench.host import host_ms_per_call
+    from loka.mods import Fp8Linear, Fp8LinearConfig, PassConfig
+
+    args = parse_args(argv)
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    K = args.K or (4096 if gpu else 64)
+    N = args.N or (4096 if gpu else 64)
+    backend = args.backend if gpu else "torch.native.cpu"
+    budget = Budget(args.budget_s)
+    torch.manual_seed(0)
+    x = torch.randn(args.M, K, device=device, requires_grad=True)
+    baseline = nn.Linear(K, N, device=device)
+    rows = []
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=gpu):
+        base = {t: host_ms_per_call(baseline, x, t, args.calls) for t in (False, True)}
+        print(f"[host_profile] nn.Linear fwd+bwd {base[False]:.3f} ms host "
+              f"(weight touched: {base[True]:.3f})", flush=True)  # fmt: skip
+        for passes in PASS_SETS:
+            if budget.over():
+                rows.append({"passes": list(passes), "error": "skipped: over the time budget"})
+                continue
+            config = Fp8LinearConfig(**{
+                p: PassConfig(args.recipe, backend) if p in passes else PassConfig("bf16")
+                for p in ("fwd", "dgrad", "wgrad")
+            })  # fmt: skip
+            module = Fp8Linear(K, N, device=device, config=config)
+            row = {"passes": list(passes)}
+            for touch in (False, True):
+                ms = host_ms_per_call(module, x, touch, args.calls)
+                row["host_ms_touched" if touch else "host_ms"] = ms
+                row["extra_ms_touched" if touch else "extra_ms"] = ms - base[touch]
+            row |= profile(module, x, min(args.calls, 20), args.top)
+            rows.append(row)
+            print(f"[host_profile] FP8 {'+'.join(passes):17s} extra host {row['extra_ms']:.3f} ms"
+                  f" (weight touched {row['extra_ms_touched']:.3f}), "
+                  f"{row['launches_per_call']:.0f} launches per call", flush=True)  # fmt: skip
+    path = Path(args.out) / f"host_profile_{stamp()}.json"
+    meta = metadata(device, backend=backend, recipe=args.recipe, M=args.M, K=K, N=N)
+    write_json(path, {"meta": meta, "baseline_ms": base, "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
