@@ -36,6 +36,8 @@ def test_a_prequantized_forward_is_the_per_call_forward_bit_for_bit(
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         want = module(x)
         assert module.prequantize_weight() and module.prequantized
+        # A fixed address for CUDA graphs, as a buffer's (no copy-in per replay).
+        assert all(hasattr(t, "_dynamo_static_input_type") for t in module._prequantized)
         got = module(x)
     assert got.dtype == want.dtype and torch.equal(got, want)
 

@@ -207,6 +207,10 @@ class Fp8Linear(nn.Linear):
         if fwd is None:
             return False
         self._prequantized = quantize_weight(self.weight, fwd)
+        for t in self._prequantized:
+            # Not a buffer (module.to(dtype) must not cast FP8 bytes): tell CUDA graphs its
+            # address is fixed, as a buffer's is, or every replay copies it in first.
+            torch._dynamo.mark_static_address(t)
         self._prequantized_stamp = weight_stamp(self.weight)
         return True
 
