@@ -180,3 +180,13 @@ def test_exclude_takes_a_site_or_one_pass_of_it():
     assert "excluded by PlanConfig.exclude" in str(rows["wgrad"]["rejected"])
     with pytest.raises(ValueError, match="names no pass"):
         PlanConfig(exclude=("fc/backward",))
+
+
+def test_the_padded_baseline_is_a_candidate_only_where_dims_are_unaligned():
+    from loka.dispatch.bench.candidates import candidates
+
+    def baselines(K: int) -> set[str]:
+        return {s.candidate.backend for s in candidates(8192, K, 4096) if s.candidate.is_bf16}
+
+    assert baselines(1024) == {"torch.bf16"}
+    assert baselines(1003) == {"torch.bf16", "inductor.bf16"}

@@ -148,6 +148,8 @@ def candidates(
                 bf16_backend = ("bf16", "bf16") in backend.formats
                 if bf16_backend != recipe.is_bf16:
                     continue
+                if backend.pads_only and backend.linear_dims(M, K, N) == (M, K, N):
+                    continue  # a padded twin at aligned dims: not a candidate at all
                 reason = backend.supports(recipe, M, K, N, pass_)
                 if reason is None and device is not None:
                     if runnable_only:
