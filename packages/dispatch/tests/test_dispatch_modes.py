@@ -190,3 +190,12 @@ def test_the_padded_baseline_is_a_candidate_only_where_dims_are_unaligned():
 
     assert baselines(1024) == {"torch.bf16"}
     assert baselines(1003) == {"torch.bf16", "inductor.bf16"}
+
+
+def test_a_compiled_plan_notes_fp8_sites_whose_token_count_varies():
+    jagged = SITES.with_columns(pl.lit(4000).alias("M_min"), pl.lit(9000).alias("M_max"))
+    compiled = make_plan(jagged, ERRORS, TIMED, PlanConfig(mode="compiled")).summary.notes
+    assert any("saw their token count M vary (fc)" in n for n in compiled)
+    for sites, mode in ((SITES, "compiled"), (jagged, "eager")):
+        notes = make_plan(sites, ERRORS, TIMED, PlanConfig(mode=mode)).summary.notes
+        assert not any("token count M vary" in n for n in notes), mode
