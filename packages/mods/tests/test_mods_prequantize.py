@@ -137,3 +137,18 @@ def test_a_compiled_serving_graph_quantizes_only_the_input():
     assert len(reductions) == 2
     assert len([op for op in served if "amax" in op or op == "max"]) == 1
     assert len(served) < len(per_call)
+
+
+def test_inductor_serves_a_prequantized_model_as_it_serves_the_per_call_one():
+    # Inductor fuses the norm with the input's quantization (so both differ from eager in
+    # the last bits); with the weight prequantized the compiled output must not move at all.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(64), Fp8Linear(64, 32, config=serving_config(ROW))).eval()
+    x = torch.randn(48, 64)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        per_call = torch.compile(model, fullgraph=True)(x)
+        prequantize_weights(model)
+        torch._dynamo.reset()
+        served = torch.compile(model, fullgraph=True)(x)
+    assert torch.equal(served, per_call)
