@@ -9,9 +9,12 @@ This script splits that time: for each pass in FP8 alone (the others bf16), and 
 three together, it times host milliseconds per fwd+bwd call with and without the weight
 touched (the refresh of its FP8 copies, once per optimizer step in training) and profiles
 the FP8 call (`torch.profiler`, CPU side): the top host functions and ops by self CPU time,
-and the launch count per call. Results in --out: host_profile_<utc>.json.
+and the launch count per call. `--regional` adds the torch-native linear compiled on its own
+(`module.compile()`), the candidate path for eager models: inductor's fused quantizations
+behind one compiled call per site instead of a Python autograd function and a launch per
+kernel. Results in --out: host_profile_<utc>.json.
 
-    python3 bench/host_profile.py                          # K = N = 4096, row recipes
+    python3 bench/host_profile.py --regional               # K = N = 4096, row recipes
     python3 bench/host_profile.py --backend triton.fp8 --recipe e4m3:e4m3/tensor/dynamic
 On the CPU it runs (Triton interpreted, so its numbers say nothing of a GPU host).
 """
@@ -36,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--M", type=int, default=128, help="small: the device stays ahead")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--regional", action="store_true",
+                   help="also the torch-native linear compiled on its own (module.compile()): "
+                        "the host cost of an eager model whose FP8 sites alone are compiled")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -91,23 +97,31 @@ def main(argv: list[str] | None = None) -> int:
         base = {t: host_ms_per_call(baseline, x, t, args.calls) for t in (False, True)}
         print(f"[host_profile] nn.Linear fwd+bwd {base[False]:.3f} ms host "
               f"(weight touched: {base[True]:.3f})", flush=True)  # fmt: skip
-        for passes in PASS_SETS:
+        native = "torch.native" if gpu else "torch.native.cpu"
+        runs = [(passes, backend, False) for passes in PASS_SETS]
+        if args.regional:
+            runs += [(passes, native, True) for passes in PASS_SETS]
+        for passes, run_backend, regional in runs:
             if budget.over():
-                rows.append({"passes": list(passes), "error": "skipped: over the time budget"})
+                rows.append({"passes": list(passes), "backend": run_backend,
+                             "regional": regional, "error": "skipped: over the time budget"})  # fmt: skip
                 continue
             config = Fp8LinearConfig(**{
-                p: PassConfig(args.recipe, backend) if p in passes else PassConfig("bf16")
+                p: PassConfig(args.recipe, run_backend) if p in passes else PassConfig("bf16")
                 for p in ("fwd", "dgrad", "wgrad")
             })  # fmt: skip
             module = Fp8Linear(K, N, device=device, config=config)
-            row = {"passes": list(passes)}
+            if regional:
+                module.compile(fullgraph=True)
+            row = {"passes": list(passes), "backend": run_backend, "regional": regional}
             for touch in (False, True):
                 ms = host_ms_per_call(module, x, touch, args.calls)
                 row["host_ms_touched" if touch else "host_ms"] = ms
                 row["extra_ms_touched" if touch else "extra_ms"] = ms - base[touch]
             row |= profile(module, x, min(args.calls, 20), args.top)
             rows.append(row)
-            print(f"[host_profile] FP8 {'+'.join(passes):17s} extra host {row['extra_ms']:.3f} ms"
+            label = f"{'+'.join(passes)}{' compiled alone' if regional else ''}"
+            print(f"[host_profile] FP8 {label:32s} extra host {row['extra_ms']:.3f} ms"
                   f" (weight touched {row['extra_ms_touched']:.3f}), "
                   f"{row['launches_per_call']:.0f} launches per call", flush=True)  # fmt: skip
     path = Path(args.out) / f"host_profile_{stamp()}.json"
