@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     write_json(path, {"meta": meta, "runs": rows, "plans": plans})
     print(f"\n== realized step speed ({args.preset}) ==")
     print(f"{'model':<7} {'mode':<10} {'variant':<24} {'fp8':>4} {'ms':>8} {'x bf16':>7} "
-          f"{'ratio min..max':>15} {'pred':>6} {'pstep':>6} {'quality':>8}")  # fmt: skip
+          f"{'ratio min..max':>15} {'pred':>6} {'pstep':>6} {'ceil':>6} {'safe':>6} "
+          f"{'quality':>8}")  # fmt: skip
     for r in rows:
         if r.get("batch_size") and str(r.get("variant", "")).startswith("infer"):
             r = r | {"variant": f"{r['variant']}@{r['batch_size']}"}  # the console's name only
@@ -354,7 +355,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r.get('skipped') or r.get('error', '')[:80]}")  # fmt: skip
             continue
         pred = r.get("predicted_speedup")
-        pstep = "" if r.get("predicted_from_step") is None else f"{r['predicted_from_step']:.3f}"
+        pstep, ceil, safe = (
+            "" if r.get(k) is None else f"{r[k]:.3f}"
+            for k in ("predicted_from_step", "ceiling", "safe_ceiling")
+        )
         quality = (
             ""
             if "quality" not in r
@@ -363,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['model']:<7} {r['mode']:<10} {r['variant']:<24} {r.get('fp8_layers', ''):>4} "
               f"{r.get('step_ms', r.get('fwd_ms')):>8.2f} {r['speedup_vs_bf16']:>7.3f} "
               f"{r['ratio_min']:>7.3f}..{r['ratio_max']:<7.3f} "
-              f"{'' if pred is None else f'{pred:.3f}':>6} {pstep:>6} {quality:>8}")  # fmt: skip
+              f"{'' if pred is None else f'{pred:.3f}':>6} {pstep:>6} {ceil:>6} {safe:>6} "
+              f"{quality:>8}")  # fmt: skip
     print(f"wrote {path} ({time.monotonic() - start:.0f} s)")
 
 
