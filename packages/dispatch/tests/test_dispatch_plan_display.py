@@ -180,3 +180,16 @@ def test_reasons_group_without_their_numbers() -> None:
         )
         == "measured alone: not shown to be as fast as bf16"
     )
+
+
+def test_the_reports_speedup_card_names_the_ceiling_over_safe_candidates() -> None:
+    from dataclasses import replace
+
+    from loka.dispatch.report.glance import speedup_cards
+
+    plan = many_site_plan(4)
+    summary = verified_summary(plan)
+    assert "accurate enough" not in speedup_cards(summary, plan)
+    lower = replace(summary, safe_ceiling=1.05, safe_prequant_speedup=1.3)
+    assert "1.050x over the candidates accurate enough" in speedup_cards(lower, plan)
+    assert any("safe candidates only: 1.050x" in line for line in lower.lines())

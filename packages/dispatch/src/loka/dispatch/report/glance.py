@@ -77,6 +77,9 @@ def speedup_cards(summary: PlanSummary | None, plan: pl.DataFrame) -> str:
         predicted = f"{summary.predicted_speedup:.3f}x"
         detail = (f"end to end{est}; GEMMs {summary.gemm_speedup:.2f}x, ceiling "
                   f"{summary.ceiling:.3f}x with g = {summary.gemm_share:.2f}")  # fmt: skip
+        safe = summary.safe_ceiling
+        if safe is not None and safe < summary.ceiling - 5e-4:
+            detail += f" ({safe:.3f}x over the candidates accurate enough)"
     else:
         predicted = f"{summary.gemm_speedup:.2f}x"
         detail = f"GEMM time of the planned sites{est}; end to end unknown (no measured g)"
