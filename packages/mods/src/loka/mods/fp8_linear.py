@@ -27,8 +27,8 @@ from loka.mods.linear_plan import LinearPlan
 from loka.mods.native_function import (
     NativeFp8LinearFunction,
     NativePlan,
-    prequantized_forward,
     quantize_weight,
+    quantized_weight_forward,
 )
 from loka.mods.ops import call, decode, refresh_weight_eager
 from loka.mods.weight_stamp import weight_stamp
@@ -244,7 +244,7 @@ class Fp8Linear(nn.Linear):
                 "changed since prequantize_weight(); call it again to serve the new weight"
             )
         wq, w_inv = self._prequantized
-        return prequantized_forward(
+        return quantized_weight_forward(
             x2d, wq, w_inv, self.bias, self.native_plan.fwd, dtype, self.out_features
         )
 

@@ -143,15 +143,11 @@ class NativeFp8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         M, K = x.shape
         N = weight.shape[0]
-        Kp, Np = _up(K), _up(N)
+        Kp = _up(K)
         fwd = plan.fwd
         if fwd is not None:
-            xq, x_inv = fwd.quantize(_pad_to(x, M, Kp), "a")
-            wq, w_inv = fwd.quantize(_pad_to(weight, Np, Kp), "b")
-            b = bias if bias is None or Np == N else F.pad(bias, (0, Np - N))
-            # Every FP8 GEMM writes bf16 (rowwise _scaled_mm writes nothing else); cast after.
-            y = native_mm(xq, x_inv, wq, w_inv, b, torch.bfloat16, fast_accum=fwd.fast_accum)
-            y = cast(_cols(y, N), compute_dtype)
+            wq, w_inv = quantize_weight(weight, fwd)
+            y = quantized_weight_forward(x, wq, w_inv, bias, fwd, compute_dtype, N)
         else:
             b = None if bias is None else cast(bias, compute_dtype)
             y = F.linear(cast(x, compute_dtype), cast(weight, compute_dtype), b)
@@ -199,7 +195,7 @@ class NativeFp8LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def prequantized_forward(
+def quantized_weight_forward(
     x: torch.Tensor,
     weight_fp8: torch.Tensor,
     weight_inv_scale: torch.Tensor,
@@ -208,21 +204,21 @@ def prequantized_forward(
     compute_dtype: torch.dtype,
     out_features: int,
 ) -> torch.Tensor:
-    """The forward pass of a native linear whose weight was quantized once
-    (`Fp8Linear.prequantize_weight`: `weight_fp8` ``[Np, Kp]``, padded as the forward pads
-    it), for a call that needs no gradient: only x is quantized."""
+    """The FP8 forward GEMM of a native linear given its quantized weight (`quantize_weight`:
+    ``[Np, Kp]``, padded), quantized in this call or once for serving
+    (`Fp8Linear.prequantize_weight`): x is quantized, multiplied, and the output cast."""
     M = x.shape[0]
     Np, Kp = weight_fp8.shape
     xq, x_inv = fwd.quantize(_pad_to(x, M, Kp), "a")
     b = bias if bias is None or Np == out_features else F.pad(bias, (0, Np - out_features))
+    # Every FP8 GEMM writes bf16 (rowwise _scaled_mm writes nothing else); cast after.
     y = native_mm(xq, x_inv, weight_fp8, weight_inv_scale, b, torch.bfloat16,
                   fast_accum=fwd.fast_accum)  # fmt: skip
     return cast(_cols(y, out_features), compute_dtype)
 
 
 def quantize_weight(weight: torch.Tensor, fwd: NativePass) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` ``[N, K]`` quantized as the native forward quantizes it (padded to multiples
-    of 16): (FP8 data ``[Np, Kp]``, inverse scales)."""
+    """`weight` ``[N, K]`` quantized as the native forward multiplies it (padded to multiples
+    of 16): (FP8 data ``[Np, Kp]``, inverse scales). Detached: no autograd graph."""
     N, K = weight.shape
-    with torch.no_grad():
-        return fwd.quantize(_pad_to(weight.detach(), _up(N), _up(K)), "b")
+    return fwd.quantize(_pad_to(weight.detach(), _up(N), _up(K)), "b")

@@ -279,19 +279,13 @@ def refresh_weight_eager(
     key: torch.Tensor,
     cache: list[torch.Tensor],
     history: torch.Tensor,
-    fwd_config: str,
-    dgrad_config: str,
-    fwd_delayed: bool,
-    dgrad_delayed: bool,
-    rows: int,
-    cols: int,
+    *layouts: str | bool | int,
 ) -> None:
-    """`refresh_weight_impl` outside a compiled graph: the new FP8 copies replace the cache's
-    entries instead of being copied into them. No copy kernels (eight launches and two
-    weight-sized copies per refresh), and a backward still pending from before the refresh
-    keeps the W^T it saved."""
-    for offset, made in _requantized_layouts(weight, history, fwd_config, dgrad_config,
-                                             fwd_delayed, dgrad_delayed, rows, cols):  # fmt: skip
+    """`refresh_weight_impl` (the same arguments) outside a compiled graph: the new FP8 copies
+    replace the cache's entries instead of being copied into them. No copy kernels (eight
+    launches and two weight-sized copies per refresh), and a backward still pending from
+    before the refresh keeps the W^T it saved."""
+    for offset, made in _requantized_layouts(weight, history, *layouts):
         cache[offset : offset + len(made)] = list(made)
     key[0], key[1], key[2] = weight_stamp(weight)
 

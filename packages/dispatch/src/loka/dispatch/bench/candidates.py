@@ -148,9 +148,9 @@ def candidates(
                 bf16_backend = ("bf16", "bf16") in backend.formats
                 if bf16_backend != recipe.is_bf16:
                     continue
-                if backend.pads_only and backend.linear_dims(M, K, N) == (M, K, N):
-                    continue  # a padded twin at aligned dims: not a candidate at all
                 reason = backend.supports(recipe, M, K, N, pass_)
+                if backend.pads_only and reason is not None:
+                    continue  # a padded twin where it has nothing to pad: no candidate at all
                 if reason is None and device is not None:
                     if runnable_only:
                         reason = backend.runnable_reason(device)
