@@ -15,11 +15,12 @@ from loka.mods.spec import ModSpec, SiteMods
 from loka.mods.weight_stamp import invalidate_weight_caches
 
 
-def _fresh_output(module: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
-    """The forward of a new Fp8Linear over a copy of the module's current weights."""
+def _fresh_output(module: Fp8Linear, x: torch.Tensor, config=None) -> torch.Tensor:
+    """The forward of a new Fp8Linear (`config`, default Fp8LinearConfig()) over a copy of
+    the module's current weights."""
     twin = nn.Linear(module.in_features, module.out_features)
     twin.load_state_dict({k: v.detach().clone() for k, v in module.state_dict().items()})
-    return Fp8Linear.from_linear(twin, Fp8LinearConfig()).forward(x)
+    return Fp8Linear.from_linear(twin, config or Fp8LinearConfig()).forward(x)
 
 
 @pytest.mark.parametrize("optimizer", ["fused", "foreach", "single"])
@@ -99,10 +100,4 @@ def test_a_backward_pending_across_a_weight_refresh_uses_the_weight_of_its_forwa
     second = module(x)
     first.sum().backward()
     assert torch.equal(x.grad, x_twin.grad)
-    assert torch.equal(second, _fresh_output_with(module, x, config))
-
-
-def _fresh_output_with(module: Fp8Linear, x: torch.Tensor, config) -> torch.Tensor:
-    twin = Fp8Linear(module.in_features, module.out_features, config=config)
-    twin.load_state_dict({k: v.detach().clone() for k, v in module.state_dict().items()})
-    return twin(x)
+    assert torch.equal(second, _fresh_output(module, x, config))
