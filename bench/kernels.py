@@ -282,7 +282,7 @@ def bench_fwd_and_gemm(M: int, K: int, N: int, compiled: Callable | None) -> Non
         record("fwd", f"quantize x {gran}", quant, backend="loka.quantize",
                recipe=f"e4m3/{gran}", M=M, K=K, N=0)  # fmt: skip
         for backend in registry.backends("mm"):
-            if ("bf16", "bf16") in backend.formats or (GPU and backend.unavailable_reason(DEVICE)):
+            if backend.runs_bf16 or (GPU and backend.unavailable_reason(DEVICE)):
                 continue
             if not GPU and not backend.triton:
                 continue
@@ -347,7 +347,7 @@ def bench_ln_linear(M: int, K: int, N: int, compiled: Callable | None) -> None:
         record("lnfwd", "layer_norm + prequant scaled_mm row", ceiling, backend="torch._scaled_mm",
                recipe="e4m3:e4m3/row", check=check(ceiling), bound=ERR_BOUND["e4m3"], **shape)  # fmt: skip
     for backend in registry.backends("mm"):
-        if backend.name.endswith(".fast") or ("bf16", "bf16") in backend.formats:
+        if backend.name.endswith(".fast") or backend.runs_bf16:
             continue
         if (GPU and backend.unavailable_reason(DEVICE)) or (not GPU and not backend.triton):
             continue
@@ -455,7 +455,7 @@ def _bench_bwd_recipe(x, w, dy, gran, act_block, w_block, dgrad_check, wgrad_che
                recipe=f"e5m2/{gran}", pass_="dgrad+wgrad", M=M, K=0, N=N)  # fmt: skip
     qdy, qdyt = qt()
     for backend in registry.backends("mm"):
-        if ("bf16", "bf16") in backend.formats or (GPU and backend.unavailable_reason(DEVICE)):
+        if backend.runs_bf16 or (GPU and backend.unavailable_reason(DEVICE)):
             continue
         if not GPU and not backend.triton:
             continue

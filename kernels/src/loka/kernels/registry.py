@@ -143,6 +143,11 @@ class Backend:
     check: Callable[[GemmSpec], str | None] | None = None  # further constraints
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 
+    @property
+    def runs_bf16(self) -> bool:
+        """Whether it multiplies bf16 operands (a baseline: torch.bf16, inductor.bf16)."""
+        return (BF16, BF16) in self.formats
+
     def refuse(self, spec: GemmSpec) -> str | None:
         """Why this backend cannot run `spec` (None when it can)."""
         if spec.pass_ is not None and spec.pass_ not in self.passes:

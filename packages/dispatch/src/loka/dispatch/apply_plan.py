@@ -342,7 +342,7 @@ def _runnable_backend(
     if not replace:
         return None, reason
     for other in registry.backends("mm"):
-        if other.name.endswith(".fast") or ("bf16", "bf16") in other.formats:
+        if other.name.endswith(".fast") or other.runs_bf16:
             continue
         if (
             other.runnable_reason(device) is None

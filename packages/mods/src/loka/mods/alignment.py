@@ -24,7 +24,6 @@ LINEAR_DIM_OF = {
 # M is unknown before the first batch; validation assumes it is a multiple of this, and
 # padding (when on) makes it one at run time.
 _PROBE_M = 128
-BF16_PAIR = ("bf16", "bf16")
 
 
 class ShapeError(ValueError):
@@ -46,7 +45,7 @@ class Multiples:
 def _fp8_candidates(config: PassConfig) -> list[Backend]:
     if config.backend is not None:
         return [registry.get(config.backend)]
-    return [b for b in registry.backends("mm") if BF16_PAIR not in b.formats]
+    return [b for b in registry.backends("mm") if not b.runs_bf16]
 
 
 def required_multiples(config: Fp8LinearConfig) -> Multiples:

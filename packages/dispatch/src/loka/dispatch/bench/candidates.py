@@ -145,7 +145,7 @@ def candidates(
                     continue
                 if name.endswith(".fast") and not include_fast_accum:
                     continue
-                bf16_backend = ("bf16", "bf16") in backend.formats
+                bf16_backend = backend.runs_bf16
                 if bf16_backend != recipe.is_bf16:
                     continue
                 reason = backend.supports(recipe, M, K, N, pass_)

@@ -191,7 +191,7 @@ def mode_backends(mode: str) -> list[str]:
     compiled = mode != "eager"
     return [
         b.name for b in registry.backends("mm")
-        if b.traceable == compiled or (("bf16", "bf16") in b.formats and not b.traceable)
+        if b.traceable == compiled or (b.runs_bf16 and not b.traceable)
     ]  # fmt: skip
 
 
@@ -202,9 +202,7 @@ def can_measure(device: torch.device | str | None = None) -> bool:
         return False
     if device is None and not torch.cuda.is_available():
         return False
-    return any(
-        ("bf16", "bf16") not in registry.get(name).formats for name in available(device, op="mm")
-    )
+    return any(not registry.get(name).runs_bf16 for name in available(device, op="mm"))
 
 
 def benchmark(

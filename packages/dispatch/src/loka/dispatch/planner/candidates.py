@@ -195,7 +195,7 @@ def _mode_runs(recipe: Recipe, shape: SiteShape, pass_: str, mode: str) -> bool:
     shape: if none does, its missing row is no budget matter (the plan summary counts only
     what more benchmarking could add)."""
     for backend in registry.backends("mm"):
-        if ("bf16", "bf16") in backend.formats or _mode_refusal(backend.name, mode) is not None:
+        if backend.runs_bf16 or _mode_refusal(backend.name, mode) is not None:
             continue
         if backend.supports(recipe, shape.M_bucket, shape.K, shape.N, pass_) is None:
             return True
