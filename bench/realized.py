@@ -35,8 +35,9 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    at those batch sizes (training batches stacked; rows carry `batch_size`); the inference
    plan is made from the kernel timings at the training shapes. The training rows are on
    disk before serving starts, which begins only with the time its compiles need left
-   (`inference_need_s`). At the xl presets give serving a call of its own: `--variants bf16
-   --inference --infer-batch 16384`.
+   (`inference_need_s`). `--infer-variants loka` serves LoKA alone beside bf16 (torchao's
+   serving compile took 276 s at DHEN xl). At the xl presets give serving a call of its own:
+   `--variants bf16 --inference --infer-variants loka --infer-batch 16384`.
 On a machine without a GPU (`--device cpu`, implied there) it runs the tiny presets as a
 smoke test of the script itself; its times say nothing of GPU speed.
 
@@ -83,6 +84,20 @@ SERVED_MODELS = 3
 SERVING_COMPILE_FACTOR = 1.5
 
 
+INFER_VARIANTS = ("torchao", "loka")
+
+
+def infer_variants(text: str) -> tuple[str, ...]:
+    """`--infer-variants` as a tuple; one line naming an unknown variant."""
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = [v for v in names if v not in INFER_VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown serving variant(s) {unknown}; choose from {', '.join(INFER_VARIANTS)}"
+        )
+    return names
+
+
 def inference_need_s(rows: list[dict]) -> float:
     """Seconds a serving phase needs: each served model compiles about as long as the slowest
     training variant did (its gradient check or warm-up, whichever compiled it), times
@@ -124,6 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="inductor freezing of the served models (compiled modes): weights as "
                         "constants; off (default): the FP8 variants serve weights quantized "
                         "once (torchao's FP8 weights, LoKA's prequantized ones)")  # fmt: skip
+    p.add_argument("--infer-variants", default="torchao,loka", type=infer_variants,
+                   help="the FP8 variants served beside infer-bf16: comma list of torchao, "
+                        "loka (torchao's rowwise serving compile took 276 s at DHEN xl)")  # fmt: skip
     p.add_argument("--infer-batch", default=None,
                    help="serving batch sizes, comma list (multiples of the training batch, up "
                         "to --batches of them; default: the training batch)")  # fmt: skip
@@ -812,7 +830,7 @@ def inference_rows(
         served = served.to(torch.bfloat16)
     models = {"infer-bf16": served}
     extra: dict[str, dict] = {"infer-bf16": {}}
-    if gpu:
+    if gpu and "torchao" in args.infer_variants:
         try:
             from torchao.quantization import (
                 Float8DynamicActivationFloat8WeightConfig,
@@ -825,14 +843,15 @@ def inference_rows(
             models["infer-torchao-rowwise"], extra["infer-torchao-rowwise"] = quantized, {}
         except Exception as exc:  # torchao absent or refusing these shapes: said in the row
             extra["infer-torchao-rowwise"] = {"error": repr(exc)[:500]}
-    plan = make_plan(tables["sites"], tables["site_errors"], bench.table,
-                     PlanConfig(inference=True, mode=mode))  # fmt: skip
-    loka_model = copy.deepcopy(served)
-    applied = apply(loka_model, plan)  # an inference plan: weights prequantized for serving
-    models["infer-loka"] = loka_model
-    s = plan.summary
-    extra["infer-loka"] = {"fp8_layers": len(applied.sites), "predicted_gemm_speedup": s.gemm_speedup,
-                           "passes_fp8": s.passes_fp8, "prequantized": len(applied.prequantized)}  # fmt: skip
+    if "loka" in args.infer_variants:
+        plan = make_plan(tables["sites"], tables["site_errors"], bench.table,
+                         PlanConfig(inference=True, mode=mode))  # fmt: skip
+        loka_model = copy.deepcopy(served)
+        applied = apply(loka_model, plan)  # an inference plan: weights prequantized for serving
+        models["infer-loka"] = loka_model
+        s = plan.summary
+        extra["infer-loka"] = {"fp8_layers": len(applied.sites), "predicted_gemm_speedup": s.gemm_speedup,
+                               "passes_fp8": s.passes_fp8, "prequantized": len(applied.prequantized)}  # fmt: skip
     if mode != "eager":
         torch._inductor.config.freezing = args.infer_freezing == "on"
         models = {k: torch.compile(m, **compile_kwargs(mode, dynamic)) for k, m in models.items()}

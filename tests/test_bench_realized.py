@@ -187,3 +187,10 @@ def test_model_options_parse_literals_and_refuse_what_is_not_key_value():
     }
     with pytest.raises(argparse.ArgumentTypeError, match="key=value"):
         parse("bmm")
+
+
+def test_serving_variants_default_to_both_and_refuse_unknown_names():
+    assert realized.parse_args([]).infer_variants == ("torchao", "loka")
+    assert realized.parse_args(["--infer-variants", "loka"]).infer_variants == ("loka",)
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown serving variant"):
+        realized.infer_variants("loka,bf16x")

@@ -51,11 +51,13 @@ class NativePass:
     scale_ub: float | None
     fast_accum: bool = False  # torch.native.fast: the GEMM accumulates in reduced precision
 
-    def quantize(self, t: torch.Tensor, side: str, transpose: bool = False):
+    def quantize(self, t: torch.Tensor, side: str, transpose: bool = False, tokens: bool = True):
+        """`t` quantized as operand `side` of this pass; `tokens`: its rows are the batch's
+        tokens (an activation or gradient, not the weight), whose count may be symbolic."""
         fmt = self.a_fmt if side == "a" else self.b_fmt
         return quantize_native(
             t, fmt, self.granularity, pow2=self.pow2, scale_ub=self.scale_ub,
-            transpose=transpose,
+            transpose=transpose, rows_vary=tokens,
         )  # fmt: skip
 
 
@@ -177,7 +179,7 @@ class NativeFp8LinearFunction(torch.autograd.Function):
         dgrad = plan.dgrad
         if need_dx and dgrad is not None:
             dyq, dy_inv = dgrad.quantize(_pad_to(dy, M, Np), "a")
-            wt, wt_inv = dgrad.quantize(_pad_to(weight, Np, Kp), "b", transpose=True)
+            wt, wt_inv = dgrad.quantize(_pad_to(weight, Np, Kp), "b", transpose=True, tokens=False)
             dx = native_mm(dyq, dy_inv, wt, wt_inv, fast_accum=dgrad.fast_accum)
             dx = cast(_cols(dx, K), x_dtype)
         elif need_dx:
@@ -221,4 +223,4 @@ def quantize_weight(weight: torch.Tensor, fwd: NativePass) -> tuple[torch.Tensor
     """`weight` ``[N, K]`` quantized as the native forward multiplies it (padded to multiples
     of 16): (FP8 data ``[Np, Kp]``, inverse scales). Detached: no autograd graph."""
     N, K = weight.shape
-    return fwd.quantize(_pad_to(weight.detach(), _up(N), _up(K)), "b")
+    return fwd.quantize(_pad_to(weight.detach(), _up(N), _up(K)), "b", tokens=False)

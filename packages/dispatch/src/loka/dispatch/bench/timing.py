@@ -325,16 +325,18 @@ class PassTimer:
         quant = _compiled_native_quantize()
         total = 0.0
         for source, fmt, transpose in self._native_operands(recipe, pass_):
-            sample = source if isinstance(source, torch.Tensor) else source.items[0][0]
+            weight = isinstance(source, torch.Tensor)  # the rest are x or dY: token rows
+            sample = source if weight else source.items[0][0]
             operand = QuantOperand(*sample.shape, sample.element_size(), recipe.granularity,
                                    transpose)  # fmt: skip
 
-            def measure(source=source, fmt=fmt, transpose=transpose) -> float:
+            def measure(source=source, fmt=fmt, transpose=transpose, weight=weight) -> float:
                 def get() -> torch.Tensor:
-                    return source if isinstance(source, torch.Tensor) else source.next()[0]
+                    return source if weight else source.next()[0]
 
+                gran = recipe.granularity
                 return self._measure(
-                    lambda: quant(get(), fmt, recipe.granularity, transpose=transpose)
+                    lambda: quant(get(), fmt, gran, transpose=transpose, rows_vary=not weight)
                 )
 
             ms, fitted = self.native_quant.time(operand, measure)
