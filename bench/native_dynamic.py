@@ -16,6 +16,11 @@ plan's shapes, each quantization `quantize_native` does:
   Measured 2026-12-02 (`bench/results/native_dynamic_20261202T170340Z.json`): one-stage
   tensor amax 2.0-2.3x slower with M dynamic, two-stage within 1-5% of static.
 
+- (`--sections bias`) a linear's bias gradient, `dY.sum(0)` (a column reduction over M)
+  beside `ones[1, M] @ dY` (a GEMM), each alone and beside the dgrad's rowwise quantization
+  of dY: what the kernel left in HSTU xl's profile after the two-stage amax runs
+  (`bench/results/realized_20261202T172455Z_profiles`: 3.4 ms a call; bf16's 2.6 ms).
+
 Rows: shape, granularity, transpose, variant, compile mode, milliseconds, GB/s, and whether
 the output equals the static graph's. Results in --out: native_dynamic_<utc>.json.
 
@@ -43,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__, budget_s=240.0)
     p.add_argument("--shapes", default=None, help="comma list of MxK (default: HSTU/DHEN xl)")
     p.add_argument("--fmt", default="e4m3")
+    p.add_argument("--sections", default="quantize,bias",
+                   help="quantize: each quantization; bias: the bias gradient (sum or GEMM)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -64,6 +71,38 @@ def variants(fmt: str) -> dict[tuple[str, bool], object]:
         quantize_native, fmt=fmt, granularity="tensor", rows_vary=True
     )
     return out
+
+
+def bias_gradient_variants(fmt: str) -> dict[tuple[str, bool], object]:
+    """A linear's bias gradient (`dY.sum(0)`, a column reduction over the tokens M) alone
+    and beside the dgrad's rowwise quantization of dY, as a reduction and as a GEMM with a
+    ones row (`ones[1, M] @ dY`: tensor cores, no reduction over a symbolic M). HSTU xl's
+    compiled step spends 3.4 ms a call in the kernel that fuses its uvqk bias gradient with
+    that quantization, and bf16's own bias-gradient kernel 2.6 ms: 0.8 GB read each."""
+    from loka.kernels.native import quantize_native
+
+    def bias_sum(t):
+        return t.sum(0)
+
+    def bias_gemm(t):
+        return (t.new_ones(1, t.shape[0]) @ t)[0]
+
+    def with_quantization(bias):
+        def run(t):
+            return (*quantize_native(t, fmt, "row", rows_vary=True), bias(t))
+
+        return run
+
+    return {
+        ("bias-sum", False): bias_sum,
+        ("bias-gemm", False): bias_gemm,
+        ("row+bias-sum", False): with_quantization(bias_sum),
+        ("row+bias-gemm", False): with_quantization(bias_gemm),
+    }
+
+
+# Bytes moved per element of the source: read bf16, write FP8 (where quantized).
+BYTES_PER_ELEMENT = {"bias-sum": 2, "bias-gemm": 2}
 
 
 def compiled(fn, mode: str):
@@ -93,12 +132,13 @@ def measure(source, name, transpose, fn, mode, device, reference) -> dict:
     with torch._dynamo.config.patch(recompile_limit=64):
         t0 = time.monotonic()
         out = run(x)
+        out = out if isinstance(out, tuple) else (out,)
         compile_s = time.monotonic() - t0
         ms = time_ms(lambda: run(x), device)
     same = None
     if reference is not None:
         same = all(torch.equal(a.float(), b.float()) for a, b in zip(out, reference, strict=True))
-    moved = M * K * (2 + 1)  # read bf16, write FP8 (a transpose writes the same bytes)
+    moved = M * K * BYTES_PER_ELEMENT.get(name, 3)  # a transpose writes the same bytes
     return {"M": M, "K": K, "variant": name, "transpose": transpose, "compile": mode,
             "ms": ms, "gb_per_s": moved / (ms * 1e-3) / 1e9, "compile_s": compile_s,
             "equal_to_static": same, "_out": out}  # fmt: skip
@@ -118,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         generator = torch.Generator(device).manual_seed(0)
         source = torch.randn(*shape, device=device, generator=generator).to(torch.bfloat16)
-        for (name, transpose), fn in variants(args.fmt).items():
+        chosen = {}
+        if "quantize" in args.sections:
+            chosen |= variants(args.fmt)
+        if "bias" in args.sections:
+            chosen |= bias_gradient_variants(args.fmt)
+        for (name, transpose), fn in chosen.items():
             static = None
             for mode in ("static", "dynamic-M", "dynamic-all"):
                 if budget.over():

@@ -579,8 +579,9 @@ def run_mode(
         log(f"{name}/{mode}: inference" + (f" at B={size}" if size else ""))
         try:
             batch = serving_batch(batches, size)
+            at_plan_shapes = size is None or size == batch_rows(batches[0])
             new = inference_rows(args, name, mode, made["bf16"]["setup"], tables, bench,
-                                 batch, clock, left, dynamic)  # fmt: skip
+                                 batch, clock, left, dynamic, at_plan_shapes, plans)  # fmt: skip
             rows += [r | {"batch_size": size or batch_rows(batch)} for r in new]
         except Exception as exc:
             rows.append(where | {"batch_size": size, "error": f"{type(exc).__name__}: {exc}"[:2000],
@@ -821,9 +822,23 @@ def serving_batch(batches: list[dict], size: int | None) -> dict:
 
 
 def inference_rows(
-    args, name, mode, setup, tables, bench, batch, clock, left, dynamic
+    args,
+    name,
+    mode,
+    setup,
+    tables,
+    bench,
+    batch,
+    clock,
+    left,
+    dynamic,
+    at_plan_shapes=False,
+    plans=None,
 ) -> list[dict]:
-    """Forward-only serving of the bf16 seed-0 weights, in `mode`, interleaved blocks."""
+    """Forward-only serving of the bf16 seed-0 weights, in `mode`, interleaved blocks.
+    `at_plan_shapes`: the served batch is the training batch the kernels were timed at, so
+    infer-loka gets `predicted_from_step` (bf16's forward less the forward kernel time the
+    plan saves); the inference plan goes into `plans`."""
     import copy
 
     import torch
@@ -856,6 +871,11 @@ def inference_rows(
         applied = apply(loka_model, plan)  # an inference plan: weights prequantized for serving
         models["infer-loka"] = loka_model
         s = plan.summary
+        if plans is not None:
+            plans[f"{name}/{mode}/{dynamic}/infer@{batch_rows(batch)}"] = {
+                "summary": s.__dict__, "fp8_sites": plan.fp8_sites(),
+                "table": plan.table.to_dicts(),
+            }  # fmt: skip
         extra["infer-loka"] = {"fp8_layers": len(applied.sites), "predicted_gemm_speedup": s.gemm_speedup,
                                "passes_fp8": s.passes_fp8, "prequantized": len(applied.prequantized)}  # fmt: skip
     if mode != "eager":
@@ -899,6 +919,8 @@ def inference_rows(
         if variant in times and times[variant] and base:
             row |= {"fwd_ms": statistics.median(times[variant]), "blocks_ms": times[variant],
                     **block_stats(base, times[variant])}  # fmt: skip
+            if variant == "infer-loka" and at_plan_shapes:
+                row["predicted_from_step"] = predicted_from_step(plan, {}, statistics.median(base))
         rows.append(row)
     return rows
 
