@@ -31,9 +31,10 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    so a served forward quantizes only its inputs without inductor freezing.
    `--infer-freezing on` freezes every served model as well (weights, embedding tables
    included, become constants; Wukong xl's frozen compile at 16k outlasted two 10-minute
-   calls). `--infer-batch 16384,65536` serves
-   at those batch sizes (training batches stacked; rows carry `batch_size`); the inference
-   plan is made from the kernel timings at the training shapes. The training rows are on
+   calls). `--infer-batch 16384,65536` serves at those batch sizes (training batches
+   stacked, jagged ones joined; rows carry `batch_size`); the inference plan is made from
+   the kernel timings at the training shapes (at the training batch, infer-loka's
+   `predicted_from_step` is bf16's forward less the kernel time the plan saves). The training rows are on
    disk before serving starts, which begins only with the time its compiles need left
    (`inference_need_s`). `--infer-variants loka` serves LoKA alone beside bf16 (torchao's
    serving compile took 276 s at DHEN xl). At the xl presets give serving a call of its own:
@@ -796,28 +797,60 @@ def serving_sizes(text: str | None) -> list[int | None]:
 
 
 def batch_rows(batch: dict) -> int:
-    """Examples in a CTR batch (its leading dimension)."""
+    """Examples in a batch: a jagged one's sequences (`offsets` has one more entry), else
+    a CTR batch's leading dimension."""
+    if "offsets" in batch:
+        return batch["offsets"].numel() - 1
     return next(iter(batch.values())).shape[0]
+
+
+def stack_jagged(chosen: list[dict]) -> dict:
+    """Jagged batches (HSTU's: per-token tensors as long as `offsets[-1]`, `offsets` of the
+    sequences, the rest shared by the batch, like its negatives) as one: per-token tensors
+    concatenated, offsets shifted, shared tensors from the first batch."""
+    import torch
+
+    first = chosen[0]
+    out, shift, offsets = {}, 0, [first["offsets"][:1]]
+    for b in chosen:
+        offsets.append(b["offsets"][1:] + shift)
+        shift += int(b["offsets"][-1])
+    out["offsets"] = torch.cat(offsets)
+    for k, v in first.items():
+        if k == "offsets":
+            continue
+        per_token = (
+            isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == int(first["offsets"][-1])
+        )
+        out[k] = torch.cat([b[k] for b in chosen]) if per_token else v
+    return out
 
 
 def serving_batch(batches: list[dict], size: int | None) -> dict:
     """A batch of `size` examples for serving: the training batches stacked (a multiple of
-    the training batch; each tensor's first dimension is the example), or the first one."""
+    the training batch; each tensor's first dimension is the example, or jagged batches
+    joined by `stack_jagged`), or the first one."""
     import torch
 
     first = batches[0]
     if size is None:
         return first
+    jagged = "offsets" in first
     tensors = all(isinstance(v, torch.Tensor) and v.dim() for v in first.values())
     rows = batch_rows(first) if tensors else None
-    if not tensors or any(v.shape[0] != rows for v in first.values()):
-        raise ValueError("serving at another batch size needs a batch of per-example tensors")
+    if not tensors or (not jagged and any(v.shape[0] != rows for v in first.values())):
+        raise ValueError(
+            "serving at another batch size needs a batch of per-example tensors (or a "
+            "jagged one with offsets)"
+        )
     if size % rows or size // rows > len(batches):
         raise ValueError(
             f"--infer-batch {size}: a multiple of the training batch ({rows}) up to "
             f"{rows * len(batches)} (--batches {len(batches)})"
         )
     chosen = batches[: size // rows]
+    if jagged:
+        return stack_jagged(chosen)
     return {k: torch.cat([b[k] for b in chosen]) for k in first}
 
 

@@ -165,6 +165,30 @@ def test_serving_batches_stack_training_batches():
         realized.serving_batch([{"jagged": [1, 2]}], 8)
 
 
+def test_jagged_serving_batches_join_tokens_and_shift_offsets():
+    torch = pytest.importorskip("torch")
+    import loka.zoo as zoo
+
+    setup = zoo.create("hstu")
+    stream = setup.train_batches()
+    batches = [next(stream) for _ in range(3)]
+    examples = realized.batch_rows(batches[0])
+    big = realized.serving_batch(batches, 3 * examples)
+    assert realized.batch_rows(big) == 3 * examples
+    offsets = big["offsets"]
+    assert offsets[0] == 0 and int(offsets[-1]) == big["items"].numel() == big["targets"].numel()
+    assert torch.equal(big["negatives"], batches[0]["negatives"])
+    # Every stacked sequence is the one it came from.
+    for i, b in enumerate(batches):
+        for j in range(examples):
+            lo, hi = int(offsets[i * examples + j]), int(offsets[i * examples + j + 1])
+            want = b["items"][int(b["offsets"][j]) : int(b["offsets"][j + 1])]
+            assert torch.equal(big["items"][lo:hi], want)
+    setup.model.eval()
+    with torch.no_grad():
+        assert setup.model(big).shape[0] == big["targets"].numel()
+
+
 def test_serving_waits_for_the_time_its_compiles_take():
     need = realized.inference_need_s
     assert need([]) == realized.INFERENCE_MIN_S  # nothing compiled yet: the floor
