@@ -83,6 +83,11 @@ MIN_BLOCKS = 3
 INFERENCE_MIN_S = 150
 SERVED_MODELS = 3
 SERVING_COMPILE_FACTOR = 1.5
+# Without freezing and without torchao, a served model compiled in 0.2-0.45x the slowest
+# training variant's warm-up (DHEN xl 6 / 12 s, Wukong xl 6 / 5 s; realized_20261202T172746Z,
+# ..172925Z); torchao's rowwise serving compile took 276 s at DHEN xl (..170805Z).
+LIGHT_SERVING_MIN_S = 45
+LIGHT_SERVING_FACTOR = 0.75
 
 
 INFER_VARIANTS = ("torchao", "loka")
@@ -99,13 +104,17 @@ def infer_variants(text: str) -> tuple[str, ...]:
     return names
 
 
-def inference_need_s(rows: list[dict]) -> float:
-    """Seconds a serving phase needs: each served model compiles about as long as the slowest
-    training variant did (its gradient check or warm-up, whichever compiled it), times
-    `SERVING_COMPILE_FACTOR`, plus the timed blocks; never less than `INFERENCE_MIN_S`."""
+def inference_need_s(rows: list[dict], served: int = SERVED_MODELS, light: bool = False) -> float:
+    """Seconds a serving phase needs: each of the `served` models compiles about as long as
+    the slowest training variant did (its gradient check or warm-up, whichever compiled
+    it), times `SERVING_COMPILE_FACTOR`, plus the timed blocks; never less than
+    `INFERENCE_MIN_S`. `light` (no freezing, no torchao): `LIGHT_SERVING_FACTOR` of it,
+    never less than `LIGHT_SERVING_MIN_S`."""
     compiles = [r.get("grad_check_s", 0.0) + r.get("warmup_s", 0.0) for r in rows]
     slowest = max(compiles, default=0.0)
-    return max(INFERENCE_MIN_S, SERVED_MODELS * SERVING_COMPILE_FACTOR * slowest + 30.0)
+    if light:
+        return max(LIGHT_SERVING_MIN_S, served * LIGHT_SERVING_FACTOR * slowest + 30.0)
+    return max(INFERENCE_MIN_S, served * SERVING_COMPILE_FACTOR * slowest + 30.0)
 
 
 def log(message: str) -> None:
@@ -573,7 +582,8 @@ def run_mode(
         save(rows)
     for size in serving_sizes(args.infer_batch) if args.inference and "bf16" in made else []:
         where = {"model": name, "mode": mode, "variant": "infer"}
-        if left() <= (need := inference_need_s(rows)):
+        light = args.infer_freezing == "off" and "torchao" not in args.infer_variants
+        if left() <= (need := inference_need_s(rows, 1 + len(args.infer_variants), light)):
             rows.append(where | {"batch_size": size, "skipped": f"over the time budget "
                                  f"({left():.0f} s left, about {need:.0f} s needed)"})  # fmt: skip
             continue
