@@ -132,10 +132,14 @@ def test_a_compiled_serving_graph_quantizes_only_the_input():
     per_call = _graph_ops(model, x)
     prequantize_weights(model)
     served = _graph_ops(model, x)
-    # Every quantization takes one absolute maximum: two per call (x and W), one served.
-    reductions = [op for op in per_call if "amax" in op or op == "max"]
-    assert len(reductions) == 2
-    assert len([op for op in served if "amax" in op or op == "max"]) == 1
+    # W's tensor amax is one reduction; x's is two under compile (per row, then over the
+    # rows: its token count may be symbolic, `quantize_native(rows_vary=True)`). Serving
+    # drops W's and keeps x's.
+    def reductions(ops):
+        return [op for op in ops if "amax" in op or op == "max"]
+
+    assert len(reductions(per_call)) == 3
+    assert len(reductions(served)) == 2
     assert len(served) < len(per_call)
 
 
