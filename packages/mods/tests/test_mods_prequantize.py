@@ -132,6 +132,7 @@ def test_a_compiled_serving_graph_quantizes_only_the_input():
     per_call = _graph_ops(model, x)
     prequantize_weights(model)
     served = _graph_ops(model, x)
+
     # W's tensor amax is one reduction; x's is two under compile (per row, then over the
     # rows: its token count may be symbolic, `quantize_native(rows_vary=True)`). Serving
     # drops W's and keeps x's.
