@@ -410,6 +410,7 @@ def run_mode(
 
     import loka.zoo as zoo
     from loka.dispatch import PlanConfig, apply, make_plan
+    from loka.dispatch.apply_plan import ApplyConfig
     from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_recipes, site_shapes
     from loka.dispatch.bench.runner import mode_backends
 
@@ -430,10 +431,12 @@ def run_mode(
     )  # fmt: skip
     log(f"{name}/{mode}: bench {bench.measured} measured, {bench.reused} cached, "
         f"{bench.estimated} estimated")  # fmt: skip
-    loka_plans = {}
+    loka_plans, loka_apply = {}, {}
     for variant, opts in options.items():
-        plan = make_plan(sites, tables["site_errors"], bench.table, PlanConfig(mode=mode, **opts))
-        loka_plans[variant] = plan
+        plan_opts, apply_opts = split_options(opts)
+        plan = make_plan(sites, tables["site_errors"], bench.table,
+                         PlanConfig(mode=mode, **plan_opts))  # fmt: skip
+        loka_plans[variant], loka_apply[variant] = plan, ApplyConfig(**apply_opts)
         s = plan.summary
         key = f"{name}/{mode}/{dynamic}" + ("" if variant == "loka" else f"/{variant}")
         plans[key] = {"summary": s.__dict__, "bench_notes": bench.notes, "options": opts,
@@ -470,7 +473,7 @@ def run_mode(
                 continue
         applied = None
         if variant in loka_plans:
-            applied = apply(setup.model, loka_plans[variant])
+            applied = apply(setup.model, loka_plans[variant], loka_apply[variant])
             s = loka_plans[variant].summary
             row |= {"fp8_layers": len(applied.sites), "predicted_speedup": s.predicted_speedup,
                     "ceiling": s.ceiling, "safe_ceiling": s.safe_ceiling, "g": s.gemm_share,
@@ -571,7 +574,7 @@ def run_mode(
                 plan = loka_plans.get(variant)
                 demoted = r.get("demoted", {})
                 r["eval"] = train_and_evaluate(args, name, mode, variant, plan, demoted,
-                                               dynamic)  # fmt: skip
+                                               dynamic, loka_apply.get(variant))  # fmt: skip
                 r["quality"] = r["eval"].get(key)
                 r["quality_steps"] = args.quality_steps
         quality_rows(rows, key)
@@ -666,6 +669,7 @@ def loka_options(variant: str) -> dict:
     ``+``: ``fast`` (allow fast accumulation, `torch.native.fast` timed too), ``nohost``
     (eager: `charge_host=False`, plan on device time alone), ``min=X``
     (`min_speedup`), ``x=GLOB`` (`exclude`: a site glob, or ``site-glob/pass``; repeatable),
+    ``bias=gemm`` (`ApplyConfig.bias_grad`: the FP8 sites' bias gradient as a GEMM),
     e.g. ``loka+fast+min=1.15``, ``loka+min=1.05+x=*.mlp.1/wgrad``: several LoKA variants
     side by side, to see which passes pay inside the real step."""
     head, *opts = variant.split("+")
@@ -681,11 +685,24 @@ def loka_options(variant: str) -> dict:
             out["min_speedup"] = float(opt[4:])
         elif opt.startswith("x="):
             out["exclude"] = (*out.get("exclude", ()), opt[2:])
+        elif opt.startswith("bias="):
+            out["bias_grad"] = opt[5:]
         else:
             raise ValueError(
-                f"{variant!r}: unknown LoKA option {opt!r} (fast, nohost, min=X, x=GLOB)"
+                f"{variant!r}: unknown LoKA option {opt!r} (fast, nohost, min=X, x=GLOB, "
+                "bias=sum|gemm)"
             )
     return out
+
+
+# LoKA variant options that are `ApplyConfig` fields (how the plan runs), not `PlanConfig`.
+APPLY_OPTIONS = ("bias_grad",)
+
+
+def split_options(opts: dict) -> tuple[dict, dict]:
+    """(`PlanConfig` fields, `ApplyConfig` fields) of a variant's options."""
+    plan = {k: v for k, v in opts.items() if k not in APPLY_OPTIONS}
+    return plan, {k: v for k, v in opts.items() if k in APPLY_OPTIONS}
 
 
 GRAD_MIN_COSINE = 0.9
@@ -756,9 +773,11 @@ def compile_kwargs(mode: str, dynamic: str) -> dict:
     return kw
 
 
-def train_and_evaluate(args, name, mode, variant, plan, demoted, dynamic) -> dict[str, float]:
+def train_and_evaluate(
+    args, name, mode, variant, plan, demoted, dynamic, apply_config=None
+) -> dict[str, float]:
     """A fresh model of `variant` trained `args.quality_steps` steps in `mode` on fresh
-    batches, then its eval metrics."""
+    batches, then its eval metrics (`plan` applied with `apply_config`)."""
     import torch
 
     import loka.zoo as zoo
@@ -769,7 +788,7 @@ def train_and_evaluate(args, name, mode, variant, plan, demoted, dynamic) -> dic
     setup = zoo.create(name, args.preset, device=args.device, seed=QUALITY_SEEDS.get(variant, 0),
                        **args.model_options)  # fmt: skip
     if plan is not None:
-        applied = apply(setup.model, plan)
+        applied = apply(setup.model, plan, apply_config)
         for site, reason in demoted.items():
             applied.demote(site, reason)
     model = setup.model

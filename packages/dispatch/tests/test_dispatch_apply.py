@@ -394,3 +394,32 @@ def test_an_inference_plan_prequantizes_its_weights_for_serving(dhen) -> None:
         dhen.model(batch)
     assert applied.release_prequantized() == applied.sites and applied.prequantized == []
     dhen.model(batch)
+
+
+def test_bias_gradient_form_is_an_apply_option_with_the_same_gradients(dhen) -> None:
+    # ApplyConfig.bias_grad="gemm": every FP8 site sums dY for its bias on the tensor cores
+    # (ones @ dY) instead of a reduction over the tokens; the gradients agree with "sum".
+    sites, errors = probe_like_tables(dhen.model)
+    plan = make_plan(sites, errors, synthetic_kernel_bench([(32, 32, 64)]))
+    x = torch.randn(32, 32)
+
+    def bias_grads(config: ApplyConfig | None) -> tuple[list[str], dict[str, torch.Tensor]]:
+        applied = apply(dhen.model, plan, config)
+        modules = {s: dhen.model.get_submodule(s) for s in applied.sites}
+        forms = [m.fp8_config.bias_grad for m in modules.values()]
+        grads = {}
+        for site, module in modules.items():
+            module.zero_grad()
+            module(x).square().sum().backward()
+            grads[site] = module.bias.grad.clone()
+        applied.undo()
+        return forms, grads
+
+    forms, by_sum = bias_grads(None)
+    assert forms and set(forms) == {"sum"}
+    forms, by_gemm = bias_grads(ApplyConfig(bias_grad="gemm"))
+    assert set(forms) == {"gemm"} and by_gemm.keys() == by_sum.keys()
+    for site in by_sum:
+        torch.testing.assert_close(by_gemm[site], by_sum[site], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="bias_grad must be one of"):
+        apply(dhen.model, plan, ApplyConfig(bias_grad="dot"))

@@ -277,3 +277,15 @@ def test_device_move_rebuilds_the_cache():
         after = module(x)
     assert torch.equal(before, after)
     assert module._weight_cache[0].dtype == torch.float8_e4m3fn  # not cast with the module
+
+
+def test_bias_gradient_as_a_gemm_on_the_kernel_path():
+    # The custom-op path (Triton kernels, interpreted here) takes the same option.
+    grads = {}
+    for form in ("sum", "gemm"):
+        torch.manual_seed(0)
+        module = Fp8Linear(32, 16, config=Fp8LinearConfig(bias_grad=form))
+        module(torch.randn(16, 32)).square().sum().backward()
+        grads[form] = module.bias.grad
+    assert module.plan.bias_grad == "gemm"
+    torch.testing.assert_close(grads["gemm"], grads["sum"], rtol=1e-5, atol=1e-5)

@@ -289,3 +289,34 @@ def test_compiled_native_training_has_no_graph_break_and_no_recompile():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     explained = torch._dynamo.explain(model)(torch.randn(32, 64))
     assert explained.graph_break_count == 0
+
+
+@pytest.mark.parametrize("shape", [(13, 8), (3, 5, 8)])
+def test_bias_gradient_as_a_gemm_is_the_sum(shape):
+    from loka.mods.bias_grad import bias_gradient
+
+    dy = torch.randn(*shape, dtype=torch.float64)
+    want = dy.sum(dy.dim() - 2)
+    torch.testing.assert_close(bias_gradient(dy, "sum"), want)
+    torch.testing.assert_close(bias_gradient(dy, "gemm"), want)
+    with pytest.raises(ValueError, match="bias_grad must be one of"):
+        bias_gradient(dy, "mean")
+    with pytest.raises(ValueError, match="bias_grad must be one of"):
+        Fp8LinearConfig(bias_grad="mean")
+
+
+@pytest.mark.parametrize("recipes", RECIPES[:2])
+def test_native_linear_takes_its_bias_gradient_either_way_compiled(recipes):
+    # Jagged batches compile with M symbolic; the GEMM form must trace there too.
+    config = native_config(*recipes)
+    grads = {}
+    for form in ("sum", "gemm"):
+        torch.manual_seed(0)
+        module = Fp8Linear(32, 16, config=config.replace(bias_grad=form))
+        compiled = torch.compile(module, backend="aot_eager", dynamic=True)
+        for m in (16, 21):
+            x = torch.randn(m, 32)
+            module.zero_grad()
+            compiled(x).square().sum().backward()
+        grads[form] = module.bias.grad
+    torch.testing.assert_close(grads["gemm"], grads["sum"], rtol=1e-5, atol=1e-5)

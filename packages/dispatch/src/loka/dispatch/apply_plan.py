@@ -80,6 +80,8 @@ class ApplyConfig:
         quantize only their input, with no inductor freezing needed. None (default): for an
         inference plan (`PlanConfig(inference=True)`). A forward that would train such a
         weight raises until `Applied.release_prequantized()` is called.
+    bias_grad: how every FP8 site's backward takes its bias gradient
+        (`loka.mods.bias_grad`: "sum", "gemm"); None: the config's default ("sum").
     """
 
     strict: bool = False
@@ -88,6 +90,7 @@ class ApplyConfig:
     replace_unrunnable_backends: bool = True
     emulate_on_cpu: bool = True
     prequantize_weights: bool | None = None
+    bias_grad: str | None = None
 
 
 @dataclass
@@ -492,6 +495,8 @@ def apply(
         if mods is None:
             problems[name] = reason
             continue
+        if config.bias_grad is not None and mods.fp8 is not None:
+            mods = dataclasses.replace(mods, fp8=mods.fp8.replace(bias_grad=config.bias_grad))
         sites[name] = mods
         if emulates:
             emulated.append(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from loka.kernels import registry
+from loka.mods.bias_grad import BIAS_GRADS
 from loka.schema import BF16, PASSES, Recipe
 
 __all__ = [
@@ -75,18 +76,24 @@ class Fp8LinearConfig:
     activations and gradients (on their FP8 bytes) to the multiples the chosen backends need,
     and slice the results back, so that e.g. ``torch._scaled_mm`` (K, N multiples of 16) runs
     a 479-wide linear. Without it such shapes fail validation.
+
+    bias_grad: how the backward sums dY over the tokens for the bias (`loka.mods.bias_grad`):
+    "sum" (a reduction, as `nn.Linear`) or "gemm" (``ones @ dY`` on the tensor cores).
     """
 
     fwd: PassConfig | Recipe | str = "e4m3:e4m3/row/dynamic"
     dgrad: PassConfig | Recipe | str = "e4m3:e4m3/row/dynamic"
     wgrad: PassConfig | Recipe | str = "e4m3:e4m3/row/dynamic"
     pad: bool = False
+    bias_grad: str = "sum"
 
     def __post_init__(self) -> None:
         for pass_ in PASSES:
             object.__setattr__(self, pass_, _as_pass(getattr(self, pass_)))
         if not isinstance(self.pad, bool):
             raise TypeError(f"pad must be a bool, got {self.pad!r}")
+        if self.bias_grad not in BIAS_GRADS:
+            raise ValueError(f"bias_grad must be one of {BIAS_GRADS}, got {self.bias_grad!r}")
 
     @classmethod
     def bf16(cls) -> Fp8LinearConfig:
@@ -125,4 +132,5 @@ class Fp8LinearConfig:
 
     def __str__(self) -> str:
         text = ", ".join(f"{p}={c}" for p, c in self.passes().items())
-        return text + (", pad" if self.pad else "")
+        text += ", pad" if self.pad else ""
+        return text + (f", bias_grad={self.bias_grad}" if self.bias_grad != "sum" else "")

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loka.kernels import registry
+from loka.mods.bias_grad import bias_gradient
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.dtypes import cast
 from loka.mods.fp8_linear import compute_dtype
@@ -304,7 +305,7 @@ class GroupedFp8Function(torch.autograd.Function):
                 dw = torch.bmm(cast(dy, cdt).transpose(1, 2), cast(x, cdt))
             dw = cast(dw, w_dtype)
         if ctx.needs_input_grad[2]:
-            db = cast(dy.sum(1), b_dtype)
+            db = cast(bias_gradient(dy, plan.bias_grad), b_dtype)
         return dx, dw, db, None, None
 
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from loka.mods.bias_grad import bias_gradient
 from loka.mods.dtypes import cast
 from loka.mods.linear_plan import LinearPlan
 from loka.mods.ops import call
@@ -224,5 +225,5 @@ class Fp8LinearFunction(torch.autograd.Function):
         )  # fmt: skip
         dx = None if dx is None else cast(dx, x_dtype)
         dw = None if dw is None else cast(dw, w_dtype)
-        db = cast(dy.sum(0), b_dtype) if need_db else None
+        db = cast(bias_gradient(dy, ctx.plan.bias_grad), b_dtype) if need_db else None
         return dx, dw, db, None, None, None, None, None, *([None] * 4)

@@ -47,6 +47,7 @@ class LinearPlan:
     wgrad_dy_window: int
     fwd_w_window: int
     dgrad_wt_window: int
+    bias_grad: str = "sum"  # `loka.mods.bias_grad`
 
     @classmethod
     def of(cls, config: Fp8LinearConfig) -> LinearPlan:
@@ -68,6 +69,7 @@ class LinearPlan:
             wgrad_dy_window=_window(wgrad),
             fwd_w_window=_window(fwd),
             dgrad_wt_window=_window(dgrad),
+            bias_grad=config.bias_grad,
         )
 
     @property

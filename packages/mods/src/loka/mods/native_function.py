@@ -38,6 +38,7 @@ from loka.kernels.native import (
     native_refusal,
     quantize_native,
 )
+from loka.mods.bias_grad import bias_gradient
 from loka.mods.config import Fp8LinearConfig, PassConfig
 from loka.mods.dtypes import cast
 
@@ -81,6 +82,7 @@ class NativePlan:
     dgrad: NativePass | None
     wgrad: NativePass | None
     any_shape: bool = False  # torch.native.cpu (every native linear pads: any shape runs)
+    bias_grad: str = "sum"  # `loka.mods.bias_grad`
 
     @classmethod
     def of(cls, config: Fp8LinearConfig) -> NativePlan | None:
@@ -106,6 +108,7 @@ class NativePlan:
             _native_pass("dgrad", config.dgrad),
             _native_pass("wgrad", config.wgrad),
             any_shape=name == NATIVE_CPU_BACKEND,
+            bias_grad=config.bias_grad,
         )
 
 
@@ -193,7 +196,7 @@ class NativeFp8LinearFunction(torch.autograd.Function):
             x = saved[1]
             dw = cast(cast(dy.t(), compute_dtype) @ cast(x, compute_dtype), w_dtype)
         if need_db:
-            db = cast(dy.sum(0), b_dtype)
+            db = cast(bias_gradient(dy, plan.bias_grad), b_dtype)
         return dx, dw, db, None, None, None
 
 

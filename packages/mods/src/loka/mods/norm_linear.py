@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loka.kernels.norm_quantization import MAX_ROW
+from loka.mods.bias_grad import bias_gradient
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.dtypes import cast
 from loka.mods.fp8_linear import Fp8Linear, compute_dtype
@@ -250,7 +251,7 @@ class NormLinearFunction(torch.autograd.Function):
             dnw = dnw if need[1] else None
             dnb = dnb if need[2] else None
         dw = None if dw is None else cast(dw, w_dtype)
-        db = cast(dy.sum(0), b_dtype) if need[4] else None
+        db = cast(bias_gradient(dy, ctx.plan.bias_grad), b_dtype) if need[4] else None
         return dx, dnw, dnb, dw, db, None, None, None, None, None, None, *([None] * 4)
 
 
