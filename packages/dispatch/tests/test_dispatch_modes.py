@@ -199,3 +199,28 @@ def test_a_compiled_plan_notes_fp8_sites_whose_token_count_varies():
     for sites, mode in ((SITES, "compiled"), (jagged, "eager")):
         notes = make_plan(sites, ERRORS, TIMED, PlanConfig(mode=mode)).summary.notes
         assert not any("token count M vary" in n for n in notes), mode
+
+
+def test_a_plan_names_the_sites_whose_token_count_varies_and_apply_marks_them():
+    import json
+
+    from torch import nn
+
+    from loka.dispatch import apply
+
+    jagged = SITES.with_columns(pl.lit(4000).alias("M_min"), pl.lit(9000).alias("M_max"))
+    for sites, want in ((SITES, []), (jagged, ["fc"])):
+        plan = make_plan(sites, ERRORS, TIMED, PlanConfig(mode="compiled"))
+        assert json.loads(plan.metadata["tokens_vary"]) == want
+        K, N = sites.row(0, named=True)["K"], sites.row(0, named=True)["N"]
+        model = nn.Sequential()
+        model.add_module("fc", nn.Linear(K, N))
+        applied = apply(model, plan)
+        assert applied.sites == ["fc"]
+        assert model.fc.fp8_config.tokens_vary is bool(want)
+    # A plan saved before the key existed: no site marked (one-stage amax, as then).
+    del plan.metadata["tokens_vary"]
+    model = nn.Sequential()
+    model.add_module("fc", nn.Linear(K, N))
+    apply(model, plan)
+    assert model.fc.fp8_config.tokens_vary is False

@@ -320,3 +320,28 @@ def test_native_linear_takes_its_bias_gradient_either_way_compiled(recipes):
             compiled(x).square().sum().backward()
         grads[form] = module.bias.grad
     torch.testing.assert_close(grads["gemm"], grads["sum"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_linear_whose_tokens_vary_takes_two_stage_tensor_amaxes_of_its_activations():
+    # Fp8LinearConfig.tokens_vary (set by loka.dispatch.apply for jagged sites): x's tensor
+    # amax per row, then over rows; the weight's in one reduction; without it, one each.
+    recipe = "e4m3:e4m3/tensor/dynamic"
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    for vary, want in ((True, [1, None, None]), (False, [None, None])):
+        module = Fp8Linear(32, 16, config=native_config(recipe, "bf16", "bf16").replace(
+            tokens_vary=vary))  # fmt: skip
+        graphs.clear()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(module, backend=capture, dynamic=True)(torch.randn(21, 32))
+        dims = sorted(
+            (n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+             for gm in graphs for n in gm.graph.nodes if n.target == "amax"),
+            key=lambda d: d is None,
+        )  # fmt: skip
+        assert dims == want, (vary, dims)

@@ -133,14 +133,12 @@ def test_a_compiled_serving_graph_quantizes_only_the_input():
     prequantize_weights(model)
     served = _graph_ops(model, x)
 
-    # W's tensor amax is one reduction; x's is two under compile (per row, then over the
-    # rows: its token count may be symbolic, `quantize_native(rows_vary=True)`). Serving
-    # drops W's and keeps x's.
+    # Every quantization takes one absolute maximum: two per call (x and W), one served.
     def reductions(ops):
         return [op for op in ops if "amax" in op or op == "max"]
 
-    assert len(reductions(per_call)) == 3
-    assert len(reductions(served)) == 2
+    assert len(reductions(per_call)) == 2
+    assert len(reductions(served)) == 1
     assert len(served) < len(per_call)
 
 

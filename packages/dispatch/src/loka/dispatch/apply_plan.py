@@ -448,6 +448,7 @@ def apply(
     device = _model_device(model)
     linears = _linear_sites(model)
     planned = json.loads(plan.metadata["sites"]) if "sites" in plan.metadata else {}
+    tokens_vary = set(json.loads(plan.metadata.get("tokens_vary", "[]")))
     rows_by_site: dict[str, list[dict]] = {}
     for row in table.iter_rows(named=True):
         rows_by_site.setdefault(row["site"], []).append(row)
@@ -497,6 +498,8 @@ def apply(
             continue
         if config.bias_grad is not None and mods.fp8 is not None:
             mods = dataclasses.replace(mods, fp8=mods.fp8.replace(bias_grad=config.bias_grad))
+        if name in tokens_vary and mods.fp8 is not None:
+            mods = dataclasses.replace(mods, fp8=mods.fp8.replace(tokens_vary=True))
         sites[name] = mods
         if emulates:
             emulated.append(name)

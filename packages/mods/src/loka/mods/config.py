@@ -79,6 +79,12 @@ class Fp8LinearConfig:
 
     bias_grad: how the backward sums dY over the tokens for the bias (`loka.mods.bias_grad`):
     "sum" (a reduction, as `nn.Linear`) or "gemm" (``ones @ dY`` on the tensor cores).
+
+    tokens_vary: the linear's token count M varies between calls (jagged batches), so a
+    compiled graph holds it symbolic; the native backend then takes the tensor amax of
+    activations and gradients in two stages (`loka.kernels.native.quantize_native`'s
+    `rows_vary`), 2x faster than one reduction over a symbolic M, a little slower over a
+    static one. `loka.dispatch.apply` sets it for the sites whose M varied under Probe.
     """
 
     fwd: PassConfig | Recipe | str = "e4m3:e4m3/row/dynamic"
@@ -86,12 +92,15 @@ class Fp8LinearConfig:
     wgrad: PassConfig | Recipe | str = "e4m3:e4m3/row/dynamic"
     pad: bool = False
     bias_grad: str = "sum"
+    tokens_vary: bool = False
 
     def __post_init__(self) -> None:
         for pass_ in PASSES:
             object.__setattr__(self, pass_, _as_pass(getattr(self, pass_)))
         if not isinstance(self.pad, bool):
             raise TypeError(f"pad must be a bool, got {self.pad!r}")
+        if not isinstance(self.tokens_vary, bool):
+            raise TypeError(f"tokens_vary must be a bool, got {self.tokens_vary!r}")
         if self.bias_grad not in BIAS_GRADS:
             raise ValueError(f"bias_grad must be one of {BIAS_GRADS}, got {self.bias_grad!r}")
 
@@ -133,4 +142,5 @@ class Fp8LinearConfig:
     def __str__(self) -> str:
         text = ", ".join(f"{p}={c}" for p, c in self.passes().items())
         text += ", pad" if self.pad else ""
-        return text + (f", bias_grad={self.bias_grad}" if self.bias_grad != "sum" else "")
+        text += f", bias_grad={self.bias_grad}" if self.bias_grad != "sum" else ""
+        return text + (", tokens_vary" if self.tokens_vary else "")

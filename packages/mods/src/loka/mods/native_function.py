@@ -51,18 +51,19 @@ class NativePass:
     pow2: bool
     scale_ub: float | None
     fast_accum: bool = False  # torch.native.fast: the GEMM accumulates in reduced precision
+    tokens_vary: bool = False  # Fp8LinearConfig.tokens_vary: M may be symbolic when compiled
 
     def quantize(self, t: torch.Tensor, side: str, transpose: bool = False, tokens: bool = True):
         """`t` quantized as operand `side` of this pass; `tokens`: its rows are the batch's
-        tokens (an activation or gradient, not the weight), whose count may be symbolic."""
+        tokens (an activation or gradient, not the weight)."""
         fmt = self.a_fmt if side == "a" else self.b_fmt
         return quantize_native(
             t, fmt, self.granularity, pow2=self.pow2, scale_ub=self.scale_ub,
-            transpose=transpose, rows_vary=tokens,
+            transpose=transpose, rows_vary=tokens and self.tokens_vary,
         )  # fmt: skip
 
 
-def _native_pass(name: str, config: PassConfig) -> NativePass | None:
+def _native_pass(name: str, config: PassConfig, tokens_vary: bool) -> NativePass | None:
     if config.is_bf16:
         return None
     r = config.recipe
@@ -70,7 +71,7 @@ def _native_pass(name: str, config: PassConfig) -> NativePass | None:
     if reason is not None:
         raise ValueError(f"{name}: {reason}")
     fast = config.backend == NATIVE_FAST_BACKEND
-    return NativePass(r.a_format, r.b_format, r.granularity, r.pow2, r.scale_ub, fast)
+    return NativePass(r.a_format, r.b_format, r.granularity, r.pow2, r.scale_ub, fast, tokens_vary)
 
 
 @dataclass(frozen=True)
@@ -104,9 +105,9 @@ class NativePlan:
         if config.pad:
             raise ValueError(f"{NATIVE_BACKEND} does not pad: shapes must be multiples of 16")
         return cls(
-            _native_pass("fwd", config.fwd),
-            _native_pass("dgrad", config.dgrad),
-            _native_pass("wgrad", config.wgrad),
+            _native_pass("fwd", config.fwd, config.tokens_vary),
+            _native_pass("dgrad", config.dgrad, config.tokens_vary),
+            _native_pass("wgrad", config.wgrad, config.tokens_vary),
             any_shape=name == NATIVE_CPU_BACKEND,
             bias_grad=config.bias_grad,
         )

@@ -138,6 +138,11 @@ def make_plan(
         "producer": "loka-dispatch planner",
         "model_fingerprint": tables_fingerprint(sites),
         "sites": json.dumps({r["site"]: [r["K"], r["N"]] for r in linear.iter_rows(named=True)}),
+        # Sites whose token count M varied under Probe (jagged batches): `apply` sets their
+        # Fp8LinearConfig.tokens_vary (two-stage tensor amax under a symbolic M).
+        "tokens_vary": json.dumps(
+            [r["site"] for r in linear.iter_rows(named=True) if r["M_min"] != r["M_max"]]
+        ),
         "device": devices[0].describe() if devices else "none",
         "estimated": str(summary.estimated),
         "config": repr(config),
