@@ -1,8 +1,10 @@
 """A linear's bias gradient, ``dY`` summed over its tokens, in one of two forms.
 
 "sum": ``dY.sum(0)``, a column reduction over the tokens M (what `nn.Linear` does).
-"gemm": ``ones[1, M] @ dY``, the same sum on the tensor cores (float32 accumulation, one
-rounding to dY's dtype, as the reduction). Under torch.compile with jagged batches M is
+"gemm": ``ones[1, M] @ dY``, the same sum on the tensor cores, accumulated as the GEMM
+accumulates (float32 within a tile; a bf16 GEMM's split-K partials may be added in bf16
+while `torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction` is True, torch's
+default), rounded to dY's dtype as the reduction is. Under torch.compile with jagged batches M is
 symbolic and inductor does not split a reduction over it: HSTU xl's bias-gradient kernel
 read 0.8 GB in 2.6 ms (bf16) and 3.4 ms (beside an FP8 quantization) on the H200, where a
 GEMM reads dY at bandwidth. Which form wins in place is a benchmark question
