@@ -34,7 +34,8 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    calls). `--infer-batch 16384,65536` serves at those batch sizes (training batches
    stacked, jagged ones joined; rows carry `batch_size`); the inference plan is made from
    the kernel timings at the training shapes (at the training batch, infer-loka's
-   `predicted_from_step` is bf16's forward less the kernel time the plan saves). The training rows are on
+   `predicted_from_step` is bf16's forward less the kernel time the plan saves, and its
+   `g` the share of bf16's forward the linears' GEMMs take by kernel times). The training rows are on
    disk before serving starts, which begins only with the time its compiles need left
    (`inference_need_s`). `--infer-variants loka` serves LoKA alone beside bf16 (torchao's
    serving compile took 276 s at DHEN xl). At the xl presets give serving a call of its own:
@@ -648,6 +649,17 @@ def predicted_from_step(plan, demoted, bf16_step_ms: float) -> float | None:
     return bf16_step_ms / (bf16_step_ms - saving) if saving < bf16_step_ms else None
 
 
+def serving_gemm_share(plan, forward_ms: float) -> float | None:
+    """The share of the bf16 serving forward that the linears' GEMMs take, by the bench's
+    bf16 kernel times of every site's forward pass (the inference plan's rows, FP8 or not)
+    over the measured bf16 forward: the g of the serving aim (>= 1.3x where g >= 0.4)."""
+    table = plan.table
+    if table.is_empty() or forward_ms <= 0:
+        return None
+    gemm_ms = sum(r["bf16_ms"] for r in table.iter_rows(named=True) if r["pass"] == "fwd")
+    return gemm_ms / forward_ms
+
+
 def model_options(text: str) -> dict:
     """`--model-options`: ``key=value,...`` (values as Python literals, else strings)."""
     import ast
@@ -982,7 +994,9 @@ def inference_rows(
             row |= {"fwd_ms": statistics.median(times[variant]), "blocks_ms": times[variant],
                     **block_stats(base, times[variant])}  # fmt: skip
             if variant == "infer-loka" and at_plan_shapes:
-                row["predicted_from_step"] = predicted_from_step(plan, {}, statistics.median(base))
+                served_ms = statistics.median(base)
+                row["predicted_from_step"] = predicted_from_step(plan, {}, served_ms)
+                row["g"] = serving_gemm_share(plan, served_ms)
         rows.append(row)
     return rows
 

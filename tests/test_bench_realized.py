@@ -225,3 +225,15 @@ def test_serving_variants_default_to_both_and_refuse_unknown_names():
     assert realized.parse_args(["--infer-variants", "loka"]).infer_variants == ("loka",)
     with pytest.raises(argparse.ArgumentTypeError, match="unknown serving variant"):
         realized.infer_variants("loka,bf16x")
+
+
+def test_serving_gemm_share_is_the_forward_gemm_time_over_the_served_forward():
+    from types import SimpleNamespace
+
+    import polars as pl
+
+    table = pl.DataFrame({"site": ["a", "a", "b"], "pass": ["fwd", "dgrad", "fwd"],
+                          "bf16_ms": [1.0, 5.0, 3.0]})  # fmt: skip
+    plan = SimpleNamespace(table=table)
+    assert realized.serving_gemm_share(plan, 10.0) == pytest.approx(0.4)
+    assert realized.serving_gemm_share(SimpleNamespace(table=table.clear()), 10.0) is None
