@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="dhen")
     p.add_argument("--modes", default="compiled,eager")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma list; LoKA variants take options: loka+fast, loka+nohost, loka+min=1.15, loka+x=GLOB/pass")  # fmt: skip
+                   help="comma list; LoKA variants take options: loka+fast, loka+nohost, loka+min=1.15, loka+x=GLOB/pass, loka+bias=gemm")  # fmt: skip
     p.add_argument("--preset", default="large")
     p.add_argument("--model-options", default="", type=model_options,
                    help="model config fields for every variant, e.g. mixing=bmm (Wukong); "
@@ -698,6 +698,10 @@ def loka_options(variant: str) -> dict:
         elif opt.startswith("x="):
             out["exclude"] = (*out.get("exclude", ()), opt[2:])
         elif opt.startswith("bias="):
+            from loka.mods.bias_grad import BIAS_GRADS
+
+            if opt[5:] not in BIAS_GRADS:
+                raise ValueError(f"{variant!r}: bias= takes one of {', '.join(BIAS_GRADS)}")
             out["bias_grad"] = opt[5:]
         else:
             raise ValueError(

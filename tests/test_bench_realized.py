@@ -132,6 +132,8 @@ def test_loka_variants_name_their_plan_options():
     assert realized.loka_options("loka+nohost") == {"charge_host": False}
     opts = realized.loka_options("loka+min=1.1+bias=gemm")
     assert realized.split_options(opts) == ({"min_speedup": 1.1}, {"bias_grad": "gemm"})
+    with pytest.raises(ValueError, match="bias= takes one of sum, gemm"):
+        realized.loka_options("loka+bias=dot")
     with pytest.raises(ValueError, match="unknown LoKA option 'quick'"):
         realized.loka_options("loka+quick")
     with pytest.raises(ValueError, match="not a LoKA variant"):
