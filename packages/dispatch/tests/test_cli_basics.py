@@ -38,3 +38,14 @@ def test_probe_refuses_an_unknown_model_before_drawing_progress(capsys) -> None:
     text = out.out + out.err
     assert "no zoo model 'nosuchmodel'" in text and "dhen" in text
     assert "probing" not in text  # the progress bar's label
+
+
+def test_probe_help_names_every_zoo_model_and_preset() -> None:
+    # The help names them as text (loading the zoo would load torch for `loka --help`).
+    zoo = pytest.importorskip("loka.zoo")
+    from loka.zoo.registry import PRESETS
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    helps = {a.dest: a.help for a in commands["probe"]._actions}
+    assert all(name in helps["model"] for name in zoo.MODELS), helps["model"]
+    assert all(preset in helps["preset"] for preset in PRESETS), helps["preset"]

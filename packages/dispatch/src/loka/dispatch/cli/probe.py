@@ -15,8 +15,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Train a loka.zoo model with Probe attached and write its sites, "
         "tensor_stats and site_errors tables (parquet) into --out.",
     )
-    parser.add_argument("model", help="zoo model: dlrm, dhen, wukong, hstu, sasrec")
-    parser.add_argument("--preset", default="tiny", help="tiny (CPU), base or large (default tiny)")
+    # Named here, not imported: `loka --help` loads no torch (a test keeps them in step).
+    parser.add_argument("model", help="zoo model: dlrm, dhen, wukong, interformer, hstu, sasrec")
+    parser.add_argument("--preset", default="tiny",
+                        help="tiny (CPU), base, large or xl (dhen, wukong, interformer, hstu); "
+                             "default tiny")  # fmt: skip
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     parser.add_argument("--every", type=int, default=1, help="sample one step in N (default 1)")
     parser.add_argument("--batch-size", type=int, default=None)
