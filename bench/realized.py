@@ -440,8 +440,7 @@ def run_mode(
         loka_plans[variant], loka_apply[variant] = plan, ApplyConfig(**apply_opts)
         s = plan.summary
         key = f"{name}/{mode}/{dynamic}" + ("" if variant == "loka" else f"/{variant}")
-        plans[key] = {"summary": s.__dict__, "bench_notes": bench.notes, "options": opts,
-                      "fp8_sites": plan.fp8_sites(), "table": plan.table.to_dicts()}  # fmt: skip
+        plans[key] = plan_record(plan) | {"bench_notes": bench.notes, "options": opts}
         log(f"{name}/{mode}: {variant} plan {s.sites_fp8} sites / {s.passes_fp8} passes, "
             f"predicted {s.predicted_speedup}, ceiling {s.ceiling}")  # fmt: skip
 
@@ -647,6 +646,12 @@ def predicted_from_step(plan, demoted, bf16_step_ms: float) -> float | None:
         if unit not in demoted and unit.rpartition("/")[0] not in demoted
     )  # fmt: skip
     return bf16_step_ms / (bf16_step_ms - saving) if saving < bf16_step_ms else None
+
+
+def plan_record(plan) -> dict:
+    """A plan as the run's JSON keeps it: summary, FP8 sites and table rows."""
+    return {"summary": plan.summary.__dict__, "fp8_sites": plan.fp8_sites(),
+            "table": plan.table.to_dicts()}  # fmt: skip
 
 
 def serving_gemm_share(plan, forward_ms: float) -> float | None:
@@ -950,10 +955,7 @@ def inference_rows(
         models["infer-loka"] = loka_model
         s = plan.summary
         if plans is not None:
-            plans[f"{name}/{mode}/{dynamic}/infer@{batch_rows(batch)}"] = {
-                "summary": s.__dict__, "fp8_sites": plan.fp8_sites(),
-                "table": plan.table.to_dicts(),
-            }  # fmt: skip
+            plans[f"{name}/{mode}/{dynamic}/infer@{batch_rows(batch)}"] = plan_record(plan)
         extra["infer-loka"] = {"fp8_layers": len(applied.sites), "predicted_gemm_speedup": s.gemm_speedup,
                                "passes_fp8": s.passes_fp8, "prequantized": len(applied.prequantized)}  # fmt: skip
     if mode != "eager":

@@ -496,10 +496,10 @@ def apply(
         if mods is None:
             problems[name] = reason
             continue
-        if config.bias_grad is not None and mods.fp8 is not None:
-            mods = dataclasses.replace(mods, fp8=mods.fp8.replace(bias_grad=config.bias_grad))
-        if name in tokens_vary and mods.fp8 is not None:
-            mods = dataclasses.replace(mods, fp8=mods.fp8.replace(tokens_vary=True))
+        changes = {"bias_grad": config.bias_grad} if config.bias_grad is not None else {}
+        changes |= {"tokens_vary": True} if name in tokens_vary else {}
+        if changes and mods.fp8 is not None:
+            mods = dataclasses.replace(mods, fp8=mods.fp8.replace(**changes))
         sites[name] = mods
         if emulates:
             emulated.append(name)

@@ -41,6 +41,11 @@ class Plan:
         return write_table(self.table, path, "plan", metadata=self.metadata)
 
 
+def _varying_m_sites(linear: pl.DataFrame) -> list[str]:
+    """The sites whose token count M varied while Probe watched (jagged batches)."""
+    return [r["site"] for r in linear.iter_rows(named=True) if r["M_min"] != r["M_max"]]
+
+
 def _varying_m_note(linear: pl.DataFrame, choices: list) -> list[str]:
     """A compiled plan's note on FP8 sites whose token count M varied while Probe watched
     (jagged batches): under torch.compile's default a varying M makes the graph dynamic in
@@ -50,8 +55,7 @@ def _varying_m_note(linear: pl.DataFrame, choices: list) -> list[str]:
     ran up to 2x slower. HSTU xl, jagged: 1.099x measured, 1.154x predicted from its step
     (1.040x before the two-stage amax)."""
     fp8 = {c.site for c in choices if c.combos and c.current().fp8_passes}
-    varying = [r["site"] for r in linear.iter_rows(named=True)
-               if r["site"] in fp8 and r["M_min"] != r["M_max"]]  # fmt: skip
+    varying = [site for site in _varying_m_sites(linear) if site in fp8]
     if not varying:
         return []
     shown = ", ".join(varying[:3]) + (f" and {len(varying) - 3} more" if len(varying) > 3 else "")
@@ -140,9 +144,7 @@ def make_plan(
         "sites": json.dumps({r["site"]: [r["K"], r["N"]] for r in linear.iter_rows(named=True)}),
         # Sites whose token count M varied under Probe (jagged batches): `apply` sets their
         # Fp8LinearConfig.tokens_vary (two-stage tensor amax under a symbolic M).
-        "tokens_vary": json.dumps(
-            [r["site"] for r in linear.iter_rows(named=True) if r["M_min"] != r["M_max"]]
-        ),
+        "tokens_vary": json.dumps(_varying_m_sites(linear)),
         "device": devices[0].describe() if devices else "none",
         "estimated": str(summary.estimated),
         "config": repr(config),
