@@ -143,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify", action="store_true", help="run Dispatch's verification too")
     p.add_argument("--verify-unit", default="site", choices=("site", "pass"),
                    help="what verification switches and demotes (VerifyConfig.unit)")  # fmt: skip
-    p.add_argument("--profile", action="store_true", help="profile bf16, FP8 variants")
+    p.add_argument("--profile", action="store_true", help="profile bf16, FP8, serving")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new work after")
     p.add_argument("--inference", action="store_true", help="also time forward-only serving")
     p.add_argument("--infer-freezing", default="off", choices=("on", "off"),
@@ -991,6 +991,15 @@ def inference_rows(
     log(f"{name}/{mode}: inference compiled and warm")
     try:
         times = interleaved(fns, args.blocks, 2 * args.block_steps, clock, left)
+        if args.profile:  # where the serving forward's time goes, kernel by kernel
+            for variant, fn in fns.items():
+                try:
+                    extra[variant]["profile"] = profile(
+                        fn, lambda f, i: f(i), out=args.out,
+                        tag=f"{name}_{mode}_{variant}@{batch_rows(batch)}",
+                    )  # fmt: skip
+                except Exception as e:  # recorded in the row; the timed blocks stay
+                    extra[variant]["profile_error"] = f"{type(e).__name__}: {e}"
     finally:
         torch._inductor.config.freezing = False
     base = times.get("infer-bf16")
