@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 import time
 from pathlib import Path
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default=None, help="comma list of MxK (default: HSTU/DHEN xl)")
     p.add_argument("--fmt", default="e4m3")
     p.add_argument("--sections", default="quantize,bias",
-                   help="quantize: each quantization; bias: the bias gradient (sum or GEMM)")  # fmt: skip
+                   help="quantize: each quantization; bias: the bias gradient (sum or GEMM); "
+                        "serving: an activation and the quantization after it")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -101,8 +103,51 @@ def bias_gradient_variants(fmt: str) -> dict[tuple[str, bool], object]:
     }
 
 
+def serving_variants(fmt: str) -> dict[tuple[str, bool], object]:
+    """What a served forward runs before an FP8 linear: the activation that feeds it (ReLU
+    in Wukong, GELU in DHEN) and its quantization, which inductor fuses into one kernel.
+    DHEN xl's served forward (`bench/results/realized_20261202T204815Z`) spends 0.224 ms a
+    call in GELU + rowwise quantization at 16384 x 4096, where bf16's GELU alone takes
+    0.096 ms: a looped reduction over K that reads each row twice. Beside it: the rowwise
+    amax in two stages (per chunk of K, then over the chunks: the same value bit for bit),
+    a tensor scale, and a fixed scale (no amax at all: the floor of any calibrated scale)."""
+    import torch
+
+    from loka.kernels.native import quantize_native
+    from loka.schema.fp8 import finite_abs, saturate_cast, scale_from_amax
+
+    def row_chunked(t, chunk):
+        rows, cols = t.shape
+        chunk = math.gcd(cols, chunk)  # the CPU check's small shapes
+        a = finite_abs(t)
+        amax = a.view(rows, cols // chunk, chunk).amax(-1).amax(-1, keepdim=True)
+        scale = scale_from_amax(amax, fmt, False, None)
+        return saturate_cast(t, scale, fmt), scale.reciprocal().contiguous()
+
+    def fixed_scale(t):
+        scale = t.new_full((), 8.0, dtype=torch.float32)
+        return saturate_cast(t, scale, fmt), scale.reciprocal()
+
+    out = {}
+    for act_name, act in (("relu", torch.relu), ("gelu", torch.nn.functional.gelu)):
+
+        def chain(quant, act=act):
+            return lambda t: quant(act(t))
+
+        out[act_name, False] = act
+        out[f"{act_name}+row", False] = chain(functools.partial(quantize_native, fmt=fmt, granularity="row"))  # fmt: skip
+        out[f"{act_name}+tensor", False] = chain(functools.partial(quantize_native, fmt=fmt, granularity="tensor"))  # fmt: skip
+        for chunk in (512, 1024):
+            out[f"{act_name}+row-chunk{chunk}", False] = chain(functools.partial(row_chunked, chunk=chunk))  # fmt: skip
+        out[f"{act_name}+fixed-scale", False] = chain(fixed_scale)
+    return out
+
+
 # Bytes moved per element of the source: read bf16, write FP8 (where quantized).
-BYTES_PER_ELEMENT = {"bias-sum": 2, "bias-gemm": 2}
+BYTES_PER_ELEMENT = {"bias-sum": 2, "bias-gemm": 2, "relu": 4, "gelu": 4}
+# Compile modes: the dynamic marks, or inductor options (static shapes).
+DYNAMIC = {"static": False, "dynamic-M": None, "dynamic-all": True, "multi-kernel": False}
+OPTIONS = {"multi-kernel": {"triton.multi_kernel": 1}}
 
 
 def compiled(fn, mode: str):
@@ -114,9 +159,7 @@ def compiled(fn, mode: str):
         return fn(t)
 
     run.__code__ = run.__code__.replace()  # its own code object: its own dynamo cache
-    return torch.compile(
-        run, dynamic={"static": False, "dynamic-M": None, "dynamic-all": True}[mode]
-    )
+    return torch.compile(run, dynamic=DYNAMIC[mode], options=OPTIONS.get(mode))
 
 
 def measure(source, name, transpose, fn, mode, device, reference) -> dict:
@@ -163,15 +206,23 @@ def main(argv: list[str] | None = None) -> int:
             chosen |= variants(args.fmt)
         if "bias" in args.sections:
             chosen |= bias_gradient_variants(args.fmt)
-        for (name, transpose), fn in chosen.items():
-            static = None
-            for mode in ("static", "dynamic-M", "dynamic-all"):
+        serving = serving_variants(args.fmt) if "serving" in args.sections else {}
+        first_outputs = {}
+        for (name, transpose), fn in (chosen | serving).items():
+            # A two-stage rowwise amax must give the one-stage quantization's bits.
+            static = first_outputs.get(name.partition("-chunk")[0]) if "-chunk" in name else None
+            # Serving batches are fixed: static graphs, and inductor's multi-kernel (a
+            # looped and a persistent reduction, the faster chosen at run time) for rows.
+            modes = ("static", "dynamic-M", "dynamic-all")
+            if (name, transpose) in serving:
+                modes = ("static", "multi-kernel") if name.endswith("+row") else ("static",)
+            for mode in modes:
                 if budget.over():
                     skipped.append(f"{shape} {name} transpose={transpose} {mode}")
                     continue
                 row = measure(source, name, transpose, fn, mode, device, static)
                 if mode == "static":
-                    static = row["_out"]
+                    static = first_outputs[name] = row["_out"]
                 del row["_out"]
                 rows.append(row)
                 print(f"[native_dynamic {budget.elapsed():5.0f} s] {shape[0]}x{shape[1]} "
