@@ -97,11 +97,22 @@ INFER_VARIANTS = ("torchao", "loka")
 def infer_variants(text: str) -> tuple[str, ...]:
     """`--infer-variants` as a tuple; one line naming an unknown variant."""
     names = tuple(v.strip() for v in text.split(",") if v.strip())
-    unknown = [v for v in names if v not in INFER_VARIANTS]
+    unknown = [v for v in names if v not in INFER_VARIANTS and not v.startswith("loka+")]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown serving variant(s) {unknown}; choose from {', '.join(INFER_VARIANTS)}"
+            f"unknown serving variant(s) {unknown}; choose from {', '.join(INFER_VARIANTS)} "
+            "or loka+OPTIONS with `ApplyConfig` options (bias=, chunk=)"
         )
+    for name in names:
+        if name.startswith("loka+"):
+            try:
+                plan_opts, _ = split_options(loka_options(name))
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+            if plan_opts:  # a serving variant shares the one inference plan
+                raise argparse.ArgumentTypeError(
+                    f"{name}: serving variants take ApplyConfig options only, not {sorted(plan_opts)}"
+                )
     return names
 
 
@@ -687,6 +698,7 @@ def loka_options(variant: str) -> dict:
     (eager: `charge_host=False`, plan on device time alone), ``min=X``
     (`min_speedup`), ``x=GLOB`` (`exclude`: a site glob, or ``site-glob/pass``; repeatable),
     ``bias=gemm`` (`ApplyConfig.bias_grad`: the FP8 sites' bias gradient as a GEMM),
+    ``chunk=C`` (`ApplyConfig.row_amax_chunk`: compiled row scales' amax per chunk of C),
     e.g. ``loka+fast+min=1.15``, ``loka+min=1.05+x=*.mlp.1/wgrad``: several LoKA variants
     side by side, to see which passes pay inside the real step."""
     head, *opts = variant.split("+")
@@ -708,16 +720,18 @@ def loka_options(variant: str) -> dict:
             if opt[5:] not in BIAS_GRADS:
                 raise ValueError(f"{variant!r}: bias= takes one of {', '.join(BIAS_GRADS)}")
             out["bias_grad"] = opt[5:]
+        elif opt.startswith("chunk="):
+            out["row_amax_chunk"] = int(opt[6:])
         else:
             raise ValueError(
                 f"{variant!r}: unknown LoKA option {opt!r} (fast, nohost, min=X, x=GLOB, "
-                "bias=sum|gemm)"
+                "bias=sum|gemm, chunk=C)"
             )
     return out
 
 
 # LoKA variant options that are `ApplyConfig` fields (how the plan runs), not `PlanConfig`.
-APPLY_OPTIONS = ("bias_grad",)
+APPLY_OPTIONS = ("bias_grad", "row_amax_chunk")
 
 
 def split_options(opts: dict) -> tuple[dict, dict]:
@@ -927,6 +941,7 @@ def inference_rows(
     import torch
 
     from loka.dispatch import PlanConfig, apply, make_plan
+    from loka.dispatch.apply_plan import ApplyConfig
 
     gpu = args.device == "cuda"
     served = copy.deepcopy(setup.model).eval()
@@ -947,17 +962,21 @@ def inference_rows(
             models["infer-torchao-rowwise"], extra["infer-torchao-rowwise"] = quantized, {}
         except Exception as exc:  # torchao absent or refusing these shapes: said in the row
             extra["infer-torchao-rowwise"] = {"error": repr(exc)[:500]}
-    if "loka" in args.infer_variants:
+    loka_variants = [v for v in args.infer_variants if v.split("+")[0] == "loka"]
+    if loka_variants:
         plan = make_plan(tables["sites"], tables["site_errors"], bench.table,
                          PlanConfig(inference=True, mode=mode))  # fmt: skip
-        loka_model = copy.deepcopy(served)
-        applied = apply(loka_model, plan)  # an inference plan: weights prequantized for serving
-        models["infer-loka"] = loka_model
         s = plan.summary
         if plans is not None:
             plans[f"{name}/{mode}/{dynamic}/infer@{batch_rows(batch)}"] = plan_record(plan)
-        extra["infer-loka"] = {"fp8_layers": len(applied.sites), "predicted_gemm_speedup": s.gemm_speedup,
-                               "passes_fp8": s.passes_fp8, "prequantized": len(applied.prequantized)}  # fmt: skip
+    for variant in loka_variants:
+        loka_model = copy.deepcopy(served)
+        _, apply_opts = split_options(loka_options(variant))
+        # An inference plan: weights prequantized for serving.
+        applied = apply(loka_model, plan, ApplyConfig(**apply_opts))
+        models[f"infer-{variant}"] = loka_model
+        extra[f"infer-{variant}"] = {"fp8_layers": len(applied.sites), "predicted_gemm_speedup": s.gemm_speedup,
+                                     "passes_fp8": s.passes_fp8, "prequantized": len(applied.prequantized)}  # fmt: skip
     if mode != "eager":
         torch._inductor.config.freezing = args.infer_freezing == "on"
         models = {k: torch.compile(m, **compile_kwargs(mode, dynamic)) for k, m in models.items()}
@@ -1008,7 +1027,7 @@ def inference_rows(
         if variant in times and times[variant] and base:
             row |= {"fwd_ms": statistics.median(times[variant]), "blocks_ms": times[variant],
                     **block_stats(base, times[variant])}  # fmt: skip
-            if variant == "infer-loka" and at_plan_shapes:
+            if variant.startswith("infer-loka") and at_plan_shapes:
                 served_ms = statistics.median(base)
                 row["predicted_from_step"] = predicted_from_step(plan, {}, served_ms)
                 row["g"] = serving_gemm_share(plan, served_ms)

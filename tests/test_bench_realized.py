@@ -239,3 +239,14 @@ def test_serving_gemm_share_is_the_forward_gemm_time_over_the_served_forward():
     plan = SimpleNamespace(table=table)
     assert realized.serving_gemm_share(plan, 10.0) == pytest.approx(0.4)
     assert realized.serving_gemm_share(SimpleNamespace(table=table.clear()), 10.0) is None
+
+
+def test_serving_variants_take_apply_options_only():
+    assert realized.infer_variants("loka,loka+chunk=512") == ("loka", "loka+chunk=512")
+    assert realized.split_options(realized.loka_options("loka+chunk=512")) == (
+        {}, {"row_amax_chunk": 512},
+    )  # fmt: skip
+    with pytest.raises(argparse.ArgumentTypeError, match="ApplyConfig options only"):
+        realized.infer_variants("loka+min=1.1")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown LoKA option"):
+        realized.infer_variants("loka+zap")

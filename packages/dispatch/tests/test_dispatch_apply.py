@@ -423,3 +423,13 @@ def test_bias_gradient_form_is_an_apply_option_with_the_same_gradients(dhen) -> 
         torch.testing.assert_close(by_gemm[site], by_sum[site], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="bias_grad must be one of"):
         apply(dhen.model, plan, ApplyConfig(bias_grad="dot"))
+
+
+def test_row_amax_chunk_is_an_apply_option_of_every_fp8_site(dhen) -> None:
+    sites, errors = probe_like_tables(dhen.model)
+    plan = make_plan(sites, errors, synthetic_kernel_bench([(32, 32, 64)]))
+    for config, want in ((None, {0}), (ApplyConfig(row_amax_chunk=16), {16})):
+        applied = apply(dhen.model, plan, config)
+        chunks = {dhen.model.get_submodule(s).fp8_config.row_amax_chunk for s in applied.sites}
+        applied.undo()
+        assert applied.sites and chunks == want

@@ -82,6 +82,8 @@ class ApplyConfig:
         weight raises until `Applied.release_prequantized()` is called.
     bias_grad: how every FP8 site's backward takes its bias gradient
         (`loka.mods.bias_grad`: "sum", "gemm"); None: the config's default ("sum").
+    row_amax_chunk: `Fp8LinearConfig.row_amax_chunk` of every FP8 site (compiled row
+        scales' amax per chunk of this many columns first); None: the config's default.
     """
 
     strict: bool = False
@@ -91,6 +93,7 @@ class ApplyConfig:
     emulate_on_cpu: bool = True
     prequantize_weights: bool | None = None
     bias_grad: str | None = None
+    row_amax_chunk: int | None = None
 
 
 @dataclass
@@ -497,6 +500,8 @@ def apply(
             problems[name] = reason
             continue
         changes = {"bias_grad": config.bias_grad} if config.bias_grad is not None else {}
+        if config.row_amax_chunk is not None:
+            changes["row_amax_chunk"] = config.row_amax_chunk
         changes |= {"tokens_vary": True} if name in tokens_vary else {}
         if changes and mods.fp8 is not None:
             mods = dataclasses.replace(mods, fp8=mods.fp8.replace(**changes))

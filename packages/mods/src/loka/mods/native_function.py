@@ -52,6 +52,7 @@ class NativePass:
     scale_ub: float | None
     fast_accum: bool = False  # torch.native.fast: the GEMM accumulates in reduced precision
     tokens_vary: bool = False  # Fp8LinearConfig.tokens_vary: M may be symbolic when compiled
+    row_chunk: int = 0  # Fp8LinearConfig.row_amax_chunk
 
     def quantize(self, t: torch.Tensor, side: str, transpose: bool = False, tokens: bool = True):
         """`t` quantized as operand `side` of this pass; `tokens`: its rows are the batch's
@@ -60,10 +61,13 @@ class NativePass:
         return quantize_native(
             t, fmt, self.granularity, pow2=self.pow2, scale_ub=self.scale_ub,
             transpose=transpose, rows_vary=tokens and self.tokens_vary,
+            row_chunk=self.row_chunk,
         )  # fmt: skip
 
 
-def _native_pass(name: str, config: PassConfig, tokens_vary: bool) -> NativePass | None:
+def _native_pass(
+    name: str, config: PassConfig, tokens_vary: bool, row_chunk: int
+) -> NativePass | None:
     if config.is_bf16:
         return None
     r = config.recipe
@@ -71,7 +75,8 @@ def _native_pass(name: str, config: PassConfig, tokens_vary: bool) -> NativePass
     if reason is not None:
         raise ValueError(f"{name}: {reason}")
     fast = config.backend == NATIVE_FAST_BACKEND
-    return NativePass(r.a_format, r.b_format, r.granularity, r.pow2, r.scale_ub, fast, tokens_vary)
+    return NativePass(r.a_format, r.b_format, r.granularity, r.pow2, r.scale_ub, fast,
+                      tokens_vary, row_chunk)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -105,9 +110,9 @@ class NativePlan:
         if config.pad:
             raise ValueError(f"{NATIVE_BACKEND} does not pad: shapes must be multiples of 16")
         return cls(
-            _native_pass("fwd", config.fwd, config.tokens_vary),
-            _native_pass("dgrad", config.dgrad, config.tokens_vary),
-            _native_pass("wgrad", config.wgrad, config.tokens_vary),
+            _native_pass("fwd", config.fwd, config.tokens_vary, config.row_amax_chunk),
+            _native_pass("dgrad", config.dgrad, config.tokens_vary, config.row_amax_chunk),
+            _native_pass("wgrad", config.wgrad, config.tokens_vary, config.row_amax_chunk),
             any_shape=name == NATIVE_CPU_BACKEND,
             bias_grad=config.bias_grad,
         )
