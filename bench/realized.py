@@ -165,8 +165,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the FP8 variants served beside infer-bf16: comma list of torchao, "
                         "loka (torchao's rowwise serving compile took 276 s at DHEN xl)")  # fmt: skip
     p.add_argument("--infer-batch", default=None,
-                   help="serving batch sizes, comma list (multiples of the training batch, up "
-                        "to --batches of them; default: the training batch)")  # fmt: skip
+                   help="serving batch sizes, comma list (multiples of the training batch; "
+                        "HSTU counts sequences; default: the training batch)")  # fmt: skip
     p.add_argument(
         "--quality-steps",
         type=int,
@@ -603,7 +603,9 @@ def run_mode(
             continue
         log(f"{name}/{mode}: inference" + (f" at B={size}" if size else ""))
         try:
-            batch = serving_batch(batches, size)
+            pool = serving_pool(batches, size, made["bf16"]["setup"].train_batches)
+            batch = serving_batch(pool, size)
+            del pool
             at_plan_shapes = size is None or size == batch_rows(batches[0])
             new = inference_rows(args, name, mode, made["bf16"]["setup"], tables, bench,
                                  batch, clock, left, dynamic, at_plan_shapes, plans)  # fmt: skip
@@ -888,6 +890,18 @@ def stack_jagged(chosen: list[dict]) -> dict:
         )
         out[k] = torch.cat([b[k] for b in chosen]) if per_token else v
     return out
+
+
+def serving_pool(batches: list[dict], size: int | None, stream) -> list[dict]:
+    """The training batches a serving batch of `size` examples stacks: the `batches` held,
+    or, where it needs more of them (HSTU's 2560 sequences are 10 batches of 256), that
+    many drawn from a fresh `stream()` of training batches."""
+    if size is None:
+        return batches
+    need = -(-size // batch_rows(batches[0]))
+    if need <= len(batches):
+        return batches
+    return [b for b, _ in zip(stream(), range(need), strict=False)]
 
 
 def serving_batch(batches: list[dict], size: int | None) -> dict:

@@ -168,6 +168,16 @@ def test_serving_batches_stack_training_batches():
     with pytest.raises(ValueError, match="per-example"):
         realized.serving_batch([{"jagged": [1, 2]}], 8)
 
+    # More than the batches held: drawn from a fresh stream of training batches.
+    def stream():
+        for i in range(100):
+            yield {"dense": torch.full((4, 2), float(i)), "labels": torch.zeros(4)}
+
+    assert realized.serving_pool(batches, 12, stream) is batches
+    assert realized.serving_pool(batches, None, stream) is batches
+    pool = realized.serving_pool(batches, 20, stream)
+    assert len(pool) == 5 and realized.batch_rows(realized.serving_batch(pool, 20)) == 20
+
 
 def test_jagged_serving_batches_join_tokens_and_shift_offsets():
     torch = pytest.importorskip("torch")

@@ -51,6 +51,25 @@ def test_smoke_runs_the_planners_schedule_and_records_predicted_and_measured(tmp
         summary["predicted_makespan_s"] / summary["measured_makespan_s"]
     )
     assert record["summary"]["plan"][0]["measured_makespan_s"] == summary["measured_makespan_s"]
+    # Steady: each composition's first step at its median (on a CPU it may be either way).
+    assert summary["measured_steady_makespan_s"] > 0
+    assert all(p["steady_s"] + p["first_use_s"] <= p["measured_s"] + 1e-9 for p in packs)
+
+
+def test_first_step_of_each_pack_composition_is_charged_at_its_steady_step():
+    # Jobs leaving a pack change its total rank, and the kernels tune for the new shape on
+    # that step: it counts at the composition's median step, the rest is first-use time.
+    a, b, c = (0, 1), (1,), (2,)
+    steps = [5.0, 1.0, 1.2, 4.0, 0.5, 0.7, 3.0]
+    split = bench.steady_split(steps, [True, False, False, True, False, False, True],
+                               [a, a, a, b, b, b, c])  # fmt: skip
+    # c ran once: charged at the median of every later step (0.85).
+    assert split["steady_s"] == pytest.approx(1.1 + 1.0 + 1.2 + 0.6 + 0.5 + 0.7 + 0.85)
+    assert split["first_use_s"] == pytest.approx(sum(steps) - split["steady_s"])
+    assert split["compositions"] == 3
+    assert bench.steady_split([2.0], [True], [a]) == {
+        "steady_s": 2.0, "first_use_s": 0.0, "compositions": 1,
+    }  # fmt: skip
 
 
 def test_smoke_fair_baseline_rates_and_ratios(tmp_path):
@@ -80,6 +99,11 @@ def test_smoke_fair_baseline_rates_and_ratios(tmp_path):
         assert fair["makespan_s"] == pytest.approx(seq_s)
         assert fair["samples"] == sum(j["steps"] * j["batch_size"] for j in jobs)
     assert makespan["best_sequential_s"] <= makespan["eager_own_sequential_s"]
+    packed = next(r for r in record["makespan"] if r["kind"] == "packed")
+    assert packed["steady_s"] + packed["first_use_s"] <= packed["wall_s"] + 1e-9
+    assert makespan["ratio_vs_best_steady"] == pytest.approx(
+        makespan["best_sequential_s"] / makespan["packed_steady_s"]
+    )
     # Compile time is charged only where the compiled variant won, which on a CPU is a
     # matter of timing noise: check the charge against the variants chosen.
     best = record["baseline_makespans"][str(makespan["jobs"])]["best"]
