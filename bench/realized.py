@@ -1088,6 +1088,10 @@ def saved_for_backward(v, step_fn) -> dict:
     return {k: {"mb": round(mb, 1), "count": n} for k, (mb, n) in sorted(saved.items())}
 
 
+# The aten ops a linear's GEMMs run as (bf16 and FP8; not the models' own bmm).
+LINEAR_GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::_scaled_mm"})
+
+
 def profile(v, step_fn, out, tag) -> dict:
     """torch.profiler over a few steps: CUDA and CPU time per step, top kernels by time."""
     import torch
@@ -1110,9 +1114,15 @@ def profile(v, step_fn, out, tag) -> dict:
     # Variant names hold globs and slashes ("loka+x=*.mlp.1/wgrad"): not in a file name.
     Path(out, f"profile_{re.sub(r'[^A-Za-z0-9_.=+-]', '_', tag)}.txt").write_text(table)
     cuda_total = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    gemm = sum(e.self_device_time_total for e in events if e.key in LINEAR_GEMM_OPS) / 1e3 / steps
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:50]
     return {
         "gpu_ms_per_step": cuda_total,
+        # The linears' GEMMs in place: bf16's share is the g of the Amdahl ceiling as the
+        # step runs it (the bench's isolated bf16 GEMMs ran ~20% slower than inside a
+        # compiled serving forward: realized_20261202T204815Z).
+        "gemm_ms_per_step": gemm,
+        "gemm_share": gemm / cuda_total if cuda_total else None,
         "top": [
             (e.key[:160], e.self_device_time_total / 1e3 / steps, e.count // steps) for e in top
         ],
