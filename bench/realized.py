@@ -723,6 +723,8 @@ def loka_options(variant: str) -> dict:
                 raise ValueError(f"{variant!r}: bias= takes one of {', '.join(BIAS_GRADS)}")
             out["bias_grad"] = opt[5:]
         elif opt.startswith("chunk="):
+            if not opt[6:].isdigit():
+                raise ValueError(f"{variant!r}: chunk= takes a whole number of columns")
             out["row_amax_chunk"] = int(opt[6:])
         else:
             raise ValueError(

@@ -260,3 +260,5 @@ def test_serving_variants_take_apply_options_only():
         realized.infer_variants("loka+min=1.1")
     with pytest.raises(argparse.ArgumentTypeError, match="unknown LoKA option"):
         realized.infer_variants("loka+zap")
+    with pytest.raises(argparse.ArgumentTypeError, match="chunk= takes a whole number"):
+        realized.infer_variants("loka+chunk=-4")
