@@ -1047,8 +1047,17 @@ def inference_rows(
                 served_ms = statistics.median(base)
                 row["predicted_from_step"] = predicted_from_step(plan, {}, served_ms)
                 row["g"] = serving_gemm_share(plan, served_ms)
+            in_place = extra["infer-bf16"].get("profile", {}).get("gemm_share")
+            if variant.startswith("infer-loka") and in_place:
+                row["g_in_place"] = in_place
+                row["predicted_in_place"] = amdahl(in_place, row["predicted_gemm_speedup"])
         rows.append(row)
     return rows
+
+
+def amdahl(g: float, s: float) -> float:
+    """The whole's speedup when a share `g` of its time runs `s` times faster."""
+    return 1.0 / ((1.0 - g) + g / s)
 
 
 def verify_loka(v, step_fn, applied, unit: str = "site") -> dict:

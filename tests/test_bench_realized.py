@@ -262,3 +262,9 @@ def test_serving_variants_take_apply_options_only():
         realized.infer_variants("loka+zap")
     with pytest.raises(argparse.ArgumentTypeError, match="chunk= takes a whole number"):
         realized.infer_variants("loka+chunk=-4")
+
+
+def test_amdahl_is_the_whole_speedup_of_a_share_made_faster():
+    assert realized.amdahl(0.0, 2.0) == 1.0 and realized.amdahl(1.0, 2.0) == 2.0
+    # Wukong xl served at 16k: GEMMs 51% of the forward in place, 1.54x faster in FP8.
+    assert realized.amdahl(0.51, 1.54) == pytest.approx(1.218, abs=1e-3)
