@@ -310,8 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     if meta["torchao"] is None:
         variants = [v for v in variants if not v.startswith("torchao")]
     for v in variants:
-        if v.startswith("loka"):
-            loka_options(v)  # a bad option fails here, before any GPU time is spent
+        # A bad option fails here, before any GPU time is spent.
+        if v.startswith("loka") and any(k in SERVING_OPTIONS for k in loka_options(v)):
+            raise SystemExit(f"{v}: static= is a serving option (--infer-variants)")
 
     def left() -> float:
         return args.budget_s - (time.monotonic() - start)
@@ -701,6 +702,8 @@ def loka_options(variant: str) -> dict:
     (`min_speedup`), ``x=GLOB`` (`exclude`: a site glob, or ``site-glob/pass``; repeatable),
     ``bias=gemm`` (`ApplyConfig.bias_grad`: the FP8 sites' bias gradient as a GEMM),
     ``chunk=C`` (`ApplyConfig.row_amax_chunk`: compiled row scales' amax per chunk of C),
+    ``static=MARGIN`` (serving only: `loka.mods.calibrate_input_scales` on training
+    batches other than the served ones, static input scales at their amax times MARGIN),
     e.g. ``loka+fast+min=1.15``, ``loka+min=1.05+x=*.mlp.1/wgrad``: several LoKA variants
     side by side, to see which passes pay inside the real step."""
     head, *opts = variant.split("+")
@@ -722,6 +725,11 @@ def loka_options(variant: str) -> dict:
             if opt[5:] not in BIAS_GRADS:
                 raise ValueError(f"{variant!r}: bias= takes one of {', '.join(BIAS_GRADS)}")
             out["bias_grad"] = opt[5:]
+        elif opt.startswith("static="):
+            try:
+                out["static_input_margin"] = float(opt[7:])
+            except ValueError:
+                raise ValueError(f"{variant!r}: static= takes a margin (a number >= 1)") from None
         elif opt.startswith("chunk="):
             if not opt[6:].isdigit():
                 raise ValueError(f"{variant!r}: chunk= takes a whole number of columns")
@@ -729,7 +737,7 @@ def loka_options(variant: str) -> dict:
         else:
             raise ValueError(
                 f"{variant!r}: unknown LoKA option {opt!r} (fast, nohost, min=X, x=GLOB, "
-                "bias=sum|gemm, chunk=C)"
+                "bias=sum|gemm, chunk=C, static=MARGIN)"
             )
     return out
 
@@ -738,9 +746,14 @@ def loka_options(variant: str) -> dict:
 APPLY_OPTIONS = ("bias_grad", "row_amax_chunk")
 
 
+# Options of serving variants only, applied after `apply` (`static=`).
+SERVING_OPTIONS = ("static_input_margin",)
+
+
 def split_options(opts: dict) -> tuple[dict, dict]:
-    """(`PlanConfig` fields, `ApplyConfig` fields) of a variant's options."""
-    plan = {k: v for k, v in opts.items() if k not in APPLY_OPTIONS}
+    """(`PlanConfig` fields, `ApplyConfig` fields) of a variant's options; serving-only
+    options (`SERVING_OPTIONS`) are in neither."""
+    plan = {k: v for k, v in opts.items() if k not in APPLY_OPTIONS + SERVING_OPTIONS}
     return plan, {k: v for k, v in opts.items() if k in APPLY_OPTIONS}
 
 
@@ -906,6 +919,17 @@ def serving_pool(batches: list[dict], size: int | None, stream) -> list[dict]:
     return [b for b, _ in zip(stream(), range(need), strict=False)]
 
 
+def calibration_batches(setup, served_rows: int, count: int = 4) -> list[dict]:
+    """`count` training batches after those that a served batch of `served_rows` examples
+    stacks (a fresh stream yields the same batches in the same order), so that static
+    scales are calibrated on data the timed and checked forward never sees."""
+    stream = setup.train_batches()
+    first = next(stream)
+    for _ in range(-(-served_rows // batch_rows(first)) - 1):
+        next(stream)
+    return [next(stream) for _ in range(count)]
+
+
 def serving_batch(batches: list[dict], size: int | None) -> dict:
     """A batch of `size` examples for serving: the training batches stacked (a multiple of
     the training batch; each tensor's first dimension is the example, or jagged batches
@@ -985,25 +1009,48 @@ def inference_rows(
         s = plan.summary
         if plans is not None:
             plans[f"{name}/{mode}/{dynamic}/infer@{batch_rows(batch)}"] = plan_record(plan)
+    autocast = torch.bfloat16 if gpu else None
+
+    def autocasting():
+        return torch.autocast(args.device, dtype=autocast or torch.float32,
+                              enabled=autocast is not None)  # fmt: skip
+
     for variant in loka_variants:
         loka_model = copy.deepcopy(served)
-        _, apply_opts = split_options(loka_options(variant))
+        opts = loka_options(variant)
+        _, apply_opts = split_options(opts)
         # An inference plan: weights prequantized for serving.
         applied = apply(loka_model, plan, ApplyConfig(**apply_opts))
         models[f"infer-{variant}"] = loka_model
         extra[f"infer-{variant}"] = {"fp8_layers": len(applied.sites), "predicted_gemm_speedup": s.gemm_speedup,
                                      "passes_fp8": s.passes_fp8, "prequantized": len(applied.prequantized)}  # fmt: skip
+        if "static_input_margin" in opts and applied.prequantized:
+            from loka.mods.static_scales import calibrate_input_scales
+
+            with autocasting():
+                amax = calibrate_input_scales(loka_model, calibration_batches(setup, batch_rows(batch)),
+                                              margin=opts["static_input_margin"])  # fmt: skip
+            extra[f"infer-{variant}"]["static_scales"] = len(amax)
+    if len(models) > 1:
+        # How far each FP8 variant's served output is from bf16's on the served batch.
+        with torch.no_grad(), autocasting():
+            want = models["infer-bf16"](batch)
+            for variant, model in models.items():
+                if variant != "infer-bf16" and isinstance(want, torch.Tensor):
+                    got = model(batch)
+                    extra[variant]["output_rel_err"] = float(
+                        (got.double() - want.double()).norm()
+                        / want.double().norm().clamp_min(1e-300)
+                    )
     if mode != "eager":
         torch._inductor.config.freezing = args.infer_freezing == "on"
         models = {k: torch.compile(m, **compile_kwargs(mode, dynamic)) for k, m in models.items()}
-    autocast = torch.bfloat16 if gpu else None
 
     def forward(model):
         def run(i):
             if mode == "cudagraphs":
                 torch.compiler.cudagraph_mark_step_begin()
-            with torch.no_grad(), torch.autocast(args.device, dtype=autocast or torch.float32,
-                                                 enabled=autocast is not None):  # fmt: skip
+            with torch.no_grad(), autocasting():
                 model(batch)
 
         return run

@@ -262,6 +262,23 @@ def test_serving_variants_take_apply_options_only():
         realized.infer_variants("loka+zap")
     with pytest.raises(argparse.ArgumentTypeError, match="chunk= takes a whole number"):
         realized.infer_variants("loka+chunk=-4")
+    # static= is a serving option: neither a PlanConfig nor an ApplyConfig field.
+    assert realized.infer_variants("loka+static=2") == ("loka+static=2",)
+    assert realized.split_options(realized.loka_options("loka+static=2")) == ({}, {})
+    with pytest.raises(argparse.ArgumentTypeError, match="static= takes a margin"):
+        realized.infer_variants("loka+static=big")
+
+
+def test_calibration_batches_follow_the_ones_a_served_batch_stacks():
+    class Setup:
+        def train_batches(self):
+            i = 0
+            while True:
+                yield {"dense": torch.full((4, 2), float(i))}
+                i += 1
+
+    got = realized.calibration_batches(Setup(), served_rows=12, count=2)
+    assert [b["dense"][0, 0].item() for b in got] == [3.0, 4.0]  # batches 0-2 are served
 
 
 def test_amdahl_is_the_whole_speedup_of_a_share_made_faster():

@@ -41,6 +41,7 @@ __public_modules__ = (
     "reference",
     "smoothing",
     "spec",
+    "static_scales",
     "trace",
     "weight_stamp",
 )

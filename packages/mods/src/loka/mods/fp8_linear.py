@@ -32,6 +32,7 @@ from loka.mods.native_function import (
 )
 from loka.mods.ops import call, decode, refresh_weight_eager
 from loka.mods.weight_stamp import weight_stamp
+from loka.schema.fp8 import scale_from_amax
 from loka.schema.recipe import scale_grid
 
 __all__ = [
@@ -113,6 +114,8 @@ class Fp8Linear(nn.Linear):
         self.native_plan = native
         self._prequantized: tuple[torch.Tensor, torch.Tensor] | None = None
         self._prequantized_stamp: tuple[int, int, int] | None = None
+        self._input_amax: float | None = None  # static input scale (serving), see below
+        self._input_scale: tuple[torch.Tensor, torch.Tensor] | None = None
         device = self.weight.device
         windows = {
             "amax_history_input": self.plan.input_window,
@@ -186,7 +189,10 @@ class Fp8Linear(nn.Linear):
         # the weight's new device at the next forward; a prequantized copy at once.
         self._allocate_weight_cache()
         if self._prequantized is not None:
+            amax = self._input_amax
             self.prequantize_weight()
+            if amax is not None:  # the static input scale follows the weight's device
+                self.set_static_input_amax(amax)
         return self
 
     # --- serving: the weight quantized once --------------------------------------------------
@@ -215,8 +221,41 @@ class Fp8Linear(nn.Linear):
         return True
 
     def release_prequantized_weight(self) -> None:
-        """Drop the prequantized copy: every forward quantizes the weight again."""
+        """Drop the prequantized copy (and any static input scale): every forward quantizes
+        the weight, and its input, again."""
         self._prequantized = self._prequantized_stamp = None
+        self._input_amax = self._input_scale = None
+
+    def set_static_input_amax(self, amax: float | None) -> None:
+        """Serve with a fixed input scale, the one `amax` sets (the forward recipe's format,
+        power-of-two and upper-bound rules), instead of measuring each input's amax: the
+        quantization is then elementwise, and under torch.compile it fuses into the work
+        that produced the input (an activation) in one pass, with no reduction. Inputs above
+        `amax` saturate to the format's largest value. For a prequantized weight only (it is
+        dropped with it); None returns to dynamic scales. `loka.mods.calibrate_input_scales`
+        sets it from calibration batches."""
+        if amax is None:
+            self._input_amax = self._input_scale = None
+            return
+        if self._prequantized is None:
+            raise ValueError(
+                f"{type(self).__name__}({self.in_features} -> {self.out_features}): a static "
+                "input scale serves a prequantized weight; call prequantize_weight() first"
+            )
+        amax = float(amax)
+        if not (0.0 < amax < float("inf")):
+            raise ValueError(f"static input amax must be finite and > 0, got {amax}")
+        fwd = self.native_plan.fwd
+        scale = scale_from_amax(torch.tensor(amax, device=self.weight.device), fwd.a_fmt,
+                                fwd.pow2, fwd.scale_ub)  # fmt: skip
+        self._input_amax, self._input_scale = amax, (scale, scale.reciprocal())
+        for t in self._input_scale:
+            torch._dynamo.mark_static_address(t)
+
+    @property
+    def static_input_amax(self) -> float | None:
+        """The amax behind the static input scale (None: dynamic scales)."""
+        return self._input_amax
 
     @property
     def prequantized(self) -> bool:
@@ -245,8 +284,9 @@ class Fp8Linear(nn.Linear):
             )
         wq, w_inv = self._prequantized
         return quantized_weight_forward(
-            x2d, wq, w_inv, self.bias, self.native_plan.fwd, dtype, self.out_features
-        )
+            x2d, wq, w_inv, self.bias, self.native_plan.fwd, dtype, self.out_features,
+            input_scale=self._input_scale,
+        )  # fmt: skip
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs

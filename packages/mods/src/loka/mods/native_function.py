@@ -41,6 +41,7 @@ from loka.kernels.native import (
 from loka.mods.bias_grad import bias_gradient
 from loka.mods.config import Fp8LinearConfig, PassConfig
 from loka.mods.dtypes import cast
+from loka.schema.fp8 import saturate_cast
 
 
 @dataclass(frozen=True)
@@ -214,13 +215,21 @@ def quantized_weight_forward(
     fwd: NativePass,
     compute_dtype: torch.dtype,
     out_features: int,
+    input_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The FP8 forward GEMM of a native linear given its quantized weight (`quantize_weight`:
     ``[Np, Kp]``, padded), quantized in this call or once for serving
-    (`Fp8Linear.prequantize_weight`): x is quantized, multiplied, and the output cast."""
+    (`Fp8Linear.prequantize_weight`): x is quantized, multiplied, and the output cast.
+    `input_scale`: (scale, inverse) of a static input scale (`Fp8Linear.set_static_input_amax`):
+    x is then scaled and cast without an amax; a row recipe repeats it for every row."""
     M = x.shape[0]
     Np, Kp = weight_fp8.shape
-    xq, x_inv = fwd.quantize(_pad_to(x, M, Kp), "a")
+    if input_scale is None:
+        xq, x_inv = fwd.quantize(_pad_to(x, M, Kp), "a")
+    else:
+        scale, inv = input_scale
+        xq = saturate_cast(_pad_to(x, M, Kp), scale, fwd.a_fmt)
+        x_inv = inv.reshape(1, 1).expand(M, 1).contiguous() if fwd.granularity == "row" else inv
     b = bias if bias is None or Np == out_features else F.pad(bias, (0, Np - out_features))
     # Every FP8 GEMM writes bf16 (rowwise _scaled_mm writes nothing else); cast after.
     y = native_mm(xq, x_inv, weight_fp8, weight_inv_scale, b, torch.bfloat16,
