@@ -232,8 +232,8 @@ class Fp8Linear(nn.Linear):
         quantization is then elementwise, and under torch.compile it fuses into the work
         that produced the input (an activation) in one pass, with no reduction. Inputs above
         `amax` saturate to the format's largest value. For a prequantized weight only (it is
-        dropped with it); None returns to dynamic scales. `loka.mods.calibrate_input_scales`
-        sets it from calibration batches."""
+        dropped with it); None returns to dynamic scales. `calibrate_input_scales`
+        (`loka.mods.static_scales`) sets it from calibration batches."""
         if amax is None:
             self._input_amax = self._input_scale = None
             return
