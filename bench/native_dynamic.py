@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import sys
 import time
 from pathlib import Path
@@ -109,20 +108,13 @@ def serving_variants(fmt: str) -> dict[tuple[str, bool], object]:
     DHEN xl's served forward (`bench/results/realized_20261202T204815Z`) spends 0.224 ms a
     call in GELU + rowwise quantization at 16384 x 4096, where bf16's GELU alone takes
     0.096 ms: a looped reduction over K that reads each row twice. Beside it: the rowwise
-    amax in two stages (per chunk of K, then over the chunks: the same value bit for bit),
+    amax in two stages (`quantize_native`'s `row_chunk`: per chunk of K, then over the
+    chunks, the same value bit for bit; rows not longer than the chunk keep one stage),
     a tensor scale, and a fixed scale (no amax at all: the floor of any calibrated scale)."""
     import torch
 
     from loka.kernels.native import quantize_native
-    from loka.schema.fp8 import finite_abs, saturate_cast, scale_from_amax
-
-    def row_chunked(t, chunk):
-        rows, cols = t.shape
-        chunk = math.gcd(cols, chunk)  # the CPU check's small shapes
-        a = finite_abs(t)
-        amax = a.view(rows, cols // chunk, chunk).amax(-1).amax(-1, keepdim=True)
-        scale = scale_from_amax(amax, fmt, False, None)
-        return saturate_cast(t, scale, fmt), scale.reciprocal().contiguous()
+    from loka.schema.fp8 import saturate_cast
 
     def fixed_scale(t):
         scale = t.new_full((), 8.0, dtype=torch.float32)
@@ -138,7 +130,7 @@ def serving_variants(fmt: str) -> dict[tuple[str, bool], object]:
         out[f"{act_name}+row", False] = chain(functools.partial(quantize_native, fmt=fmt, granularity="row"))  # fmt: skip
         out[f"{act_name}+tensor", False] = chain(functools.partial(quantize_native, fmt=fmt, granularity="tensor"))  # fmt: skip
         for chunk in (512, 1024):
-            out[f"{act_name}+row-chunk{chunk}", False] = chain(functools.partial(row_chunked, chunk=chunk))  # fmt: skip
+            out[f"{act_name}+row-chunk{chunk}", False] = chain(functools.partial(quantize_native, fmt=fmt, granularity="row", row_chunk=chunk))  # fmt: skip
         out[f"{act_name}+fixed-scale", False] = chain(fixed_scale)
     return out
 

@@ -1032,16 +1032,15 @@ def inference_rows(
                                               margin=opts["static_input_margin"])  # fmt: skip
             extra[f"infer-{variant}"]["static_scales"] = len(amax)
     if len(models) > 1:
+        from harness import rel_err
+
         # How far each FP8 variant's served output is from bf16's on the served batch.
         with torch.no_grad(), autocasting():
             want = models["infer-bf16"](batch)
             for variant, model in models.items():
                 if variant != "infer-bf16" and isinstance(want, torch.Tensor):
                     got = model(batch)
-                    extra[variant]["output_rel_err"] = float(
-                        (got.double() - want.double()).norm()
-                        / want.double().norm().clamp_min(1e-300)
-                    )
+                    extra[variant]["output_rel_err"] = rel_err(got, want)
     if mode != "eager":
         torch._inductor.config.freezing = args.infer_freezing == "on"
         models = {k: torch.compile(m, **compile_kwargs(mode, dynamic)) for k, m in models.items()}

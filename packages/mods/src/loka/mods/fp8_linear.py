@@ -55,6 +55,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def multiplied_input(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`x` as an FP8 linear quantizes it: under autocast an input can arrive in float32 (a
+    LayerNorm's output), and what nn.Linear multiplies (and Probe measured) is its cast to
+    the autocast dtype. `dtype`: `compute_dtype(x)` where the caller has it."""
+    dtype = compute_dtype(x) if dtype is None else dtype
+    return x.to(dtype) if x.dtype != dtype and dtype in _HALF_DTYPES else x
+
+
 class Fp8Linear(nn.Linear):
     """``y = x W^T + b`` with each pass as `config` (an `Fp8LinearConfig`) says.
 
@@ -312,15 +320,11 @@ class Fp8Linear(nn.Linear):
                 f"{self.in_features} (input shape {tuple(x.shape)})"
             )
         dtype = compute_dtype(x)
-        x2d = x.reshape(-1, self.in_features)
-        if x2d.dtype != dtype and dtype in _HALF_DTYPES:
-            # Under autocast an input can arrive in float32 (a LayerNorm's output): quantize
-            # what nn.Linear would multiply, its autocast cast, as Probe measured it. From the
-            # float32 tensor every amax and cast pass reads twice the bytes, and the wgrad's
-            # transposed one is not fused with the norm: on Wukong xl (compiled) the norm-fed
-            # linears' wgrad passes lost 2.5% of the step though timed 1.07x in isolation.
-            # The cast's backward returns the input gradient in float32, as autocast's does.
-            x2d = x2d.to(dtype)
+        # From a float32 input every amax and cast pass reads twice the bytes, and the wgrad's
+        # transposed one is not fused with the norm: on Wukong xl (compiled) the norm-fed
+        # linears' wgrad passes lost 2.5% of the step though timed 1.07x in isolation.
+        # The cast's backward returns the input gradient in float32, as autocast's does.
+        x2d = multiplied_input(x.reshape(-1, self.in_features), dtype)
         if self._prequantized is not None:
             served = self._serve(x2d, dtype)
             if served is not None:

@@ -66,9 +66,8 @@ class NativePass:
         )  # fmt: skip
 
 
-def _native_pass(
-    name: str, config: PassConfig, tokens_vary: bool, row_chunk: int
-) -> NativePass | None:
+def _native_pass(name: str, linear: Fp8LinearConfig) -> NativePass | None:
+    config: PassConfig = getattr(linear, name)
     if config.is_bf16:
         return None
     r = config.recipe
@@ -77,7 +76,7 @@ def _native_pass(
         raise ValueError(f"{name}: {reason}")
     fast = config.backend == NATIVE_FAST_BACKEND
     return NativePass(r.a_format, r.b_format, r.granularity, r.pow2, r.scale_ub, fast,
-                      tokens_vary, row_chunk)  # fmt: skip
+                      linear.tokens_vary, linear.row_amax_chunk)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -111,9 +110,9 @@ class NativePlan:
         if config.pad:
             raise ValueError(f"{NATIVE_BACKEND} does not pad: shapes must be multiples of 16")
         return cls(
-            _native_pass("fwd", config.fwd, config.tokens_vary, config.row_amax_chunk),
-            _native_pass("dgrad", config.dgrad, config.tokens_vary, config.row_amax_chunk),
-            _native_pass("wgrad", config.wgrad, config.tokens_vary, config.row_amax_chunk),
+            _native_pass("fwd", config),
+            _native_pass("dgrad", config),
+            _native_pass("wgrad", config),
             any_shape=name == NATIVE_CPU_BACKEND,
             bias_grad=config.bias_grad,
         )

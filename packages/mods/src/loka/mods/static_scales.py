@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loka.mods.fp8_linear import Fp8Linear
+from loka.mods.fp8_linear import Fp8Linear, multiplied_input
 from loka.schema.fp8 import finite_abs
 
 __all__ = ["calibrate_input_scales"]
@@ -53,11 +53,7 @@ def calibrate_input_scales(
 
     def record(name: str):
         def hook(module: Fp8Linear, args: tuple) -> None:
-            x = args[0]
-            dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None  # fmt: skip
-            if dtype is not None and x.dtype != dtype and x.is_floating_point():
-                x = x.to(dtype)  # what the linear multiplies (Fp8Linear.forward casts it)
-            amax = finite_abs(x.detach()).amax()
+            amax = finite_abs(multiplied_input(args[0].detach())).amax()
             seen[name] = amax if name not in seen else torch.maximum(seen[name], amax)
 
         return hook
