@@ -180,6 +180,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "variant of a run is compiled alike",
     )  # fmt: skip
     p.add_argument(
+        "--inductor", default="", type=lambda text: key_values(text, "--inductor"),
+        help="comma list of KEY=VALUE set on torch._inductor.config before anything compiles "
+             "(e.g. triton.multi_kernel=1); every variant of the run compiles under them",
+    )  # fmt: skip
+    p.add_argument(
         "--no-grad-check", dest="grad_check", action="store_false",
         help="skip the gradient check (each seed-0 variant's gradients against bf16's)",
     )  # fmt: skip
@@ -275,6 +280,16 @@ def block_stats(base: list[float], other: list[float]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
+    import torch._inductor.config as inductor_config
+
+    for key, value in args.inductor.items():
+        *path, name = key.split(".")
+        owner = inductor_config
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, name):
+            raise SystemExit(f"--inductor: torch._inductor.config has no {key!r}")
+        setattr(owner, name, value)
     from harness import stamp, write_json
 
     import loka.zoo as zoo
@@ -292,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "python": platform.python_version(), "cuda": torch.version.cuda,
         "preset": args.preset, "blocks": args.blocks, "block_steps": args.block_steps,
+        "inductor": args.inductor,
         "timing": "interleaved blocks, CUDA events around each block's steps, one sync per "
                   "block; order rotates per block",
     }  # fmt: skip
@@ -681,13 +697,18 @@ def serving_gemm_share(plan, forward_ms: float) -> float | None:
 
 def model_options(text: str) -> dict:
     """`--model-options`: ``key=value,...`` (values as Python literals, else strings)."""
+    return key_values(text, "--model-options")
+
+
+def key_values(text: str, flag: str) -> dict:
+    """`flag`'s ``key=value,...`` (values as Python literals, else strings)."""
     import ast
 
     out: dict = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise argparse.ArgumentTypeError(f"--model-options: {item!r} is not key=value")
+            raise argparse.ArgumentTypeError(f"{flag}: {item!r} is not key=value")
         try:
             out[key.strip()] = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError):

@@ -285,3 +285,13 @@ def test_amdahl_is_the_whole_speedup_of_a_share_made_faster():
     assert realized.amdahl(0.0, 2.0) == 1.0 and realized.amdahl(1.0, 2.0) == 2.0
     # Wukong xl served at 16k: GEMMs 51% of the forward in place, 1.54x faster in FP8.
     assert realized.amdahl(0.51, 1.54) == pytest.approx(1.218, abs=1e-3)
+
+
+def test_inductor_options_are_key_values_and_unknown_keys_stop_the_run():
+    assert realized.parse_args(["--inductor", "triton.multi_kernel=1"]).inductor == {
+        "triton.multi_kernel": 1
+    }
+    with pytest.raises(argparse.ArgumentTypeError, match="--inductor"):
+        realized.key_values("multi_kernel", "--inductor")
+    with pytest.raises(SystemExit, match=r"no 'triton\.no_such_knob'"):
+        realized.main(["--inductor", "triton.no_such_knob=1", "--device", "cpu"])
