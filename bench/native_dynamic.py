@@ -107,10 +107,11 @@ def serving_variants(fmt: str) -> dict[tuple[str, bool], object]:
     in Wukong, GELU in DHEN) and its quantization, which inductor fuses into one kernel.
     DHEN xl's served forward (`bench/results/realized_20261202T204815Z`) spends 0.224 ms a
     call in GELU + rowwise quantization at 16384 x 4096, where bf16's GELU alone takes
-    0.096 ms: a looped reduction over K that reads each row twice. Beside it: the rowwise
-    amax in two stages (`quantize_native`'s `row_chunk`: per chunk of K, then over the
-    chunks, the same value bit for bit; rows not longer than the chunk keep one stage),
-    a tensor scale, and a fixed scale (no amax at all: the floor of any calibrated scale)."""
+    0.096 ms: a looped reduction over K that reads each row twice. Beside it: a tensor
+    scale, and a fixed scale (no amax at all: the floor of any calibrated scale); the
+    `multi-kernel` compile mode lets inductor pick a persistent reduction at run time. (A
+    rowwise amax in two stages, per chunk of K first, gained nothing:
+    `bench/results/native_dynamic_20261203T030324Z.json`.)"""
     import torch
 
     from loka.kernels.native import quantize_native
@@ -129,8 +130,6 @@ def serving_variants(fmt: str) -> dict[tuple[str, bool], object]:
         out[act_name, False] = act
         out[f"{act_name}+row", False] = chain(functools.partial(quantize_native, fmt=fmt, granularity="row"))  # fmt: skip
         out[f"{act_name}+tensor", False] = chain(functools.partial(quantize_native, fmt=fmt, granularity="tensor"))  # fmt: skip
-        for chunk in (512, 1024):
-            out[f"{act_name}+row-chunk{chunk}", False] = chain(functools.partial(quantize_native, fmt=fmt, granularity="row", row_chunk=chunk))  # fmt: skip
         out[f"{act_name}+fixed-scale", False] = chain(fixed_scale)
     return out
 
@@ -199,10 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         if "bias" in args.sections:
             chosen |= bias_gradient_variants(args.fmt)
         serving = serving_variants(args.fmt) if "serving" in args.sections else {}
-        first_outputs = {}
         for (name, transpose), fn in (chosen | serving).items():
-            # A two-stage rowwise amax must give the one-stage quantization's bits.
-            static = first_outputs.get(name.partition("-chunk")[0]) if "-chunk" in name else None
+            static = None
             # Serving batches are fixed: static graphs, and inductor's multi-kernel (a
             # looped and a persistent reduction, the faster chosen at run time) for rows.
             modes = ("static", "dynamic-M", "dynamic-all")
@@ -214,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 row = measure(source, name, transpose, fn, mode, device, static)
                 if mode == "static":
-                    static = first_outputs[name] = row["_out"]
+                    static = row["_out"]
                 del row["_out"]
                 rows.append(row)
                 print(f"[native_dynamic {budget.elapsed():5.0f} s] {shape[0]}x{shape[1]} "

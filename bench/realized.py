@@ -101,7 +101,7 @@ def infer_variants(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(
             f"unknown serving variant(s) {unknown}; choose from {', '.join(INFER_VARIANTS)} "
-            "or loka+OPTIONS with `ApplyConfig` options (bias=, chunk=)"
+            "or loka+OPTIONS with `ApplyConfig` options (bias=) or static="
         )
     for name in names:
         if name.startswith("loka+"):
@@ -722,7 +722,6 @@ def loka_options(variant: str) -> dict:
     (eager: `charge_host=False`, plan on device time alone), ``min=X``
     (`min_speedup`), ``x=GLOB`` (`exclude`: a site glob, or ``site-glob/pass``; repeatable),
     ``bias=gemm`` (`ApplyConfig.bias_grad`: the FP8 sites' bias gradient as a GEMM),
-    ``chunk=C`` (`ApplyConfig.row_amax_chunk`: compiled row scales' amax per chunk of C),
     ``static=MARGIN`` (serving only: `loka.mods.calibrate_input_scales` on training
     batches other than the served ones, static input scales at their amax times MARGIN),
     e.g. ``loka+fast+min=1.15``, ``loka+min=1.05+x=*.mlp.1/wgrad``: several LoKA variants
@@ -751,20 +750,16 @@ def loka_options(variant: str) -> dict:
                 out["static_input_margin"] = float(opt[7:])
             except ValueError:
                 raise ValueError(f"{variant!r}: static= takes a margin (a number >= 1)") from None
-        elif opt.startswith("chunk="):
-            if not opt[6:].isdigit():
-                raise ValueError(f"{variant!r}: chunk= takes a whole number of columns")
-            out["row_amax_chunk"] = int(opt[6:])
         else:
             raise ValueError(
                 f"{variant!r}: unknown LoKA option {opt!r} (fast, nohost, min=X, x=GLOB, "
-                "bias=sum|gemm, chunk=C, static=MARGIN)"
+                "bias=sum|gemm, static=MARGIN)"
             )
     return out
 
 
 # LoKA variant options that are `ApplyConfig` fields (how the plan runs), not `PlanConfig`.
-APPLY_OPTIONS = ("bias_grad", "row_amax_chunk")
+APPLY_OPTIONS = ("bias_grad",)
 
 
 # Options of serving variants only, applied after `apply` (`static=`).

@@ -252,16 +252,16 @@ def test_serving_gemm_share_is_the_forward_gemm_time_over_the_served_forward():
 
 
 def test_serving_variants_take_apply_options_only():
-    assert realized.infer_variants("loka,loka+chunk=512") == ("loka", "loka+chunk=512")
-    assert realized.split_options(realized.loka_options("loka+chunk=512")) == (
-        {}, {"row_amax_chunk": 512},
+    assert realized.infer_variants("loka,loka+bias=gemm") == ("loka", "loka+bias=gemm")
+    assert realized.split_options(realized.loka_options("loka+bias=gemm")) == (
+        {}, {"bias_grad": "gemm"},
     )  # fmt: skip
     with pytest.raises(argparse.ArgumentTypeError, match="ApplyConfig options only"):
         realized.infer_variants("loka+min=1.1")
     with pytest.raises(argparse.ArgumentTypeError, match="unknown LoKA option"):
         realized.infer_variants("loka+zap")
-    with pytest.raises(argparse.ArgumentTypeError, match="chunk= takes a whole number"):
-        realized.infer_variants("loka+chunk=-4")
+    with pytest.raises(argparse.ArgumentTypeError, match="bias= takes one of"):
+        realized.infer_variants("loka+bias=dot")
     # static= is a serving option: neither a PlanConfig nor an ApplyConfig field.
     assert realized.infer_variants("loka+static=2") == ("loka+static=2",)
     assert realized.split_options(realized.loka_options("loka+static=2")) == ({}, {})

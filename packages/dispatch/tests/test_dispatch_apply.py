@@ -396,6 +396,33 @@ def test_an_inference_plan_prequantizes_its_weights_for_serving(dhen) -> None:
     dhen.model(batch)
 
 
+def test_served_sites_take_static_input_scales_from_calibration_batches(dhen) -> None:
+    sites, errors = probe_like_tables(dhen.model)
+    bench = synthetic_kernel_bench([(32, 32, 64)], backend="torch.native")
+    training = apply(dhen.model, make_plan(sites, errors, bench, PlanConfig(mode="compiled")))
+    with pytest.raises(ValueError, match="no prequantized FP8 site to calibrate"):
+        training.calibrate_input_scales(dhen.eval_batches(1))
+    training.undo()
+    plan = make_plan(sites, errors, bench, PlanConfig(mode="compiled", inference=True))
+    dhen.model.eval()
+    calibration, served = dhen.eval_batches(3)[:2], dhen.eval_batches(3)[2]
+    with torch.no_grad():
+        applied = apply(dhen.model, plan)
+        dynamic = dhen.model(served)
+        amax = applied.calibrate_input_scales(calibration, margin=2.0)
+        assert sorted(amax) == applied.prequantized and all(a > 0 for a in amax.values())
+        for site, value in amax.items():
+            assert dhen.model.get_submodule(site).static_input_amax == pytest.approx(value)
+        static = dhen.model(served)
+    assert not torch.equal(static, dynamic)  # other scales, so other rounding
+    assert (static - dynamic).norm() <= 0.05 * dynamic.norm()
+    applied.release_prequantized()
+    assert all(dhen.model.get_submodule(s).static_input_amax is None for s in amax)
+    applied.undo()
+    with pytest.raises(RuntimeError, match="undone"):
+        applied.calibrate_input_scales(calibration)
+
+
 def test_bias_gradient_form_is_an_apply_option_with_the_same_gradients(dhen) -> None:
     # ApplyConfig.bias_grad="gemm": every FP8 site sums dY for its bias on the tensor cores
     # (ones @ dY) instead of a reduction over the tokens; the gradients agree with "sum".
@@ -423,13 +450,3 @@ def test_bias_gradient_form_is_an_apply_option_with_the_same_gradients(dhen) -> 
         torch.testing.assert_close(by_gemm[site], by_sum[site], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="bias_grad must be one of"):
         apply(dhen.model, plan, ApplyConfig(bias_grad="dot"))
-
-
-def test_row_amax_chunk_is_an_apply_option_of_every_fp8_site(dhen) -> None:
-    sites, errors = probe_like_tables(dhen.model)
-    plan = make_plan(sites, errors, synthetic_kernel_bench([(32, 32, 64)]))
-    for config, want in ((None, {0}), (ApplyConfig(row_amax_chunk=16), {16})):
-        applied = apply(dhen.model, plan, config)
-        chunks = {dhen.model.get_submodule(s).fp8_config.row_amax_chunk for s in applied.sites}
-        applied.undo()
-        assert applied.sites and chunks == want

@@ -75,48 +75,6 @@ def test_token_rows_take_the_tensor_amax_in_two_stages_under_compile_same_bits()
     assert torch.equal(eager[1], quantize_native(x, "e4m3", "tensor")[1])
 
 
-def test_row_scales_of_long_rows_take_the_amax_per_chunk_under_compile_same_bits():
-    # A served activation's rowwise amax over K = 4096 was one looped reduction reading
-    # each row twice; per chunk of C first it is two small ones. Same bits; eager, rows
-    # that are not a multiple of C, and transposed (column) scales keep one reduction.
-    graphs = []
-
-    def capture(gm, inputs):
-        graphs.append(gm)
-        return gm
-
-    def amax_count(gm):
-        return sum(n.target == "amax" for n in gm.graph.nodes)
-
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(24, 128, generator=g) * torch.logspace(-3, 3, 128)
-    x[5, 7], x[9, 1], x[11] = float("inf"), float("nan"), 0.0
-    for cols, transpose, chunk, reductions in [(128, False, 32, 2), (128, False, 0, 1),
-                                               (96, False, 64, 1), (128, True, 32, 1),
-                                               (128, False, 128, 1)]:  # fmt: skip
-        graphs.clear()
-        torch._dynamo.reset()
-        fn = torch.compile(quantize_native, backend=capture)
-        source = x[:, :cols].contiguous()
-        data, inv = fn(source, "e4m3", "row", transpose=transpose, row_chunk=chunk)
-        want = quantize_native(source, "e4m3", "row", transpose=transpose)
-        assert torch.equal(data.view(torch.uint8), want[0].view(torch.uint8))
-        assert torch.equal(inv, want[1])
-        assert [amax_count(gm) for gm in graphs] == [reductions], (cols, transpose, chunk)
-    eager = quantize_native(x, "e4m3", "row", row_chunk=32)
-    assert torch.equal(eager[1], quantize_native(x, "e4m3", "row")[1])
-
-
-def test_row_amax_chunk_reaches_every_native_pass_and_is_validated():
-    config = native_config(*(["e4m3:e4m3/row/dynamic"] * 3)).replace(row_amax_chunk=512)
-    plan = NativePlan.of(config)
-    assert {p.row_chunk for p in (plan.fwd, plan.dgrad, plan.wgrad)} == {512}
-    assert "row_amax_chunk=512" in str(config)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="row_amax_chunk must be an int >= 0"):
-            config.replace(row_amax_chunk=bad)
-
-
 RECIPES = [
     ("e4m3:e4m3/row/dynamic", "e4m3:e4m3/row/dynamic", "e4m3:e4m3/row/dynamic"),
     ("e4m3:e4m3/tensor/dynamic", "e5m2:e4m3/tensor/dynamic", "e5m2:e4m3/tensor/dynamic"),

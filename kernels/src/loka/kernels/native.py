@@ -70,7 +70,6 @@ def quantize_native(
     scale_ub: float | None = None,
     transpose: bool = False,
     rows_vary: bool = False,
-    row_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, inv_scale)`` of a 2-D `t` ``[R, C]`` quantized as a GEMM's first operand.
 
@@ -83,11 +82,6 @@ def quantize_native(
     fixed C), then over the rows: the same value bit for bit, and inductor's reduction over
     a symbolic R ran 2-2.3x slower than over static C on the H200 (32320 x 12288: 1.14 ms
     one-stage vs 0.53 ms two-stage; `bench/results/native_dynamic_20261202T170340Z.json`).
-
-    `row_chunk` (C > 0): under torch.compile, row scales of a row whose length is a multiple
-    of C greater than C take the amax per chunk of C first, then over the chunks: the same
-    value bit for bit, as small reductions that inductor runs in one pass each where one
-    over a long row (K = 4096) loops and reads the row twice. Eager keeps one launch.
     """
     a = finite_abs(t)
     if granularity == "tensor":
@@ -95,15 +89,7 @@ def quantize_native(
         amax = a.amax(dim=1).amax() if two_stage else a.amax()
         scale = scale_from_amax(amax, fmt, pow2, scale_ub)
     elif granularity == "row":
-        rows, cols = a.shape
-        chunked = (
-            row_chunk > 0 and not transpose and torch.compiler.is_compiling()
-            and isinstance(cols, int) and cols > row_chunk and cols % row_chunk == 0
-        )  # fmt: skip
-        if chunked:
-            amax = a.view(rows, cols // row_chunk, row_chunk).amax(-1).amax(-1, keepdim=True)
-        else:
-            amax = a.amax(dim=0 if transpose else 1, keepdim=True)
+        amax = a.amax(dim=0 if transpose else 1, keepdim=True)
         scale = scale_from_amax(amax, fmt, pow2, scale_ub)
     else:
         raise ValueError(f"{NATIVE_BACKEND}: granularity {granularity!r} not supported")

@@ -4,6 +4,7 @@
     bench = benchmark(site_shapes(tables["sites"]), cost_model=CostModel.shipped()).table
     plan = make_plan(tables["sites"], tables["site_errors"], bench)
     applied = apply(model, plan)                           # applied.undo() reverses it
+    model = torch.compile(model, options=compile_options())  # multi-kernel reductions
 
 After `apply`, `loka.dispatch.verify.verify(step_fn, applied)` times the real step against
 bf16 and demotes sites until the plan is not slower. In a training loop: `Session(model, SessionConfig(...))`
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "loka.dispatch.apply_plan": ("Applied", "apply"),
     "loka.dispatch.bench": ("CostModel", "benchmark", "site_shapes"),
+    "loka.dispatch.compile_options": ("compile_options",),
     "loka.dispatch.integrations": ("Session", "SessionConfig"),
     "loka.dispatch.planner": ("Plan", "PlanConfig", "make_plan"),
     "loka.dispatch.tables": ("load_probe_tables",),
@@ -31,6 +33,7 @@ _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in nam
 if TYPE_CHECKING:
     from loka.dispatch.apply_plan import Applied, apply
     from loka.dispatch.bench import CostModel, benchmark, site_shapes
+    from loka.dispatch.compile_options import compile_options
     from loka.dispatch.integrations import Session, SessionConfig
     from loka.dispatch.planner import Plan, PlanConfig, make_plan
     from loka.dispatch.tables import load_probe_tables
@@ -57,6 +60,7 @@ __all__: list[str] = [
     "SessionConfig",
     "apply",
     "benchmark",
+    "compile_options",
     "load_probe_tables",
     "make_plan",
     "site_shapes",
@@ -65,6 +69,7 @@ __all__: list[str] = [
 __public_modules__ = (
     "apply_plan",
     "bench",
+    "compile_options",
     "device",
     "integrations",
     "integrations.hf",

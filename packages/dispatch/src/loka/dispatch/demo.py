@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from loka.dispatch.compile_options import compile_options
 from loka.dispatch.console import (
     console,
     plan_lines,
@@ -100,7 +101,7 @@ def run_demo(
         bench_budget_s=bench_budget_s,
     )  # fmt: skip
     sample = next(setup.train_batches())
-    run = torch.compile(setup.model) if compile else setup.model
+    run = torch.compile(setup.model, options=compile_options()) if compile else setup.model
     session = Session(run, config, sample=sample)
     optimizer = torch.optim.AdamW(setup.model.parameters(), lr=1e-3)
     autocast = torch.bfloat16 if gpu else None

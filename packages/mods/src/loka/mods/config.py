@@ -85,10 +85,6 @@ class Fp8LinearConfig:
     activations and gradients in two stages (`loka.kernels.native.quantize_native`'s
     `rows_vary`), 2x faster than one reduction over a symbolic M, a little slower over a
     static one. `loka.dispatch.apply` sets it for the sites whose M varied under Probe.
-
-    row_amax_chunk: C > 0: under torch.compile the native backend takes a row scale's amax
-    per chunk of C first where the row is a multiple of C long (`quantize_native`'s
-    `row_chunk`): the same bits; 0 (default): one reduction per row.
     """
 
     fwd: PassConfig | Recipe | str = "e4m3:e4m3/row/dynamic"
@@ -97,7 +93,6 @@ class Fp8LinearConfig:
     pad: bool = False
     bias_grad: str = "sum"
     tokens_vary: bool = False
-    row_amax_chunk: int = 0
 
     def __post_init__(self) -> None:
         for pass_ in PASSES:
@@ -106,9 +101,6 @@ class Fp8LinearConfig:
             raise TypeError(f"pad must be a bool, got {self.pad!r}")
         if not isinstance(self.tokens_vary, bool):
             raise TypeError(f"tokens_vary must be a bool, got {self.tokens_vary!r}")
-        chunk = self.row_amax_chunk
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-            raise ValueError(f"row_amax_chunk must be an int >= 0, got {chunk!r}")
         if self.bias_grad not in BIAS_GRADS:
             raise ValueError(f"bias_grad must be one of {BIAS_GRADS}, got {self.bias_grad!r}")
 
@@ -151,5 +143,4 @@ class Fp8LinearConfig:
         text = ", ".join(f"{p}={c}" for p, c in self.passes().items())
         text += ", pad" if self.pad else ""
         text += f", bias_grad={self.bias_grad}" if self.bias_grad != "sum" else ""
-        text += f", row_amax_chunk={self.row_amax_chunk}" if self.row_amax_chunk else ""
         return text + (", tokens_vary" if self.tokens_vary else "")
