@@ -30,6 +30,13 @@ sizes 1-4, lr, alpha, 12-20 steps each); everything in one run:
 - makespan: 8 and 32 jobs trained to their step counts: packed (one pack: jobs leave it as
             they finish) against each job alone with peft, one after another, wall clock
             (eager, own batch); with the baseline section, also against its makespans.
+- profile:  (not in the default sections) where a step's time goes: torch.profiler over a
+            few steps of a packed pack of 1 job and of the largest pack, and of one peft
+            job alone (each after warm-up): wall time per step beside GPU kernel time
+            (busy), the host time of the packed step's phases (forward, backward, optimizer
+            step, loss readback: `loka.plora.runner`'s record_function labels), kernel
+            launches per step, and the ops with the most host time and the kernels with the
+            most GPU time (tables in plora_profile_*.txt beside the JSON).
 - plan:     the schedule `loka lora-plan` makes for the 32 jobs (`plan_lora_jobs`: step
             times fit on this run's packed step profiles, else profiled here; memory
             calibrated on their peaks, against this device's memory; --plan-gpus GPUs;
@@ -80,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (Triton interpreter)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (512; smoke 16)")
     p.add_argument("--sections", default="kernels,steps,makespan,plan",
-                   help="comma-separated, of kernels,steps,baseline,makespan,plan")  # fmt: skip
+                   help="comma-separated, of kernels,steps,baseline,makespan,profile,plan")  # fmt: skip
     p.add_argument("--no-autotune", action="store_true", help="heuristic kernel tiles only")
     p.add_argument("--plan-gpus", type=int, default=1, help="GPUs the plan section plans for")
     p.add_argument("--plan-lengths", default=None,
@@ -474,6 +481,110 @@ def bench_steps(model, jobs, rows: list | None = None) -> list[dict]:
                              {"kind": "solo_peft", "rank": rank, "batch_size": batch},
                              f"steps: peft alone r{rank} batch {batch}"))  # fmt: skip
     return rows
+
+
+# ---------------------------------------------------------------------------------------
+# profile: where a packed step's time goes (host phases, GPU kernels, launches)
+# ---------------------------------------------------------------------------------------
+
+PHASES = ("plora.forward", "plora.backward", "plora.optimizer", "plora.readback")
+LAUNCHES = frozenset({"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                      "cudaLaunchKernelExC"})  # fmt: skip
+PROFILED_STEPS = 3
+
+
+def profile_steps(step, tag: str, out: Path, stamp: str) -> dict:
+    """`step()` after warm-up: wall time per step (timed apart), then torch.profiler over
+    PROFILED_STEPS steps: GPU kernel time, host time per phase, launches, top ops."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(WARMUP):
+        step()
+    sync()
+    begin = time.perf_counter()
+    for _ in range(TIMED):
+        step()
+    sync()
+    wall = (time.perf_counter() - begin) / TIMED
+    gpu = DEVICE.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]
+    with torch_profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            step()
+        sync()
+    events = prof.key_averages()
+    per_step = 1e3 * PROFILED_STEPS  # profiler microseconds -> ms per step
+
+    def top(ordered, attr: str) -> list[tuple[str, float, int]]:
+        return [(e.key[:100], getattr(e, attr) / per_step, e.count // PROFILED_STEPS)
+                for e in ordered[:20]]  # fmt: skip
+
+    phases = {e.key: e.cpu_time_total / per_step for e in events if e.key in PHASES}
+    kernels = sorted((e for e in events if e.self_device_time_total > 0),
+                     key=lambda e: -e.self_device_time_total)  # fmt: skip
+    host = sorted(events, key=lambda e: -e.self_cpu_time_total)
+    name = f"plora_profile_{MODE}_{stamp}_{tag}.txt"
+    Path(out, name).write_text(
+        events.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=100)
+        + "\n\n" + (events.table(sort_by="self_cuda_time_total", row_limit=40,
+                                   max_name_column_width=100) if gpu else "")
+    )  # fmt: skip
+    return {
+        "wall_ms_per_step": wall * 1e3,
+        "gpu_busy_ms_per_step": sum(e.self_device_time_total for e in events) / per_step,
+        "host_ms_per_phase": phases,
+        "launches_per_step": sum(e.count for e in events if e.key in LAUNCHES) / PROFILED_STEPS,
+        "top_host_ops": top(host, "self_cpu_time_total"),
+        "top_kernels": top(kernels, "self_device_time_total"),
+        "table": name,
+    }
+
+
+def bench_profile(model, jobs, rows: list, out: Path, stamp: str) -> list[dict]:
+    """Packed steps of 1 job and of the largest pack, and one peft job alone, profiled."""
+    largest = jobs[: max(JOB_COUNTS)]
+    for pack in (jobs[:1], largest):
+        tag = f"packed{len(pack)}"
+
+        def run(pack=pack, tag=tag) -> dict:
+            packed = convert_to_packed_lora(model, pack, PackedLoraConfig(backend="triton"))
+            try:
+                opt = PerAdapterOptimizer(packed)
+                batches = token_batches(pack)
+                got = profile_steps(lambda: packed_train_step(packed, opt, batches), tag, out,
+                                    stamp)  # fmt: skip
+            finally:
+                packed.remove()
+            return {"kind": "profile", "what": "packed", "n_adapters": len(pack),
+                    "tokens": sum(j.batch_size * SEQ for j in pack), **got}  # fmt: skip
+
+        rows.append(_guarded(run, {"kind": "profile", "what": tag}, f"profile: {tag}"))
+    job = jobs[0]
+
+    def run_peft() -> dict:
+        peft_model, params, opt = peft_wrap(model, job)
+        try:
+            ids = token_batches([job])[0][1]
+            got = profile_steps(lambda: peft_step(peft_model, params, opt, job, ids), "peft",
+                                out, stamp)  # fmt: skip
+        finally:
+            peft_model.unload()
+        return {"kind": "profile", "what": "solo_peft", "n_adapters": 1, "rank": job.rank,
+                "tokens": job.batch_size * SEQ, **got}  # fmt: skip
+
+    rows.append(_guarded(run_peft, {"kind": "profile", "what": "solo_peft"}, "profile: peft"))
+    return rows
+
+
+def print_profiles(rows: list[dict]) -> None:
+    for r in rows:
+        if "error" in r:
+            continue
+        phases = "  ".join(f"{k.split('.')[1]} {v:.1f}" for k, v in r["host_ms_per_phase"].items())
+        print(f"  profile {r['what']:9s} {r['n_adapters']:2d} job(s) {r['tokens']:6d} tokens: "
+              f"wall {r['wall_ms_per_step']:8.1f} ms  GPU busy {r['gpu_busy_ms_per_step']:8.1f} ms  "
+              f"launches {r['launches_per_step']:6.0f}  host ms {phases or '-'}")  # fmt: skip
 
 
 _CHECKPOINT = None  # main() sets it: writes the partial results (the rows so far)
@@ -1137,7 +1248,7 @@ def print_baseline(base: dict, summary: dict) -> None:
                   f"{_x(r['ratio_vs_eager_own'])}  vs fair {_x(r['ratio_vs_best'])}{approx}")  # fmt: skip
 
 
-SECTIONS = ("kernels", "steps", "baseline", "makespan", "plan")  # the order they run in
+SECTIONS = ("kernels", "steps", "baseline", "makespan", "profile", "plan")  # run in this order
 STEP_FIELDS = ["kind", "backend", "n_adapters", "rank", "batch_size", "tokens", "rank_tokens",
                "step_time_s", "tokens_per_s", "peak_memory_bytes", "device"]  # fmt: skip
 
@@ -1169,6 +1280,7 @@ def main(argv: list[str] | None = None) -> int:
                 "section_running": state["running"],
                 "jobs": [j.to_dict() for j in jobs], "kernels": kernels, "steps": steps,
                 "makespan": makespans, "plan": plan_rows, "baseline": baseline,
+                "profile": res["profile"],
                 "baseline_makespans": {n: fair_makespans(baseline_rates(baseline), jobs[:n])
                                        for n in JOB_COUNTS} if baseline else {},
                 "summary": summary}  # fmt: skip
@@ -1202,7 +1314,7 @@ def main(argv: list[str] | None = None) -> int:
         if "kernels" in sections:
             section("kernels", lambda: res["kernels"].extend(bench_kernels(jobs)))
         model = None
-        if sections & {"steps", "baseline", "makespan", "plan"}:
+        if sections & {"steps", "baseline", "makespan", "profile", "plan"}:
             log("model: building ...")
             model = build_model()
             size = sum(p.numel() for p in model.parameters()) / 1e9
@@ -1213,6 +1325,8 @@ def main(argv: list[str] | None = None) -> int:
             section("baseline", lambda: bench_baseline(model, jobs, res["baseline"]))
         if "makespan" in sections:
             section("makespan", lambda: bench_makespan(model, jobs, res["makespan"]))
+        if "profile" in sections:
+            section("profile", lambda: bench_profile(model, jobs, res["profile"], out, stamp))
         if "plan" in sections:
             section("plan", plan)
     finally:
@@ -1227,7 +1341,9 @@ def main(argv: list[str] | None = None) -> int:
     if schedule:
         write_csv(schedule_path, schedule, list(schedule[0]))
     print_summary(summary)
-    errors = [r for r in (*kernels, *steps, *baseline, *makespans, *plan_rows) if "error" in r]
+    print_profiles(res["profile"])
+    errors = [r for r in (*kernels, *steps, *baseline, *makespans, *res["profile"], *plan_rows)
+              if "error" in r]  # fmt: skip
     for r in errors:
         context = {k: v for k, v in r.items() if k not in ("error", "trace")}
         print(f"  error: {context}: {r['error']}")

@@ -109,3 +109,20 @@ def test_smoke_fair_baseline_rates_and_ratios(tmp_path):
     best = record["baseline_makespans"][str(makespan["jobs"])]["best"]
     compiled = any(job["variant"] == "compiled" for job in best["jobs"])
     assert (makespan["best_compile_s"] > 0) == compiled and makespan["best_missing"] == []
+
+
+def test_smoke_profile_splits_a_packed_step_into_its_phases(tmp_path):
+    """The profile section: packed steps of 1 job and the largest pack, and one peft job,
+    each with wall time, host time per phase, the top host ops and a table file."""
+    assert bench.main(["--smoke", "--sections", "profile", "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("plora_smoke_*.json")
+    rows = json.loads(result.read_text())["profile"]
+    assert [r["what"] for r in rows] == ["packed", "packed", "solo_peft"]
+    assert [r["n_adapters"] for r in rows] == [1, 2, 1]
+    for row in rows:
+        assert row["wall_ms_per_step"] > 0 and row["top_host_ops"]
+        assert (tmp_path / row["table"]).read_text().strip()
+    for row in rows[:2]:  # runner.packed_train_step labels its phases
+        phases = row["host_ms_per_phase"]
+        assert set(phases) == set(bench.PHASES) and all(v > 0 for v in phases.values())
+        assert phases["plora.forward"] < row["wall_ms_per_step"] * 1.5

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from loka.plora.checkpoint import save_adapter
 from loka.plora.config import LoraJobConfig, PackedLoraConfig, pack_rows
@@ -87,28 +88,33 @@ def packed_train_step(
     row_len = inputs.shape[1]
     packed.set_batch(owners, row_len)
     active = [i for i, _ in batches]
+    # The phases are labelled for torch.profiler (bench/plora.py --sections profile).
     try:
-        # One copy to the device for inputs and labels (and positions when rows are shared).
-        staged = torch.stack([inputs, labels] + ([] if positions is None else [positions]))
-        on_device = staged.to(device, non_blocking=True)
-        inputs, labels = on_device[0], on_device[1]
-        extra = {} if positions is None else {"position_ids": on_device[2]}
-        logits = packed.model(input_ids=inputs, use_cache=False, **extra).logits
-        token_loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), reduction="none"
-        )  # 0 at the pads (label -100)
-        owner = torch.tensor(owners, device=device).repeat_interleave(row_len)
-        n = packed.num_adapters
-        sums = torch.zeros(n, device=device).index_add(0, owner, token_loss)
-        real = (labels.flatten() != _PAD_LABEL).float()
-        counts = torch.zeros(n, device=device).index_add(0, owner, real)
-        losses = sums / counts.clamp_min(1)
-        losses[active].sum().backward()
+        with record_function("plora.forward"):
+            # One copy to the device for inputs and labels (and positions when rows are shared).
+            staged = torch.stack([inputs, labels] + ([] if positions is None else [positions]))
+            on_device = staged.to(device, non_blocking=True)
+            inputs, labels = on_device[0], on_device[1]
+            extra = {} if positions is None else {"position_ids": on_device[2]}
+            logits = packed.model(input_ids=inputs, use_cache=False, **extra).logits
+            token_loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), reduction="none"
+            )  # 0 at the pads (label -100)
+            owner = torch.tensor(owners, device=device).repeat_interleave(row_len)
+            n = packed.num_adapters
+            sums = torch.zeros(n, device=device).index_add(0, owner, token_loss)
+            real = (labels.flatten() != _PAD_LABEL).float()
+            counts = torch.zeros(n, device=device).index_add(0, owner, real)
+            losses = sums / counts.clamp_min(1)
+        with record_function("plora.backward"):
+            losses[active].sum().backward()
     except BaseException:
         optimizer.zero_grad()  # a half-done backward must not leak into the next step
         raise
-    reports = optimizer.step(active)
-    host = losses.detach().cpu().tolist()
+    with record_function("plora.optimizer"):
+        reports = optimizer.step(active)
+    with record_function("plora.readback"):
+        host = losses.detach().cpu().tolist()
     present = set(active)
     return [v if i in present else math.nan for i, v in enumerate(host)], reports
 
