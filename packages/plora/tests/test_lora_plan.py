@@ -146,6 +146,26 @@ def test_a_job_that_cannot_fit_is_reported_and_the_others_are_planned():
         )
 
 
+def test_a_fit_on_rank_tokens_alone_still_predicts_steps_and_an_all_zero_one_is_refused():
+    # CI's loaded CPU once timed four steps that nnls put entirely on rank x tokens: a poor
+    # model (its source says so), but every pack has ranks and tokens, so not a zero one.
+    records = [
+        {"n_adapters": n, "tokens": t, "rank_tokens": r, "step_time_s": s}
+        # 1 ms per rank x token exactly, with tokens and adapters varying apart from it
+        for n, t, r, s in [
+            (1, 8, 32, 0.032),
+            (1, 8, 64, 0.064),
+            (2, 16, 32, 0.032),
+            (1, 16, 128, 0.128),
+        ]
+    ]
+    fitted = ThroughputModel.fit(records)
+    assert (fitted.overhead_s, fitted.per_adapter_s, fitted.per_token_s) == (0.0, 0.0, 0.0)
+    assert fitted.step_time(make_jobs([(4, 1, 1)]), 8) == pytest.approx(0.032)
+    with pytest.raises(ValueError, match="predicts zero step time"):
+        ThroughputModel(0.0, 0.0, 0.0, 0.0, source="zeros")
+
+
 def test_throughput_fit_recovers_a_linear_model_and_reads_tables(tmp_path):
     truth = ThroughputModel(0.02, 0.003, 5e-6, 1e-8, source="truth")
     records = []

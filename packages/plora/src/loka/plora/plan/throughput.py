@@ -48,7 +48,10 @@ class ThroughputModel:
             value = getattr(self, key)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"ThroughputModel.{key} must be finite and >= 0, got {value!r}")
-        if self.overhead_s + self.per_token_s + self.per_adapter_s <= 0:
+        # Every pack has an adapter, tokens and a rank: one positive term is a step time. (A
+        # fit on noisy steps put everything on rank x tokens once; that is a poor model, which
+        # its source's max relative error says, not a zero one.)
+        if sum(getattr(self, key) for key in (*keys, "per_context_token_s")) <= 0:
             raise ValueError("ThroughputModel predicts zero step time; the fit is degenerate")
 
     def step_time(self, jobs: Sequence[LoraJobConfig], seq_len: int) -> float:
