@@ -59,8 +59,8 @@ def fp8_dtype(fmt: str) -> torch.dtype:
 
 def finite_abs(x: torch.Tensor) -> torch.Tensor:
     """|x| in float32 with NaN and Inf replaced by 0: what amax measures."""
-    a = x.float().abs()
-    return torch.where(a < float("inf"), a, torch.zeros_like(a))
+    # One op for NaN and +Inf (|x| has no -Inf): an eager FP8 pass pays host time per op.
+    return torch.nan_to_num(x.float().abs(), nan=0.0, posinf=0.0)
 
 
 def scale_from_amax(
@@ -69,11 +69,13 @@ def scale_from_amax(
     """Float32 scales from amax values (any shape)."""
     amax = amax.float()
     valid = (amax > 0) & (amax < float("inf"))
-    fp8_max = torch.tensor(FP8_MAX[fmt], dtype=torch.float32, device=amax.device)
-    scale = torch.where(valid, fp8_max / amax.clamp_min(AMAX_FLOOR), torch.ones_like(amax))
+    # A division, not `scalar / tensor` (torch computes that as reciprocal times scalar,
+    # another rounding); full_like fills on the device, where torch.tensor(v, device=...)
+    # would copy from the host on every call.
+    fp8_max = torch.full_like(amax, FP8_MAX[fmt])
+    scale = torch.where(valid, fp8_max / amax.clamp_min(AMAX_FLOOR), 1.0)
     if scale_ub is not None:
-        ub = torch.tensor(scale_ub, dtype=torch.float32, device=amax.device)
-        scale = torch.minimum(scale, ub)
+        scale = scale.clamp_max(scale_ub)
     if pow2:
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
     return scale
@@ -82,9 +84,7 @@ def scale_from_amax(
 def saturate_cast(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     """``saturate(x * scale)`` cast to FP8 (`scale` broadcasts against `x`)."""
     m = FP8_MAX[fmt]
-    y = x.float() * scale
-    y = torch.where(y > m, m, torch.where(y < -m, -m, y))
-    return y.to(fp8_dtype(fmt))
+    return (x.float() * scale).clamp(-m, m).to(fp8_dtype(fmt))  # NaN stays NaN
 
 
 def group_amax(x: torch.Tensor, granularity: str, block: tuple[int, int] | None) -> torch.Tensor:
