@@ -50,3 +50,14 @@ def test_the_lookup_table_decodes_as_torch_casts(fmt: str) -> None:
     torch.testing.assert_close(fp8_values(codes), codes.double(), equal_nan=True, rtol=0, atol=0)
     with pytest.raises(RecipeError, match="FP8 format"):
         fp8_dtype("e3m4")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("options", [(False, None), (True, None), (False, 3.0)])
+def test_scales_of_finite_amax_are_the_same_with_the_finite_shortcut(fmt, options):
+    pow2, ub = options
+    amax = torch.tensor([0.0, 1e-30, 3e-5, 0.5, 1.0, 448.0, 6e4, 3e38])
+    want = scale_from_amax(amax, fmt, pow2, ub)
+    got = scale_from_amax(amax, fmt, pow2, ub, finite=True)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert want[0] == 1.0  # zero amax: the fallback scale either way

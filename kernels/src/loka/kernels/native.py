@@ -87,10 +87,10 @@ def quantize_native(
     if granularity == "tensor":
         two_stage = rows_vary and torch.compiler.is_compiling()
         amax = a.amax(dim=1).amax() if two_stage else a.amax()
-        scale = scale_from_amax(amax, fmt, pow2, scale_ub)
+        scale = scale_from_amax(amax, fmt, pow2, scale_ub, finite=True)
     elif granularity == "row":
         amax = a.amax(dim=0 if transpose else 1, keepdim=True)
-        scale = scale_from_amax(amax, fmt, pow2, scale_ub)
+        scale = scale_from_amax(amax, fmt, pow2, scale_ub, finite=True)
     else:
         raise ValueError(f"{NATIVE_BACKEND}: granularity {granularity!r} not supported")
     data = saturate_cast(t, scale, fmt)

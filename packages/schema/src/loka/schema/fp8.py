@@ -64,11 +64,17 @@ def finite_abs(x: torch.Tensor) -> torch.Tensor:
 
 
 def scale_from_amax(
-    amax: torch.Tensor, fmt: str, pow2: bool = False, scale_ub: float | None = None
+    amax: torch.Tensor,
+    fmt: str,
+    pow2: bool = False,
+    scale_ub: float | None = None,
+    *,
+    finite: bool = False,
 ) -> torch.Tensor:
-    """Float32 scales from amax values (any shape)."""
+    """Float32 scales from amax values (any shape). `finite`: the caller knows every amax
+    is finite and >= 0 (taken over `finite_abs`), so only zero needs the fallback scale."""
     amax = amax.float()
-    valid = (amax > 0) & (amax < float("inf"))
+    valid = amax > 0 if finite else (amax > 0) & (amax < float("inf"))
     # A division, not `scalar / tensor` (torch computes that as reciprocal times scalar,
     # another rounding); full_like fills on the device, where torch.tensor(v, device=...)
     # would copy from the host on every call.
