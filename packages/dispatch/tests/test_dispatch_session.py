@@ -96,9 +96,14 @@ WORKER = textwrap.dedent(
     same = torch.allclose(weight / 2, model.module.blocks[0].fc1.weight)
     print(json.dumps({"rank": rank, "planned": planned, "sites": session.applied.sites,
                       "plan": session.plan.table.to_dicts(), "same_weights": bool(same),
-                      "types": [type(m).__name__ for m in model.modules()]}))
+                      "types": [type(m).__name__ for m in model.modules()]}), flush=True)
     session.close()
     dist.destroy_process_group()
+    # Past this point only interpreter finalization is left, where a native thread (gloo's,
+    # by every sign) now and then meets std::terminate ("terminate called without an active
+    # exception", 1 run in ~60 under load): not what this test is about, so skip it.
+    sys.stderr.flush()
+    os._exit(0)
     """
 )
 

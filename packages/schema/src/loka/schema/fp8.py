@@ -60,7 +60,7 @@ def fp8_dtype(fmt: str) -> torch.dtype:
 def finite_abs(x: torch.Tensor) -> torch.Tensor:
     """|x| in float32 with NaN and Inf replaced by 0: what amax measures."""
     # One op for NaN and +Inf (|x| has no -Inf): an eager FP8 pass pays host time per op.
-    return torch.nan_to_num(x.float().abs(), nan=0.0, posinf=0.0)
+    return x.float().abs().nan_to_num_(nan=0.0, posinf=0.0)  # in place: abs made it fresh
 
 
 def scale_from_amax(
@@ -90,7 +90,7 @@ def scale_from_amax(
 def saturate_cast(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     """``saturate(x * scale)`` cast to FP8 (`scale` broadcasts against `x`)."""
     m = FP8_MAX[fmt]
-    return (x.float() * scale).clamp(-m, m).to(fp8_dtype(fmt))  # NaN stays NaN
+    return (x.float() * scale).clamp_(-m, m).to(fp8_dtype(fmt))  # NaN stays NaN
 
 
 def group_amax(x: torch.Tensor, granularity: str, block: tuple[int, int] | None) -> torch.Tensor:
