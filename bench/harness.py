@@ -99,6 +99,22 @@ def time_ms(
     return statistics.median(times)
 
 
+def profile_events(step: Callable[[int], Any], steps: int) -> Any:
+    """torch.profiler over `step(0)` .. `step(steps - 1)`, CPU and (where present) CUDA
+    activity, the device synchronized before it stops: the `key_averages()` of the run."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            step(i)
+        if gpu:
+            torch.cuda.synchronize()
+    return prof.key_averages()
+
+
 def stamp(now: dt.datetime | None = None) -> str:
     """A UTC time stamp for result file names: 20261202T024500Z."""
     return (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%dT%H%M%SZ")

@@ -70,7 +70,17 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
-from harness import Budget, metadata, parser, rel_err, time_ms, version, write_csv, write_json
+from harness import (
+    Budget,
+    metadata,
+    parser,
+    profile_events,
+    rel_err,
+    time_ms,
+    version,
+    write_csv,
+    write_json,
+)
 from harness import stamp as utc_stamp
 
 _T0 = time.monotonic()  # progress lines count from here (imports, model build included)
@@ -496,9 +506,6 @@ PROFILED_STEPS = 3
 def profile_steps(step, tag: str, out: Path, stamp: str) -> dict:
     """`step()` after warm-up: wall time per step (timed apart), then torch.profiler over
     PROFILED_STEPS steps: GPU kernel time, host time per phase, launches, top ops."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     for _ in range(WARMUP):
         step()
     sync()
@@ -508,12 +515,7 @@ def profile_steps(step, tag: str, out: Path, stamp: str) -> dict:
     sync()
     wall = (time.perf_counter() - begin) / TIMED
     gpu = DEVICE.type == "cuda"
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]
-    with torch_profile(activities=activities) as prof:
-        for _ in range(PROFILED_STEPS):
-            step()
-        sync()
-    events = prof.key_averages()
+    events = profile_events(lambda i: step(), PROFILED_STEPS)
     per_step = 1e3 * PROFILED_STEPS  # profiler microseconds -> ms per step
 
     def top(ordered, attr: str) -> list[tuple[str, float, int]]:

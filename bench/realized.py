@@ -1168,18 +1168,11 @@ LINEAR_GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::_scaled_mm"})
 def profile(v, step_fn, out, tag) -> dict:
     """torch.profiler over a few steps: CUDA and CPU time per step, top kernels by time."""
     import torch
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    from harness import profile_events
 
     steps = 4
     gpu = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]
-    with torch_profile(activities=activities) as prof:
-        for i in range(steps):
-            step_fn(v, i)
-        if gpu:
-            torch.cuda.synchronize()
-    events = prof.key_averages()
+    events = profile_events(lambda i: step_fn(v, i), steps)
     table = events.table(
         sort_by="cuda_time_total" if gpu else "cpu_time_total", row_limit=200,
         max_name_column_width=160,
