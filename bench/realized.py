@@ -145,6 +145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model config fields for every variant, e.g. mixing=bmm (Wukong); "
                         "comma list of key=value, values parsed as Python literals")  # fmt: skip
     p.add_argument("--probe-steps", type=int, default=30)
+    p.add_argument("--probe-every", type=int, default=None,
+                   help="sample every Nth probe step for the error statistics (default: "
+                        "probe-steps // 8); undecided sites need more sampled batches")  # fmt: skip
     p.add_argument("--warmup-steps", type=int, default=6, help="untimed steps per variant")
     p.add_argument("--blocks", type=int, default=5)
     p.add_argument("--block-steps", type=int, default=8)
@@ -341,9 +344,10 @@ def main(argv: list[str] | None = None) -> None:
         setup = zoo.create(name, args.preset, device=device, seed=0, **args.model_options)
         batches = [b for b, _ in zip(setup.train_batches(), range(args.batches), strict=False)]
         P = args.probe_steps
+        every = args.probe_every or max(1, P // 8)
         probe = Probe(setup.model, ProbeConfig(
-            warmup_steps=P, max_sites_per_step=None, warmup_every=max(1, P // 8), every=25,
-            min_batches=min(5, max(2, P // 8)), queue_size=P))  # fmt: skip
+            warmup_steps=P, max_sites_per_step=None, warmup_every=every, every=25,
+            min_batches=min(5, max(2, P // every)), queue_size=P))  # fmt: skip
         opt = zoo.make_optimizer(setup.model, zoo.OptimizerConfig(lr=1e-3, fused=gpu))
         for i in range(P):
             zoo.training_step(setup, setup.model, opt, batches[i % len(batches)],
