@@ -115,6 +115,16 @@ def profile_events(step: Callable[[int], Any], steps: int) -> Any:
     return prof.key_averages()
 
 
+def device_kernels(events: Any) -> list:
+    """The device-side kernel rows of `profile_events`' averages: not the CPU ops (whose
+    self device time repeats their kernels') and not the GPU ranges of record_function
+    labels (which span kernels already counted), the same rows torch's table totals."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation
+            and e.self_device_time_total > 0]  # fmt: skip
+
+
 def stamp(now: dt.datetime | None = None) -> str:
     """A UTC time stamp for result file names: 20261202T024500Z."""
     return (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%dT%H%M%SZ")

@@ -72,6 +72,7 @@ from pathlib import Path
 
 from harness import (
     Budget,
+    device_kernels,
     metadata,
     parser,
     profile_events,
@@ -118,6 +119,7 @@ if not torch.cuda.is_available():  # only --smoke runs on a CPU: in Triton's int
     os.environ.setdefault("TRITON_INTERPRET", "1")  # set before any @triton.jit is created
 
 import torch.nn.functional as F  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
 
 from loka.plora import (  # noqa: E402
     LoraJobConfig,
@@ -522,9 +524,11 @@ def profile_steps(step, tag: str, out: Path, stamp: str) -> dict:
         return [(e.key[:100], getattr(e, attr) / per_step, e.count // PROFILED_STEPS)
                 for e in ordered[:20]]  # fmt: skip
 
-    phases = {e.key: e.cpu_time_total / per_step for e in events if e.key in PHASES}
-    kernels = sorted((e for e in events if e.self_device_time_total > 0),
-                     key=lambda e: -e.self_device_time_total)  # fmt: skip
+    # A record_function label appears twice: its CPU range, and a GPU "user annotation"
+    # spanning the kernels it launched, which counting as kernel time would double busy.
+    kernels = sorted(device_kernels(events), key=lambda e: -e.self_device_time_total)
+    phases = {e.key: e.cpu_time_total / per_step for e in events
+              if e.key in PHASES and e.device_type == DeviceType.CPU}  # fmt: skip
     host = sorted(events, key=lambda e: -e.self_cpu_time_total)
     name = f"plora_profile_{MODE}_{stamp}_{tag}.txt"
     Path(out, name).write_text(
@@ -534,7 +538,7 @@ def profile_steps(step, tag: str, out: Path, stamp: str) -> dict:
     )  # fmt: skip
     return {
         "wall_ms_per_step": wall * 1e3,
-        "gpu_busy_ms_per_step": sum(e.self_device_time_total for e in events) / per_step,
+        "gpu_busy_ms_per_step": sum(e.self_device_time_total for e in kernels) / per_step,
         "host_ms_per_phase": phases,
         "launches_per_step": sum(e.count for e in events if e.key in LAUNCHES) / PROFILED_STEPS,
         "top_host_ops": top(host, "self_cpu_time_total"),

@@ -514,7 +514,7 @@ def run_mode(
                     "plan_options": options[variant]}  # fmt: skip
         model = setup.model
         if mode != "eager":
-            model = torch.compile(setup.model, **compile_kwargs(mode, dynamic))
+            model = torch.compile(setup.model, **compile_kwargs(mode, dynamic, variant))
         opt = zoo.make_optimizer(setup.model, zoo.OptimizerConfig(lr=1e-3, fused=gpu))
         made[variant] = {"setup": setup, "model": model, "opt": opt, "row": row,
                          "applied": applied}  # fmt: skip
@@ -728,6 +728,8 @@ def loka_options(variant: str) -> dict:
     ``bias=gemm`` (`ApplyConfig.bias_grad`: the FP8 sites' bias gradient as a GEMM),
     ``static=MARGIN`` (serving only: `loka.mods.calibrate_input_scales` on training
     batches other than the served ones, static input scales at their amax times MARGIN),
+    ``mk`` (this variant compiled with `compile_options(multi_kernel=True)`, the others as
+    ``--inductor`` says: multi-kernel against none in one process),
     e.g. ``loka+fast+min=1.15``, ``loka+min=1.05+x=*.mlp.1/wgrad``: several LoKA variants
     side by side, to see which passes pay inside the real step."""
     head, *opts = variant.split("+")
@@ -749,6 +751,8 @@ def loka_options(variant: str) -> dict:
             if opt[5:] not in BIAS_GRADS:
                 raise ValueError(f"{variant!r}: bias= takes one of {', '.join(BIAS_GRADS)}")
             out["bias_grad"] = opt[5:]
+        elif opt == "mk":
+            out["multi_kernel"] = True
         elif opt.startswith("static="):
             try:
                 out["static_input_margin"] = float(opt[7:])
@@ -757,7 +761,7 @@ def loka_options(variant: str) -> dict:
         else:
             raise ValueError(
                 f"{variant!r}: unknown LoKA option {opt!r} (fast, nohost, min=X, x=GLOB, "
-                "bias=sum|gemm, static=MARGIN)"
+                "bias=sum|gemm, static=MARGIN, mk)"
             )
     return out
 
@@ -769,11 +773,15 @@ APPLY_OPTIONS = ("bias_grad",)
 # Options of serving variants only, applied after `apply` (`static=`).
 SERVING_OPTIONS = ("static_input_margin",)
 
+# Options of how a variant is compiled (`mk`), in neither config.
+COMPILE_OPTIONS = ("multi_kernel",)
+
 
 def split_options(opts: dict) -> tuple[dict, dict]:
     """(`PlanConfig` fields, `ApplyConfig` fields) of a variant's options; serving-only
     options (`SERVING_OPTIONS`) are in neither."""
-    plan = {k: v for k, v in opts.items() if k not in APPLY_OPTIONS + SERVING_OPTIONS}
+    plan = {k: v for k, v in opts.items()
+            if k not in APPLY_OPTIONS + SERVING_OPTIONS + COMPILE_OPTIONS}  # fmt: skip
     return plan, {k: v for k, v in opts.items() if k in APPLY_OPTIONS}
 
 
@@ -835,9 +843,18 @@ def gradient_check(made: dict, batch, autocast, cudagraphs: bool) -> None:
         log(f"gradient check {name}: min cosine with bf16 {worst:.4f} ({worst_name})")
 
 
-def compile_kwargs(mode: str, dynamic: str) -> dict:
-    """torch.compile's arguments for a compiled `mode` and a `--dynamic` setting."""
-    kw: dict = {"mode": "reduce-overhead"} if mode == "cudagraphs" else {}
+def compile_kwargs(mode: str, dynamic: str, variant: str = "") -> dict:
+    """torch.compile's arguments for a compiled `mode`, a `--dynamic` setting and a
+    variant's compile options (a LoKA variant's ``mk``)."""
+    torch_mode = "reduce-overhead" if mode == "cudagraphs" else "default"
+    if variant.startswith(("loka", "infer-loka")) and "multi_kernel" in loka_options(
+        variant.removeprefix("infer-")
+    ):
+        from loka.dispatch.compile_options import compile_options
+
+        kw: dict = {"options": compile_options(torch_mode, multi_kernel=True)}
+    else:
+        kw = {"mode": torch_mode} if torch_mode != "default" else {}
     if dynamic == "static":
         kw["dynamic"] = False
     elif dynamic != "auto":
@@ -865,7 +882,7 @@ def train_and_evaluate(
             applied.demote(site, reason)
     model = setup.model
     if mode != "eager":
-        model = torch.compile(setup.model, **compile_kwargs(mode, dynamic))
+        model = torch.compile(setup.model, **compile_kwargs(mode, dynamic, variant))
     opt = zoo.make_optimizer(setup.model, zoo.OptimizerConfig(lr=1e-3, fused=gpu))
     for _, batch in zip(range(args.quality_steps), setup.train_batches(), strict=False):
         if mode == "cudagraphs":
@@ -1063,7 +1080,9 @@ def inference_rows(
                     extra[variant]["output_rel_err"] = rel_err(got, want)
     if mode != "eager":
         torch._inductor.config.freezing = args.infer_freezing == "on"
-        models = {k: torch.compile(m, **compile_kwargs(mode, dynamic)) for k, m in models.items()}
+        models = {
+            k: torch.compile(m, **compile_kwargs(mode, dynamic, k)) for k, m in models.items()
+        }
 
     def forward(model):
         def run(i):

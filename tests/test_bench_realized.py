@@ -140,6 +140,22 @@ def test_loka_variants_name_their_plan_options():
         realized.loka_options("lokax")
 
 
+def test_a_loka_variant_with_mk_compiles_with_multi_kernel_and_the_others_do_not():
+    assert realized.split_options(realized.loka_options("loka+min=1.1+mk")) == (
+        {"min_speedup": 1.1},
+        {},
+    )
+    mk = {"options": {"triton.multi_kernel": 1}}
+    assert realized.compile_kwargs("compiled", "auto", "loka+mk") == mk
+    assert realized.compile_kwargs("compiled", "auto", "infer-loka+static=2+mk") == mk
+    assert realized.compile_kwargs("compiled", "static", "loka") == {"dynamic": False}
+    assert realized.compile_kwargs("compiled", "auto", "bf16-seed1") == {}
+    assert realized.compile_kwargs("cudagraphs", "auto", "loka+mk") == {
+        "options": {"triton.cudagraphs": True, "triton.multi_kernel": 1}
+    }
+    assert realized.compile_kwargs("cudagraphs", "auto", "bf16") == {"mode": "reduce-overhead"}
+
+
 def test_variants_that_cannot_all_be_held_on_the_gpu_are_refused_in_one_line(monkeypatch):
     # Wukong xl: about 14 GB of weights and optimizer state per variant, 14 GB of activations.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60e9, 141e9))
