@@ -116,6 +116,34 @@ def test_packed_layer_equals_per_adapter_loop_for_mixed_ranks(backend):
     assert not base.weight.requires_grad and base.weight.grad is None
 
 
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_kernels), "loop"])
+def test_a_lone_adapter_runs_on_its_own_parameters_without_a_copy(backend):
+    torch.manual_seed(0)
+    base = nn.Linear(24, 40)
+    wrapper = nn.Sequential(base)
+    packed = convert_to_packed_lora(
+        wrapper,
+        [job("a", rank=4, alpha=8)],
+        PackedLoraConfig(target_modules=("0",), backend=backend),
+    )
+    randomize_b(packed)
+    layer = packed.modules["0"]
+    a_cat, b_cat = layer._packed_factors(torch.float32)
+    assert a_cat is layer.lora_A[0] and b_cat is layer.lora_B[0]  # no concatenation copy
+    assert layer._packed_factors(torch.bfloat16)[0].dtype == torch.bfloat16
+    packed.set_batch([0, 0], tokens_per_sample=3)
+    x = torch.randn(2, 3, 24)
+    y = wrapper(x)
+    y.backward(torch.ones_like(y))
+    a = layer.lora_A[0].detach().clone().requires_grad_()
+    b = layer.lora_B[0].detach().clone().requires_grad_()
+    y_ref = base(x) + layer.scales[0] * (x @ a.t()) @ b.t()
+    y_ref.backward(torch.ones_like(y_ref))
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(layer.lora_A[0].grad, a.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(layer.lora_B[0].grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_per_adapter_learning_rates_differ_in_effect_and_match_solo_training():
     jobs = [job("slow", lr=1e-3, seed=3), job("fast", lr=1e-2, seed=3)]
     model = tiny_llama()

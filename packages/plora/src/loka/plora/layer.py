@@ -87,23 +87,30 @@ class PackedLoraLinear(nn.Module):
             # The base GEMM and the adapters as one op: the adapters add into the base's
             # output and input gradient in place (multi_lora_base_linear).
             layout = self.batch.require(x2.shape[0], self.name)
-            a_cat = torch.cat(tuple(self.lora_A)).to(x.dtype)
-            b_cat = torch.cat(tuple(self.lora_B), dim=1).to(x.dtype)
+            a_cat, b_cat = self._packed_factors(x.dtype)
             y = multi_lora_base_linear(x2, self.base.weight, self.base.bias, a_cat, b_cat, layout)
             return y.view(*x.shape[:-1], y.shape[-1])
         base_out = self.base(x)
         layout = self.batch.require(x2.shape[0], self.name)
         out2 = base_out.reshape(-1, base_out.shape[-1])
         if use_triton:
-            # Concatenate, then cast once: a launch per factor rather than one per adapter.
-            a_cat = torch.cat(tuple(self.lora_A)).to(x.dtype)
-            b_cat = torch.cat(tuple(self.lora_B), dim=1).to(x.dtype)
+            a_cat, b_cat = self._packed_factors(x.dtype)
             y = multi_lora_linear(x2, out2, a_cat, b_cat, layout)
         else:
             a_list = [a.to(x.dtype) for a in self.lora_A]
             b_list = [b.to(x.dtype) for b in self.lora_B]
             y = multi_lora_linear_reference(x2, out2, a_list, b_list, layout)
         return y.view(base_out.shape)
+
+    def _packed_factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A_cat [sum r, in], B_cat [out, sum r]) in `dtype`: concatenated, then cast once
+        (a launch per factor rather than one per adapter); a lone adapter's factors as they
+        are, since a concatenation of one tensor is a copy (two per layer per step)."""
+        if len(self.lora_A) == 1:
+            return self.lora_A[0].to(dtype), self.lora_B[0].to(dtype)
+        return torch.cat(tuple(self.lora_A)).to(dtype), torch.cat(tuple(self.lora_B), dim=1).to(
+            dtype
+        )
 
     def _base_fusable(self, x: torch.Tensor) -> bool:
         """Whether the base linear can run inside the packed op: a plain nn.Linear without
