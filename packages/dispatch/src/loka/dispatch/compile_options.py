@@ -106,8 +106,8 @@ def choose_compile_options(
     ``2 * (warmup_steps + blocks * steps_per_block)`` steps. `timer`: a
     `loka.dispatch.step_timers.StepTimer` (default: CUDA events on a GPU model, the wall
     clock elsewhere); `compile`: `torch.compile` unless given (a test's stand-in). With
-    ``mode="reduce-overhead"`` both compiled runs record CUDA graphs (memory for both until
-    the unchosen one is dropped), and `step_fn` should begin with
+    ``mode="reduce-overhead"`` both compiled runs record CUDA graphs (count on memory for both;
+    dynamo keeps the unchosen graph cached), and `step_fn` should begin with
     `torch.compiler.cudagraph_mark_step_begin()` as any training loop under it does."""
     import torch
 
