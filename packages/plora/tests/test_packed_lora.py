@@ -230,9 +230,36 @@ def test_nan_in_one_job_leaves_the_other_jobs_update_exact():
             assert reports[1].stepped
             for got, want in zip(params_of(packed, 0), bad_before, strict=True):
                 torch.testing.assert_close(got, want, equal_nan=True)  # not stepped
-            assert not opt.optimizers[0].state  # no optimizer state was created
+            # skipped on the device (found_inf): the state is made but as before any step
+            for state in opt.optimizers[0].state.values():
+                assert float(state["step"]) == 0.0
+                assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
     (_, _, clean_good), (_, _, poisoned_good) = updates
     for got, want in zip(poisoned_good, clean_good, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_skipped_step_leaves_no_trace_in_the_next_one():
+    """A non-finite step is skipped on the device; the job's next step is its first."""
+    jobs = [job("a", max_grad_norm=1.0), job("b", rank=8, seed=1)]
+    finals = []
+    for skip_first in (False, True):
+        packed = convert_to_packed_lora(tiny_llama(), jobs, PackedLoraConfig(backend="loop"))
+        opt = PerAdapterOptimizer(packed)
+        g = torch.Generator().manual_seed(3)
+        grads = [torch.randn(p.shape, generator=g) for p in packed.adapter_parameters(0)]
+        if skip_first:
+            for p, grad in zip(packed.adapter_parameters(0), grads, strict=True):
+                p.grad = grad.clone()
+            packed.adapter_parameters(0)[0].grad[0, 0] = math.inf
+            (report,) = opt.step([0])
+            assert not report.stepped and math.isinf(report.grad_norm)
+        for p, grad in zip(packed.adapter_parameters(0), grads, strict=True):
+            p.grad = grad.clone()
+        (report,) = opt.step([0])
+        assert report.stepped and report.grad_norm > 1.0  # clipped to 1.0
+        finals.append(params_of(packed, 0))
+    for got, want in zip(finals[1], finals[0], strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

@@ -33,47 +33,55 @@ class PerAdapterOptimizer:
     def __init__(self, packed: PackedLora) -> None:
         self.packed = packed
         self.params = [packed.adapter_parameters(i) for i in range(packed.num_adapters)]
-        fused = packed.device.type == "cuda"
+        # Fused on every device (torch has fused AdamW for the CPU too): its `found_inf`
+        # skips a job's update on the device, so no step waits for the gradient norms.
         self.optimizers = [
             torch.optim.AdamW(
                 params,
                 lr=job.lr,
                 betas=(job.beta1, job.beta2),
                 weight_decay=job.weight_decay,
-                fused=fused,
-                foreach=None if fused else True,
+                fused=True,
             )
             for job, params in zip(packed.jobs, self.params, strict=True)
         ]
 
     def step(self, active: Sequence[int] | None = None) -> list[AdapterStep]:
-        """Clip and step the `active` adapters (default: all); clears every gradient."""
+        """Clip and step the `active` adapters (default: all); clears every gradient.
+
+        Every update is queued before anything is read back: a job whose gradient norm is
+        not finite is skipped by its fused AdamW (`found_inf`, decided on the device; its
+        parameters, moments and step count stay as they were), and the norms come to the
+        host in one copy at the end, for the report. Waiting for them before stepping (as
+        this did) left the GPU idle while the host issued 32 jobs' optimizer steps."""
         indices = list(range(self.packed.num_adapters)) if active is None else list(active)
         for i in indices:
             self.packed.check_index(i)
-        norms = []
+        grads = {i: [p.grad for p in self.params[i] if p.grad is not None] for i in indices}
+        present = [i for i in indices if grads[i]]
+        host: dict[int, float] = {}
+        if present:
+            norms = torch.stack([torch.nn.utils.get_total_norm(grads[i]) for i in present])
+            norms = norms.float()
+            skip = (~torch.isfinite(norms)).float()
+            for k, i in enumerate(present):
+                job = self.packed.jobs[i]
+                if job.max_grad_norm is not None:
+                    # A non-finite norm makes the clipped gradient non-finite too: the
+                    # update it would feed is skipped below.
+                    torch.nn.utils.clip_grads_with_norm_(grads[i], job.max_grad_norm, norms[k])
+                optimizer = self.optimizers[i]
+                optimizer.found_inf = skip[k]
+                optimizer.step()
+            host = dict(zip(present, norms.cpu().tolist(), strict=True))  # the one sync
+        reports = []
         for i in indices:
-            grads = [p.grad for p in self.params[i] if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads) if grads else None
-            norms.append(norm)
-        present = [n for n in norms if n is not None]
-        host = torch.stack(present).float().cpu().tolist() if present else []  # one sync
-        reports, k = [], 0
-        for i, norm in zip(indices, norms, strict=True):
-            if norm is None:
+            if i not in host:
                 reports.append(AdapterStep(i, 0.0, False, "no gradient (adapter had no tokens)"))
-                continue
-            value = host[k]
-            k += 1
-            if not math.isfinite(value):
-                reports.append(AdapterStep(i, value, False, "non-finite gradient; step skipped"))
-                continue
-            job = self.packed.jobs[i]
-            if job.max_grad_norm is not None:
-                grads = [p.grad for p in self.params[i] if p.grad is not None]
-                torch.nn.utils.clip_grads_with_norm_(grads, job.max_grad_norm, norm)
-            self.optimizers[i].step()
-            reports.append(AdapterStep(i, value, True))
+            elif not math.isfinite(host[i]):
+                reports.append(AdapterStep(i, host[i], False, "non-finite gradient; step skipped"))
+            else:
+                reports.append(AdapterStep(i, host[i], True))
         self.zero_grad()
         return reports
 
