@@ -263,6 +263,22 @@ def test_a_skipped_step_leaves_no_trace_in_the_next_one():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_a_state_saved_by_a_foreach_adamw_still_skips_on_the_device():
+    packed = convert_to_packed_lora(tiny_llama(), [job("a")], PackedLoraConfig(backend="loop"))
+    opt = PerAdapterOptimizer(packed)
+    state = opt.state_dict(0)
+    for group in state["param_groups"]:
+        group["fused"], group["foreach"] = None, True  # as the unfused CPU path saved it
+    opt.load_state_dict(0, state)
+    before = params_of(packed, 0)
+    for p in packed.adapter_parameters(0):
+        p.grad = torch.full_like(p, math.nan)
+    (report,) = opt.step()
+    assert not report.stepped
+    for got, want in zip(params_of(packed, 0), before, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_checkpoint_roundtrip_and_mismatched_rank_changes_nothing(tmp_path):
     jobs = [job("a", rank=4), job("b", rank=8, seed=1)]
     model = tiny_llama()

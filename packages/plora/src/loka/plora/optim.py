@@ -95,4 +95,9 @@ class PerAdapterOptimizer:
 
     def load_state_dict(self, index: int, state: dict) -> None:
         self.packed.check_index(index)
-        self.optimizers[index].load_state_dict(state)
+        optimizer = self.optimizers[index]
+        optimizer.load_state_dict(state)
+        # A state saved by a foreach AdamW (this class before it fused everywhere) brings
+        # its group flags along; the device-side skip needs the fused step.
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = True, None
