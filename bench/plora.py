@@ -267,8 +267,9 @@ def device_ms(fn, reps: int = 10) -> tuple[float | None, list]:
 def _bench_shape(name, k, n, jobs, layout) -> dict:
     """The op at one linear shape. Times (ms), each the base GEMM (forward + input gradient)
     plus the adapters, against the base GEMM alone:
-    - t_{path}_ms: per-adapter leaves concatenated in the step (as PackedLoraLinear does:
-      torch.cat forward, 64 AccumulateGrads backward), wall clock (do_bench, host included);
+    - t_{path}_ms: per-adapter leaves as a step has them (as PackedLoraLinear does:
+      `fused_base` takes them as they are and concatenates inside the op, the other paths
+      after torch.cat; 64 AccumulateGrads backward), wall clock (do_bench, host included);
     - t_op_{path}_ms: the op alone on concatenated leaves a_cat, b_cat (what issue 19's aim
       is about), wall clock;
     - device_op_{path}_ms: the same, GPU kernel time only (torch.profiler), and
@@ -296,7 +297,10 @@ def _bench_shape(name, k, n, jobs, layout) -> dict:
 
     def run_triton(vs, path):
         xs, a_s, b_s = vs[0], vs[1 : len(jobs) + 1], vs[len(jobs) + 1 :]
-        y = op(xs, torch.cat(a_s), torch.cat(b_s, dim=1), path)
+        if path == "fused_base":  # as PackedLoraLinear calls it: each adapter's own factors
+            y = op(xs, a_s, b_s, path)
+        else:
+            y = op(xs, torch.cat(a_s), torch.cat(b_s, dim=1), path)
         y.backward(dy)
         return y
 

@@ -165,6 +165,36 @@ def test_base_linear_op_equals_base_then_adapters(dtype):
     _close(b2.grad, ref[4].grad, dtype)
 
 
+def test_base_linear_op_takes_each_adapters_own_factors_with_no_autograd_nodes_of_its_own():
+    """Per-adapter float32 factors on a bfloat16 input (as PackedLoraLinear passes them):
+    the op concatenates and casts inside, each factor gets its own float32 gradient, and
+    the graph goes from the op straight to the factors' gradient accumulators."""
+    layout = _layout()
+    x, a_cat, b_cat, _, dy = _operands(layout, torch.bfloat16, seed=8)
+    g = torch.Generator().manual_seed(9)
+    weight = (torch.randn(N, K, generator=g) / K**0.5).to(torch.bfloat16)
+    splits = list(zip(layout.rank_offsets, layout.ranks, strict=True))
+    a_parts = [a_cat[o : o + r].float().clone().requires_grad_() for o, r in splits]
+    b_parts = [b_cat[:, o : o + r].float().clone().requires_grad_() for o, r in splits]
+    y = multi_lora_base_linear(x, weight, None, a_parts, b_parts, layout)
+    accumulators = {f[0].name() for f in y.grad_fn.next_functions if f[0] is not None}
+    assert accumulators == {"torch::autograd::AccumulateGrad"}
+    y.backward(dy)
+    a_ref = [a.detach().clone().requires_grad_() for a in a_parts]
+    b_ref = [b.detach().clone().requires_grad_() for b in b_parts]
+    want = multi_lora_base_linear(x, weight, None, torch.cat(a_ref).to(torch.bfloat16),
+                                  torch.cat(b_ref, dim=1).to(torch.bfloat16), layout)  # fmt: skip
+    want.backward(dy)
+    _close(y, want, torch.bfloat16)
+    for got, ref in zip(a_parts + b_parts, a_ref + b_ref, strict=True):
+        assert got.grad.dtype == torch.float32 and got.grad.shape == got.shape
+        _close(got.grad, ref.grad, torch.bfloat16)
+    with pytest.raises(ValueError, match="2 A factors against 1 B factors"):
+        multi_lora_base_linear(x, weight, None, a_parts[:2], b_parts[:1], layout)
+    with pytest.raises(TypeError, match="share one dtype"):
+        multi_lora_base_linear(x, weight, None, a_parts, [b.double() for b in b_parts], layout)
+
+
 def test_backward_data_accumulates_into_the_base_input_gradient():
     layout = _layout()
     x, a_cat, b_cat, base, dy = _operands(layout, torch.float32, seed=7)

@@ -87,8 +87,10 @@ class PackedLoraLinear(nn.Module):
             # The base GEMM and the adapters as one op: the adapters add into the base's
             # output and input gradient in place (multi_lora_base_linear).
             layout = self.batch.require(x2.shape[0], self.name)
-            a_cat, b_cat = self._packed_factors(x.dtype)
-            y = multi_lora_base_linear(x2, self.base.weight, self.base.bias, a_cat, b_cat, layout)
+            # Each adapter's own parameters: the op concatenates and casts them itself.
+            y = multi_lora_base_linear(
+                x2, self.base.weight, self.base.bias, tuple(self.lora_A), tuple(self.lora_B), layout
+            )
             return y.view(*x.shape[:-1], y.shape[-1])
         base_out = self.base(x)
         layout = self.batch.require(x2.shape[0], self.name)
