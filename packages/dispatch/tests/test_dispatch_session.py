@@ -266,6 +266,28 @@ def test_a_compiled_model_is_probed_planned_and_applied_through_the_module_it_co
     assert backends == {"torch.native"}
     # Probe's hooks run outside the graph: no recompile storm while probing.
     assert counters["stats"]["unique_graphs"] <= 8
+    # The README's next step: which compile options the planned model wants, on its step
+    # (Dynamo's eager backend stands in for inductor, whose settings are what differ).
+    from loka.dispatch.compile_options import choose_compile_options
+
+    compiled_with: list[dict] = []
+
+    def eager_compile(module, options):
+        compiled_with.append(options)
+        return torch.compile(module, backend="eager")
+
+    def train_step(run):
+        run(torch.randn(32, 32)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    before = model[0].weight.detach().clone()
+    choice = choose_compile_options(model, train_step, blocks=2, steps_per_block=1,
+                                    warmup_steps=1, compile=eager_compile)  # fmt: skip
+    assert compiled_with == [{"triton.multi_kernel": 1}, {}]
+    assert set(choice.step_ms) == {"multi-kernel", "mode"}
+    assert not torch.equal(model[0].weight, before)  # real training steps, plan in place
+    assert all(isinstance(model.get_submodule(s), Fp8Linear) for s in session.applied.sites)
 
 
 def test_verifying_a_compiled_model_raises_dynamos_recompile_limit() -> None:
