@@ -193,3 +193,6 @@ def test_the_reports_speedup_card_names_the_ceiling_over_safe_candidates() -> No
     lower = replace(summary, safe_ceiling=1.05, safe_prequant_speedup=1.3)
     assert "1.050x over the candidates accurate enough" in speedup_cards(lower, plan)
     assert any("safe candidates only: 1.050x" in line for line in lower.lines())
+    assert "allowed, quantizations included" not in speedup_cards(summary, plan)
+    free = replace(summary, unconstrained_speedup=1.07)
+    assert "1.070x with every FP8 candidate allowed" in speedup_cards(free, plan)

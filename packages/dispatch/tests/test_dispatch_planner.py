@@ -141,6 +141,18 @@ def test_shared_quantization_makes_the_backward_pair_worth_it() -> None:
         make_plan(sites, errors, bench, PlanConfig(min_speedup=1.2))).values())  # fmt: skip
 
 
+def test_a_gemm_whose_quantization_costs_more_than_it_saves_has_no_unconstrained_gain() -> None:
+    """InterFormer's sequence arm in small: the pre-quantized FP8 GEMM is twice as fast,
+    but quantizing its inputs costs more than that, accurate or not."""
+    sites = sites_table(("a", 1024, 4096, 8192, 0.4))
+    errors = errors_table([("a", ROW, "fwd", 0.01, "safe")])
+    bench = bench_table([*BF16_ROWS, ("torch.scaled_mm", ROW, "fwd", 0.5, 0.8)])
+    summary = make_plan(sites, errors, bench).summary
+    assert summary.passes_fp8 == 0 and summary.predicted_speedup == pytest.approx(1.0)
+    assert summary.ceiling > 1.05  # the share-based ceiling counts the GEMM alone
+    assert summary.unconstrained_speedup == pytest.approx(1.0)
+
+
 def test_global_error_budget_moves_the_least_valuable_sites_back() -> None:
     sites = sites_table(("a", 1024, 4096, 8192, None), ("b", 1024, 4096, 8192, None))
     errors = errors_table([("a", ROW, "fwd", 0.05, "safe"), ("b", ROW, "fwd", 0.02, "safe")])
@@ -182,6 +194,11 @@ def test_summary_predicts_end_to_end_with_its_ceiling() -> None:
     assert summary.safe_ceiling == pytest.approx(1 / (0.5 + 0.5 / (6 / 5.5)))
     assert summary.predicted_speedup < summary.safe_ceiling < summary.ceiling
     assert any("safe candidates only" in line for line in summary.lines())
+    # Every candidate allowed, quantization included: b's fwd too at 0.75.
+    both = 1 / (0.5 + 0.3 * 2.75 / 3 + 0.2 * 2.75 / 3)
+    assert summary.unconstrained_speedup == pytest.approx(both)
+    assert summary.predicted_speedup < summary.unconstrained_speedup < summary.ceiling
+    assert any("accurate or not, quantizations included" in line for line in summary.lines())
     assert summary.sites_fp8 == 1 and summary.passes_fp8 == 1 and not summary.estimated
     untimed = make_plan(
         sites.with_columns(pl.lit(None, pl.Float64).alias("time_share")), errors, bench

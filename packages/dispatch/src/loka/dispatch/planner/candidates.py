@@ -100,6 +100,8 @@ class SiteChoice:
     rejected: dict[str, list[dict]]
     combos: list[Combo] = field(default_factory=list)
     best_gemm: dict[str, float] = field(default_factory=dict)  # fastest FP8 GEMM, safe or not
+    # the fastest FP8 candidate whole (quantizations included), safe or not
+    best_total: dict[str, float] = field(default_factory=dict)
     chosen: int = 0
     note: str | None = None  # why the site stays bf16 without any evaluation
     undecided: list[dict] = field(default_factory=list)  # site_errors rows refused as undecided
@@ -247,7 +249,11 @@ def site_candidates(
         for r in rows:
             if r["_speed"] != "bf16":
                 by_speed.setdefault(r["_speed"], []).append(r)
-                choice.best_gemm[pass_] = min(choice.best_gemm.get(pass_, gemm), _timing(r).gemm_ms)
+                timing = _timing(r, config.mode, config.charge_host)
+                choice.best_gemm[pass_] = min(choice.best_gemm.get(pass_, gemm), timing.gemm_ms)
+                choice.best_total[pass_] = min(
+                    choice.best_total.get(pass_, median), timing.median_ms
+                )
         probed = errors.get(pass_, [])
         probed_speeds = set()
         for err in probed:

@@ -51,6 +51,11 @@ class PlanSummary:
     # recipe is safe for); safe_ceiling -> predicted to quantization and shared-pass costs.
     safe_prequant_speedup: float | None = None
     safe_ceiling: float | None = None
+    # The prediction with every timed FP8 candidate allowed, accurate or not, each pass at its
+    # fastest whole (quantizations included): ceiling -> unconstrained is what quantizing
+    # costs (memory-bound GEMMs over many tokens can lose it all); unconstrained -> predicted
+    # is what accuracy and the plan's rules cost.
+    unconstrained_speedup: float | None = None
 
     @property
     def share_of_ceiling(self) -> float | None:
@@ -81,6 +86,13 @@ class PlanSummary:
                     f"ceiling over the safe candidates only: {self.safe_ceiling:.3f}x "
                     f"(s = {self.safe_prequant_speedup:.2f}x): the rest of the ceiling is "
                     "passes no FP8 recipe is accurate enough for"
+                )
+            if self.unconstrained_speedup is not None:
+                out.append(
+                    f"with every timed FP8 candidate allowed, accurate or not, quantizations "
+                    f"included: {self.unconstrained_speedup:.3f}x (ceiling -> this: what "
+                    "quantizing costs; this -> predicted: what accuracy and the plan's rules "
+                    "cost)"
                 )
         undecided = [self.undecided] if self.undecided else []
         return out + undecided + self.notes + self._measured_lines()
@@ -200,13 +212,26 @@ def summarize(
     shares = [c.share for c in timed]
     g = None
     predicted = ceiling = None
+
     # sites.time_share is a share of the training step: it says nothing of inference.
+    def fastest(c: SiteChoice) -> float:
+        # Never above the plan's own time for a pass, which may share a quantization with
+        # another pass that a per-pass best cannot see.
+        times = c.current().times
+        return sum(min(c.best_total.get(p, math.inf), times[i])
+                   for p, i in zip(passes, index, strict=True))  # fmt: skip
+
+    unconstrained = None
     if timed and passes == PASSES and all(s is not None for s in shares):
         g = float(sum(shares))
         predicted = 1.0 / ((1.0 - g) + sum(c.share * planned(c) / bf16(c) for c in timed))
+        unconstrained = 1.0 / ((1.0 - g) + sum(c.share * fastest(c) / bf16(c) for c in timed))
     elif gemm_share is not None:
         g = gemm_share
         predicted = 1.0 / ((1.0 - g) + g * plan_total / bf16_total) if bf16_total > 0 else None
+        fast_total = sum(fastest(c) for c in timed)
+        if bf16_total > 0:
+            unconstrained = 1.0 / ((1.0 - g) + g * fast_total / bf16_total)
         notes = [*notes, f"g = {g:.3f} given, not measured"]
     safe_ceiling = None
     if g is not None:
@@ -239,6 +264,7 @@ def summarize(
         device=devices[0].device if devices else "none",
         safe_prequant_speedup=s_safe,
         safe_ceiling=safe_ceiling,
+        unconstrained_speedup=unconstrained,
         notes=[*list(notes), f"{len(choices) - len(timed)} site(s) without timings stay bf16"]
         if len(timed) < len(choices) else list(notes),
     )  # fmt: skip

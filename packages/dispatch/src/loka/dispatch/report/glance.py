@@ -80,6 +80,9 @@ def speedup_cards(summary: PlanSummary | None, plan: pl.DataFrame) -> str:
         safe = summary.safe_ceiling
         if safe is not None and safe < summary.ceiling - 5e-4:
             detail += f" ({safe:.3f}x over the candidates accurate enough)"
+        if summary.unconstrained_speedup is not None:
+            detail += (f"; {summary.unconstrained_speedup:.3f}x with every FP8 candidate "
+                       "allowed, quantizations included")  # fmt: skip
     else:
         predicted = f"{summary.gemm_speedup:.2f}x"
         detail = f"GEMM time of the planned sites{est}; end to end unknown (no measured g)"
