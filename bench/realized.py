@@ -509,6 +509,7 @@ def run_mode(
             s = loka_plans[variant].summary
             row |= {"fp8_layers": len(applied.sites), "predicted_speedup": s.predicted_speedup,
                     "ceiling": s.ceiling, "safe_ceiling": s.safe_ceiling, "g": s.gemm_share,
+                    "unconstrained": s.unconstrained_speedup,
                     "s": s.prequant_speedup,
                     "passes_fp8": s.passes_fp8, "demoted": {},
                     "plan_options": options[variant]}  # fmt: skip
