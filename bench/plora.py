@@ -256,9 +256,11 @@ def device_ms(fn, reps: int = 10) -> tuple[float | None, list]:
             for _ in range(reps):
                 fn()
             sync()
-        events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+        events = sorted(
+            device_kernels(prof.key_averages()), key=lambda e: -e.self_device_time_total
+        )
         kernels = [(e.key[:80], e.self_device_time_total / reps / 1e3, e.count / reps)
-                   for e in events if e.self_device_time_total > 0]  # fmt: skip
+                   for e in events]  # fmt: skip
         return sum(ms for _, ms, _ in kernels), kernels[:12]
     except Exception:  # a profiler failure leaves the wall-clock numbers standing
         return None, []

@@ -17,6 +17,7 @@ from loka.plora.kernels import (
     multi_lora_linear,
     multi_lora_linear_reference,
 )
+from loka.plora.kernels.function import cat_factors
 
 
 class PackedBatch:
@@ -105,14 +106,8 @@ class PackedLoraLinear(nn.Module):
         return y.view(base_out.shape)
 
     def _packed_factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A_cat [sum r, in], B_cat [out, sum r]) in `dtype`: concatenated, then cast once
-        (a launch per factor rather than one per adapter); a lone adapter's factors as they
-        are, since a concatenation of one tensor is a copy (two per layer per step)."""
-        if len(self.lora_A) == 1:
-            return self.lora_A[0].to(dtype), self.lora_B[0].to(dtype)
-        return torch.cat(tuple(self.lora_A)).to(dtype), torch.cat(tuple(self.lora_B), dim=1).to(
-            dtype
-        )
+        """(A_cat [sum r, in], B_cat [out, sum r]) in `dtype` (`cat_factors`)."""
+        return cat_factors(tuple(self.lora_A), tuple(self.lora_B), dtype)
 
     def _base_fusable(self, x: torch.Tensor) -> bool:
         """Whether the base linear can run inside the packed op: a plain nn.Linear without

@@ -61,8 +61,7 @@ class PerAdapterOptimizer:
         present = [i for i in indices if grads[i]]
         host: dict[int, float] = {}
         if present:
-            norms = torch.stack([torch.nn.utils.get_total_norm(grads[i]) for i in present])
-            norms = norms.float()
+            norms = torch.stack([torch.nn.utils.get_total_norm(grads[i]) for i in present]).float()
             skip = (~torch.isfinite(norms)).float()
             for k, i in enumerate(present):
                 job = self.packed.jobs[i]

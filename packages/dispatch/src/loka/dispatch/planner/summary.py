@@ -211,9 +211,8 @@ def summarize(
     s_safe = bf16_total / safe_total if safe_total > 0 else 1.0
     shares = [c.share for c in timed]
     g = None
-    predicted = ceiling = None
+    predicted = ceiling = unconstrained = None
 
-    # sites.time_share is a share of the training step: it says nothing of inference.
     def fastest(c: SiteChoice) -> float:
         # Never above the plan's own time for a pass, which may share a quantization with
         # another pass that a per-pass best cannot see.
@@ -221,7 +220,7 @@ def summarize(
         return sum(min(c.best_total.get(p, math.inf), times[i])
                    for p, i in zip(passes, index, strict=True))  # fmt: skip
 
-    unconstrained = None
+    # sites.time_share is a share of the training step: it says nothing of inference.
     if timed and passes == PASSES and all(s is not None for s in shares):
         g = float(sum(shares))
         predicted = 1.0 / ((1.0 - g) + sum(c.share * planned(c) / bf16(c) for c in timed))

@@ -29,6 +29,17 @@ from loka.plora.kernels.wgrad_split import lora_wgrad_split
 PATHS = ("fused", "unfused")
 
 
+def cat_factors(
+    a_parts: tuple[torch.Tensor, ...], b_parts: tuple[torch.Tensor, ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A_cat [sum r, K], B_cat [N, sum r]) in `dtype` from the adapters' own factors:
+    concatenated, then cast once (a launch per factor rather than one per adapter); a lone
+    adapter's factors as they are, since a concatenation of one tensor is a copy."""
+    if len(a_parts) == 1:
+        return a_parts[0].to(dtype), b_parts[0].to(dtype)
+    return torch.cat(a_parts).to(dtype), torch.cat(b_parts, dim=1).to(dtype)
+
+
 def resolve_path(path: str | None, layout: MultiLoraLayout) -> str:
     """The kernel path: `path`, else $LOKA_PLORA_KERNELS, else "fused"; "fused" becomes
     "unfused" when an adapter's rank exceeds the fused kernels' rank tile (128)."""
@@ -86,13 +97,12 @@ class MultiLoraBaseLinearFunction(torch.autograd.Function):
     `b_cat` when count is 1, or each adapter's own parameters): the op concatenates and
     casts them to x's dtype itself and hands each part its gradient in the part's dtype, so
     a packed step has no autograd nodes of its own for the concatenation and the casts
-    (a cat, its backward and two casts per layer, at 32 jobs 64 gradient slices to copy)."""
+    (a cat, its backward and two casts per layer)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, layout, count, *factors):
         a_parts, b_parts = factors[:count], factors[count:]
-        a_cat = (torch.cat(a_parts) if count > 1 else a_parts[0]).to(x.dtype)
-        b_cat = (torch.cat(b_parts, dim=1) if count > 1 else b_parts[0]).to(x.dtype)
+        a_cat, b_cat = cat_factors(a_parts, b_parts, x.dtype)
         base = torch.nn.functional.linear(x, weight, bias)
         y, h = lora_forward(x, a_cat, b_cat, base, layout, out=base)
         ctx.save_for_backward(x, weight, h, a_cat, b_cat)

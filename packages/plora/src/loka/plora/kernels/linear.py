@@ -11,6 +11,7 @@ import torch
 from loka.plora.kernels.function import (
     MultiLoraBaseLinearFunction,
     MultiLoraLinearFunction,
+    cat_factors,
     resolve_path,
 )
 from loka.plora.kernels.layout import MultiLoraLayout
@@ -70,8 +71,7 @@ def multi_lora_base_linear(
         raise TypeError("the adapters' factors must share one dtype")
     if resolve_path(path, layout) != "fused":
         base = torch.nn.functional.linear(x, weight, bias)
-        a_cat = torch.cat(a_parts).to(x.dtype)
-        b_cat = torch.cat(b_parts, dim=1).to(x.dtype)
+        a_cat, b_cat = cat_factors(a_parts, b_parts, x.dtype)
         return multi_lora_linear(x, base, a_cat, b_cat, layout, path="unfused")
     if len(a_parts) == 1:
         _check_linear_shapes(x, (x.shape[0], n), a_parts[0], b_parts[0], layout)
