@@ -17,9 +17,10 @@ DHEN training graph 40 -> 52 s.
 torch.compile takes a mode or options, not both: `compile_options(mode)` carries the
 mode's own settings (`torch._inductor.list_mode_options`).
 
-Multi-kernel does not pay on every model: in the same measurements HSTU xl's plan trained
-1.061x bf16 with it against 1.096-1.099x without (173.3 vs 166.0-166.5 ms, bf16 unchanged at
-182-184 ms; `realized_20261203T054359Z`), InterFormer xl's 1.030-1.043x against 1.051x. So
+Multi-kernel does not pay on every model: HSTU xl's plan trained 1.061x bf16 with it
+against 1.096-1.099x without (173.3 vs 166.0-166.5 ms, bf16 unchanged at 182-184 ms;
+`realized_20261203T054359Z` against earlier runs: different days, bf16 in each process),
+InterFormer xl's 1.030-1.043x against 1.051x. So
 `choose_compile_options(model, step_fn)` measures it on the model's own training step:
 
     choice = choose_compile_options(model, lambda run: train_step(run, next(batches)))
