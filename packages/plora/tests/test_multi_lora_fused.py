@@ -102,6 +102,23 @@ def test_split_wgrad_is_the_same_for_any_chunk_size(chunk):
     _close(db, db_ref, torch.bfloat16)
 
 
+def test_split_wgrad_writes_db_in_the_strides_it_is_given():
+    """A packed B^T ([sum r, N]) is read as its transpose; its gradient comes out in the
+    same strides, so autograd hands it to the packed parameter without a transposing copy."""
+    layout = _layout()
+    x, a_cat, b_cat, base, dy = _operands(layout, torch.float32, seed=2)
+    _, h = lora_forward_reference(x, a_cat, b_cat, base, layout)
+    _, dh = lora_backward_data_reference(dy, a_cat, b_cat, layout)
+    b_like = b_cat.t().contiguous().t()  # [N, sum r] with strides (1, N)
+    da, db = lora_wgrad_split(dh, x, h, dy, layout, db_like=b_like)
+    assert db.stride() == b_like.stride() and db.t().is_contiguous()
+    da_ref, db_ref = lora_wgrad_split_reference(dh, x, h, dy, layout)
+    _close(da, da_ref, torch.float32)
+    _close(db, db_ref, torch.float32)
+    with pytest.raises(ValueError, match="db_like"):
+        lora_wgrad_split(dh, x, h, dy, layout, db_like=b_like[:, :-1])
+
+
 def test_token_chunks_cut_each_segment_in_adapter_order():
     layout = MultiLoraLayout.from_segments((9, 0, 9), (12, 9, 9), (2, 3, 5), (1.0, 1.0, 1.0))
     chunks = layout.token_chunks(4)

@@ -106,10 +106,11 @@ def test_packed_layer_equals_per_adapter_loop_for_mixed_ranks(backend):
         torch.testing.assert_close(y[start : start + count], yi, rtol=1e-4, atol=1e-5)
         if count:
             yi.backward(dy[start : start + count])
-            torch.testing.assert_close(layer.lora_A[i].grad, a.grad, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(layer.lora_B[i].grad, b.grad, rtol=1e-4, atol=1e-5)
+            grad_a, grad_bt = (p.grad for p in layer.adapter_parameters(i))
+            torch.testing.assert_close(grad_a, a.grad, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(grad_bt, b.grad.t(), rtol=1e-4, atol=1e-5)
         else:
-            for p in (layer.lora_A[i], layer.lora_B[i]):
+            for p in layer.adapter_parameters(i):
                 assert p.grad is None or torch.all(p.grad == 0)
         start += count
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
@@ -129,7 +130,8 @@ def test_a_lone_adapter_runs_on_its_own_parameters_without_a_copy(backend):
     randomize_b(packed)
     layer = packed.modules["0"]
     a_cat, b_cat = layer._packed_factors(torch.float32)
-    assert a_cat is layer.lora_A[0] and b_cat is layer.lora_B[0]  # no concatenation copy
+    assert a_cat is layer.lora_packed_A  # no concatenation copy
+    assert b_cat.data_ptr() == layer.lora_packed_Bt.data_ptr() and b_cat.shape == (40, 4)
     assert layer._packed_factors(torch.bfloat16)[0].dtype == torch.bfloat16
     packed.set_batch([0, 0], tokens_per_sample=3)
     x = torch.randn(2, 3, 24)
@@ -140,8 +142,8 @@ def test_a_lone_adapter_runs_on_its_own_parameters_without_a_copy(backend):
     y_ref = base(x) + layer.scales[0] * (x @ a.t()) @ b.t()
     y_ref.backward(torch.ones_like(y_ref))
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(layer.lora_A[0].grad, a.grad, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(layer.lora_B[0].grad, b.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(layer.lora_packed_A.grad, a.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(layer.lora_packed_Bt.grad, b.grad.t(), rtol=1e-4, atol=1e-5)
 
 
 def test_per_adapter_learning_rates_differ_in_effect_and_match_solo_training():
@@ -277,6 +279,69 @@ def test_a_state_saved_by_a_foreach_adamw_still_skips_on_the_device():
     assert not report.stepped
     for got, want in zip(params_of(packed, 0), before, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_kernels), "loop"])
+def test_every_job_of_a_linear_trains_through_two_packed_leaves(backend):
+    """However many jobs a pack holds, a linear has two trainable leaves (one gradient
+    accumulation each a step); the per-job optimizer leaves alias their rows, gradients
+    included, and a model-level `zero_grad(set_to_none=True)` between steps is followed."""
+    jobs = [job("a", rank=2), job("b", rank=8, seed=1), job("c", rank=4, seed=2)]
+    model = tiny_llama()
+    packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend=backend))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == 2 * len(packed.modules)
+    layer = packed.modules["model.layers.0.self_attn.q_proj"]
+    assert layer.lora_packed_A.shape == (14, 32) and layer.lora_packed_Bt.shape == (14, 32)
+    alias_a, alias_bt = layer.adapter_parameters(1)
+    assert alias_a.data_ptr() == layer.lora_packed_A[2:].data_ptr()
+    assert alias_bt.shape == (8, 32) and layer.lora_B[1].shape == (32, 8)
+    opt = PerAdapterOptimizer(packed)
+    packed_train_step(packed, opt, batches_for(jobs))
+    model.zero_grad(set_to_none=True)  # the user's own call: the packed gradients go
+    before = params_of(packed, 1)
+    packed_train_step(packed, opt, batches_for(jobs, seed=1))
+    assert all(
+        not torch.equal(a, b) for a, b in zip(params_of(packed, 1), before, strict=True)
+    )  # the aliases were re-bound to the new gradients, so the job stepped
+    torch.testing.assert_close(layer.lora_packed_A.detach()[2:10], alias_a.detach())
+    # a gradient set on an alias by hand is not a view of the packed one: zero_grad drops it
+    alias_a.grad = torch.ones_like(alias_a)
+    opt.zero_grad()
+    assert alias_a.grad is None and torch.all(layer.lora_packed_A.grad == 0)
+    packed.sync_adapter_parameters()
+    assert alias_bt.grad is not None and alias_bt.grad.data_ptr() == (
+        layer.lora_packed_Bt.grad[2:].data_ptr()
+    )
+
+
+def test_an_optimizer_state_saved_with_b_as_out_by_rank_still_loads():
+    """States saved before the packed layout kept B's moments as [out, r]; they load
+    transposed, and a state that fits neither orientation is refused."""
+    jobs = [job("a", rank=4)]
+    packed = convert_to_packed_lora(tiny_llama(), jobs, PackedLoraConfig(backend="loop"))
+    opt = PerAdapterOptimizer(packed)
+    packed_train_step(packed, opt, batches_for(jobs))
+    state = opt.state_dict(0)
+    old = {
+        **state,
+        "state": {
+            slot: {
+                k: (v.t().clone() if k.startswith("exp_avg") and slot % 2 else v.clone())
+                for k, v in entry.items()
+            }
+            for slot, entry in state["state"].items()
+        },
+    }
+    assert old["state"][1]["exp_avg"].shape == (32, 4)  # B's moments as [out, r]
+    fresh = PerAdapterOptimizer(packed)
+    fresh.load_state_dict(0, old)
+    for slot, entry in fresh.state_dict(0)["state"].items():
+        torch.testing.assert_close(entry["exp_avg"], state["state"][slot]["exp_avg"])
+    bad = {**state, "state": {**state["state"], 1: {**state["state"][1]}}}
+    bad["state"][1]["exp_avg"] = torch.zeros(3, 3)
+    with pytest.raises((ValueError, RuntimeError)):
+        PerAdapterOptimizer(packed).load_state_dict(0, bad)
 
 
 def test_checkpoint_roundtrip_and_mismatched_rank_changes_nothing(tmp_path):

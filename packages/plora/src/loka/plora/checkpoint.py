@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loka.plora.model import PackedLora
-from loka.plora.optim import PerAdapterOptimizer
+from loka.plora.optim import PerAdapterOptimizer, orient_adapter_state
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
@@ -113,20 +113,10 @@ def load_adapter(
 
 
 def _check_optimizer_state(state: dict, packed: PackedLora, index: int, directory: Path) -> None:
-    params = packed.adapter_parameters(index)
-    per_param = state.get("state", {})
-    if per_param and len(per_param) != len(params):
-        raise ValueError(
-            f"{directory}: optimizer state has {len(per_param)} tensors, adapter has {len(params)}"
-        )
-    for slot, param in enumerate(params):
-        entry = per_param.get(slot, {})
-        avg = entry.get("exp_avg")
-        if avg is not None and tuple(avg.shape) != tuple(param.shape):
-            raise ValueError(
-                f"{directory}: optimizer state {slot} has shape {tuple(avg.shape)}, "
-                f"the adapter parameter {tuple(param.shape)}"
-            )
+    try:
+        orient_adapter_state(state, packed.adapter_parameters(index))
+    except ValueError as err:
+        raise ValueError(f"{directory}: {err}") from None
 
 
 def _replace_dir(tmp: Path, directory: Path) -> None:

@@ -95,20 +95,41 @@ class PackedLora:
         return layout
 
     def adapter_parameters(self, index: int) -> list[nn.Parameter]:
-        """All parameters of one adapter, in module order (A then B per module)."""
+        """One adapter's optimizer leaves, in module order (`A_i` `[r, in]`, then `B_i^T`
+        `[r, out]` per module): parameters aliasing its rows of the packed factors, their
+        `.grad` bound to the same rows of the packed gradients (`AdapterAliases`)."""
         self.check_index(index)
         params: list[nn.Parameter] = []
         for module in self.modules.values():
-            params += [module.lora_A[index], module.lora_B[index]]
+            params += module.adapter_parameters(index)
         return params
 
+    def sync_adapter_parameters(self) -> None:
+        """Re-point every adapter's aliases at the packed storage and gradients where those
+        changed (after a backward that made new gradients, or a `.to()`)."""
+        for module in self.modules.values():
+            module.sync_aliases()
+
+    def packed_gradients(self) -> list[torch.Tensor]:
+        """The packed factors' gradients that exist (two per module after a backward),
+        each alias's hand-set gradient dropped: what `zero_grad` zeroes in place."""
+        grads = []
+        for module in self.modules.values():
+            for aliases in (module.aliases_A, module.aliases_Bt):
+                aliases.sync()
+                grad = aliases.zero_grad()
+                if grad is not None:
+                    grads.append(grad)
+        return grads
+
     def adapter_state_dict(self, index: int) -> dict[str, torch.Tensor]:
-        """One adapter's weights under peft's key names (detached copies on the CPU)."""
+        """One adapter's weights under peft's key names (contiguous copies on the CPU)."""
         self.check_index(index)
         state = {}
         for name, module in self.modules.items():
-            state[f"{PEFT_PREFIX}{name}.lora_A.weight"] = module.lora_A[index].detach().cpu()
-            state[f"{PEFT_PREFIX}{name}.lora_B.weight"] = module.lora_B[index].detach().cpu()
+            for key, factor in (("lora_A", module.lora_A[index]), ("lora_B", module.lora_B[index])):
+                copy = factor.to("cpu", copy=True).contiguous()
+                state[f"{PEFT_PREFIX}{name}.{key}.weight"] = copy
         return state
 
     def load_adapter_state_dict(self, index: int, state: dict[str, torch.Tensor]) -> None:

@@ -57,6 +57,7 @@ class PerAdapterOptimizer:
         indices = list(range(self.packed.num_adapters)) if active is None else list(active)
         for i in indices:
             self.packed.check_index(i)
+        self.packed.sync_adapter_parameters()
         grads = {i: [p.grad for p in self.params[i] if p.grad is not None] for i in indices}
         present = [i for i in indices if grads[i]]
         host: dict[int, float] = {}
@@ -85,8 +86,11 @@ class PerAdapterOptimizer:
         return reports
 
     def zero_grad(self) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        """Zeroes the packed gradients in place (a few launches for every adapter; the
+        aliases stay bound to them, so the next backward accumulates where they point)."""
+        grads = self.packed.packed_gradients()
+        if grads:
+            torch._foreach_zero_(grads)
 
     def state_dict(self, index: int) -> dict:
         self.packed.check_index(index)
@@ -95,8 +99,38 @@ class PerAdapterOptimizer:
     def load_state_dict(self, index: int, state: dict) -> None:
         self.packed.check_index(index)
         optimizer = self.optimizers[index]
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(orient_adapter_state(state, self.params[index]))
         # A state saved by a foreach AdamW (this class before it fused everywhere) brings
         # its group flags along; the device-side skip needs the fused step.
         for group in optimizer.param_groups:
             group["fused"], group["foreach"] = True, None
+
+
+def orient_adapter_state(state: dict, params: Sequence[torch.Tensor]) -> dict:
+    """`state` (an AdamW state dict of one adapter) with each moment shaped like its
+    parameter: a state saved when B's parameters were `[out, r]` (before the packed `B^T`
+    layout) has its B moments transposed. A state of another number of tensors, or a
+    moment that fits its parameter in neither orientation, raises ValueError (AdamW's own
+    `load_state_dict` would take it and fail at the next step)."""
+    per_param = state.get("state", {})
+    if per_param and len(per_param) != len(params):
+        raise ValueError(
+            f"optimizer state has {len(per_param)} tensors, the adapter has {len(params)}"
+        )
+    turned = {}
+    for slot, entry in per_param.items():
+        if not isinstance(slot, int) or not 0 <= slot < len(params):
+            raise ValueError(f"optimizer state names parameter {slot!r}, not one of the adapter's")
+        shape = tuple(params[slot].shape)
+        turned[slot] = {}
+        for key, value in entry.items():
+            if key.startswith("exp_avg") and isinstance(value, torch.Tensor):
+                if value.dim() == 2 and tuple(value.shape) == shape[::-1] != shape:
+                    value = value.t().contiguous()
+                elif tuple(value.shape) != shape:
+                    raise ValueError(
+                        f"optimizer state {slot} ({key}) has shape {tuple(value.shape)}, "
+                        f"the adapter parameter {shape}"
+                    )
+            turned[slot][key] = value
+    return {**state, "state": turned}

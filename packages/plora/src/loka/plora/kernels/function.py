@@ -75,7 +75,9 @@ class MultiLoraLinearFunction(torch.autograd.Function):
             dx, dh = lora_backward_data(dy, a_cat, b_cat, layout, need_dx=need_dx)
             da = db = None
             if need_da or need_db:
-                da, db = lora_wgrad_split(dh, x, h, dy, layout, out_dtype=a_cat.dtype)
+                da, db = lora_wgrad_split(
+                    dh, x, h, dy, layout, out_dtype=a_cat.dtype, db_like=b_cat
+                )
             return dx, dbase, da if need_da else None, db if need_db else None, None, None
         dh = lora_shrink(dy, b_cat.t(), layout, scaled=True)
         dx = lora_expand(dh, a_cat.t(), layout, scaled=False) if need_dx else None
@@ -126,8 +128,15 @@ class MultiLoraBaseLinearFunction(torch.autograd.Function):
         dbias = dy.sum(0) if need_db else None
         parts: tuple = (None,) * (2 * len(ctx.ranks))
         if need_factors:
-            da, db = lora_wgrad_split(dh, x, h, dy, layout, out_dtype=ctx.factor_dtype)
-            # Row blocks of da are contiguous, so autograd keeps them as the gradients; B's
-            # column blocks are not, and are copied as the one-op cat's backward did.
-            parts = (*da.split(ctx.ranks), *db.split(ctx.ranks, dim=1))
+            # dB in B's own strides: a transposed view of packed B^T gets its gradient with
+            # no transposing copy.
+            da, db = lora_wgrad_split(
+                dh, x, h, dy, layout, out_dtype=ctx.factor_dtype, db_like=b_cat
+            )
+            if len(ctx.ranks) == 1:
+                parts = (da, db)
+            else:
+                # Row blocks of da are contiguous, so autograd keeps them as the gradients;
+                # B's column blocks are not, and are copied as the one-op cat's backward did.
+                parts = (*da.split(ctx.ranks), *db.split(ctx.ranks, dim=1))
         return dx, dw, dbias, None, None, *parts

@@ -132,12 +132,15 @@ def lora_wgrad_split(
     *,
     out_dtype: torch.dtype | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
+    db_like: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(dA, dB)`: `dA_i = dh_i^T x_i` (`[sum r, K]`) and `dB_i = s_i dy_i^T h_i`
     (`[N, sum r]`), each summed over adapter i's tokens only, in two launches for all
     adapters (split over chunks of `chunk_tokens` tokens, then reduced in chunk order).
 
     dh, h: `[T, >= max_rank]`; x: `[T, K]`; dy: `[T, N]`. Adapters without tokens get zeros.
+    db_like: a `[N, sum r]` tensor whose strides dB takes (e.g. a transposed view of a
+    packed B^T, so its gradient needs no transposing copy); default contiguous.
     """
     _launch.check_operands("lora_wgrad_split", layout, dh, x, h, dy)
     _launch.check_fused_rank("lora_wgrad_split", layout)
@@ -150,7 +153,15 @@ def lora_wgrad_split(
     chunks = layout.token_chunks(chunk_tokens)
     out_dtype = out_dtype or x.dtype
     da = torch.empty(layout.total_rank, k, device=x.device, dtype=out_dtype)
-    db = torch.empty(n, layout.total_rank, device=x.device, dtype=out_dtype)
+    if db_like is None:
+        db = torch.empty(n, layout.total_rank, device=x.device, dtype=out_dtype)
+    elif tuple(db_like.shape) != (n, layout.total_rank):
+        raise ValueError(
+            f"lora_wgrad_split: db_like {tuple(db_like.shape)} is not (N {n}, sum of ranks "
+            f"{layout.total_rank})"
+        )
+    else:
+        db = torch.empty_like(db_like, dtype=out_dtype, device=x.device)
     part = torch.empty(max(chunks.partial_rows, 1), k + n, device=x.device, dtype=torch.float32)
     block_r = _launch.block_r(layout.max_rank)
     if chunks.num_chunks:
