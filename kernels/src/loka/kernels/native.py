@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from loka.kernels.torch_gemm import scaled_mm_refusal
-from loka.schema.fp8 import finite_abs, saturate_cast, scale_from_amax
+from loka.schema.formats import AMAX_FLOOR, FP8_MAX
+from loka.schema.fp8 import finite_abs, fp8_dtype, saturate_cast, scale_from_amax
 
 __all__ = [
     "NATIVE_ALIGN",
@@ -83,25 +84,63 @@ def quantize_native(
     a symbolic R ran 2-2.3x slower than over static C on the H200 (32320 x 12288: 1.14 ms
     one-stage vs 0.53 ms two-stage; `bench/results/native_dynamic_20261202T170340Z.json`).
     """
-    t32 = t.float()  # once for the amax and the cast: a launch fewer per call in eager
-    a = finite_abs(t32)
-    if granularity == "tensor":
-        two_stage = rows_vary and torch.compiler.is_compiling()
-        amax = a.amax(dim=1).amax() if two_stage else a.amax()
-        scale = scale_from_amax(amax, fmt, pow2, scale_ub, finite=True)
-    elif granularity == "row":
-        amax = a.amax(dim=0 if transpose else 1, keepdim=True)
-        scale = scale_from_amax(amax, fmt, pow2, scale_ub, finite=True)
-    else:
+    if granularity not in NATIVE_GRANULARITIES:
         raise ValueError(f"{NATIVE_BACKEND}: granularity {granularity!r} not supported")
-    del a
-    data = saturate_cast(t32, scale, fmt)
+    if torch.compiler.is_compiling():
+        data, scale = _quantize_traced(t, fmt, granularity, pow2, scale_ub, transpose, rows_vary)
+    else:
+        t32 = t.float()  # once for the amax and the cast: a launch fewer per call
+        a = finite_abs(t32)
+        if granularity == "tensor":
+            amax = a.amax()
+        else:
+            amax = a.amax(dim=0 if transpose else 1, keepdim=True)
+        scale = scale_from_amax(amax, fmt, pow2, scale_ub, finite=True)
+        del a
+        data = saturate_cast(t32, scale, fmt)
     inv = scale.reciprocal()
     if transpose:
         data = data.t().contiguous()
         if granularity == "row":
             inv = inv.t()
     return data, inv.contiguous()
+
+
+def _quantize_traced(
+    t: torch.Tensor,
+    fmt: str,
+    granularity: str,
+    pow2: bool,
+    scale_ub: float | None,
+    transpose: bool,
+    rows_vary: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(data, scale)` as written for inductor: the same bits as the eager ops, in the
+    formulation inductor fused well. The eager path was cut to fewer ops for host time
+    (3033ad4: one float32 copy for amax and cast, `nan_to_num`, `clamp`, `full_like`
+    constants); traced, that leaner graph let inductor fuse HSTU xl's quantization after
+    the SiLU backward into a neighbouring looped reduction (1.33 -> 3.48 ms a call, 3 a
+    step) and the planned step fell from 1.097x to 1.061-1.066x bf16
+    (`bench/results/realized_20261202T172455Z_profiles` against `..081536Z_profiles`)."""
+    a = t.float().abs()
+    a = torch.where(a < float("inf"), a, torch.zeros_like(a))
+    if granularity == "tensor":
+        amax = a.amax(dim=1).amax() if rows_vary else a.amax()
+    else:
+        amax = a.amax(dim=0 if transpose else 1, keepdim=True)
+    valid = (amax > 0) & (amax < float("inf"))
+    fp8_max = torch.tensor(FP8_MAX[fmt], dtype=torch.float32, device=amax.device)
+    scale = torch.where(valid, fp8_max / amax.clamp_min(AMAX_FLOOR), torch.ones_like(amax))
+    if scale_ub is not None:
+        scale = torch.minimum(
+            scale, torch.tensor(scale_ub, dtype=torch.float32, device=amax.device)
+        )
+    if pow2:
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    m = FP8_MAX[fmt]
+    y = t.float() * scale
+    y = torch.where(y > m, m, torch.where(y < -m, -m, y))
+    return y.to(fp8_dtype(fmt)), scale
 
 
 def native_mm(
