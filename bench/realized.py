@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
         meta["torchao"] = torchao.__version__
     except ImportError:
         meta["torchao"] = None
+    # The profile tables beside the run's JSON, in a folder of the same stamp.
+    args.profile_dir = out / f"realized_{meta['date_utc']}_profiles"
     rows: list[dict] = []
     plans: dict = {}
     variants = [v for v in args.variants.split(",") if v]
@@ -580,7 +582,7 @@ def run_mode(
             if not variant.startswith("bf16-seed"):
                 row = made[variant]["row"]
                 try:  # a failed profile must not lose the timed blocks above
-                    row["profile"] = profile(made[variant], step_fn, out=args.out,
+                    row["profile"] = profile(made[variant], step_fn, out=args.profile_dir,
                                              tag=f"{name}_{mode}_{variant}")  # fmt: skip
                     row["saved"] = saved_for_backward(made[variant], step_fn)
                 except Exception as e:  # recorded in the row; the run goes on
@@ -1116,7 +1118,7 @@ def inference_rows(
             for variant, fn in fns.items():
                 try:
                     extra[variant]["profile"] = profile(
-                        fn, lambda f, i: f(i), out=args.out,
+                        fn, lambda f, i: f(i), out=args.profile_dir,
                         tag=f"{name}_{mode}_{variant}@{batch_rows(batch)}",
                     )  # fmt: skip
                 except Exception as e:  # recorded in the row; the timed blocks stay
@@ -1202,6 +1204,7 @@ def profile(v, step_fn, out, tag) -> dict:
         max_name_column_width=160,
     )  # fmt: skip
     # Variant names hold globs and slashes ("loka+x=*.mlp.1/wgrad"): not in a file name.
+    Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, f"profile_{re.sub(r'[^A-Za-z0-9_.=+-]', '_', tag)}.txt").write_text(table)
     cuda_total = sum(e.self_device_time_total for e in events) / 1e3 / steps
     gemm = sum(e.self_device_time_total for e in events if e.key in LINEAR_GEMM_OPS) / 1e3 / steps

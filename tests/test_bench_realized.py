@@ -311,3 +311,17 @@ def test_inductor_options_are_key_values_and_unknown_keys_stop_the_run():
         realized.key_values("multi_kernel", "--inductor")
     with pytest.raises(SystemExit, match=r"no 'triton\.no_such_knob'"):
         realized.main(["--inductor", "triton.no_such_knob=1", "--device", "cpu"])
+
+
+def test_profile_tables_go_into_the_runs_profile_folder(tmp_path, monkeypatch):
+    # The tables sit in realized_<stamp>_profiles/ beside the run's JSON (they were written
+    # loose into --out, where the next run's overwrote them).
+    monkeypatch.syspath_prepend(str(_PATH.parent))  # bench/harness, as the script runs
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    folder = tmp_path / "realized_20261203T000000Z_profiles"
+    got = realized.profile(layer, lambda v, i: v(x).sum().backward(), out=folder,
+                           tag="m_compiled_loka+x=*.fc/wgrad")  # fmt: skip
+    (table,) = folder.iterdir()
+    assert table.name == "profile_m_compiled_loka+x=_.fc_wgrad.txt"
+    assert "Name" in table.read_text() and got["gpu_ms_per_step"] == 0
