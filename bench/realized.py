@@ -728,6 +728,7 @@ def loka_options(variant: str) -> dict:
     ``+``: ``fast`` (allow fast accumulation, `torch.native.fast` timed too), ``nohost``
     (eager: `charge_host=False`, plan on device time alone), ``min=X``
     (`min_speedup`), ``x=GLOB`` (`exclude`: a site glob, or ``site-glob/pass``; repeatable),
+    ``force=GLOB`` (`PlanConfig.force`: FP8 where safe, faster than bf16 or not; repeatable),
     ``bias=gemm`` (`ApplyConfig.bias_grad`: the FP8 sites' bias gradient as a GEMM),
     ``static=MARGIN`` (serving only: `loka.mods.calibrate_input_scales` on training
     batches other than the served ones, static input scales at their amax times MARGIN),
@@ -748,6 +749,8 @@ def loka_options(variant: str) -> dict:
             out["min_speedup"] = float(opt[4:])
         elif opt.startswith("x="):
             out["exclude"] = (*out.get("exclude", ()), opt[2:])
+        elif opt.startswith("force="):
+            out["force"] = (*out.get("force", ()), opt[6:])
         elif opt.startswith("bias="):
             from loka.mods.bias_grad import BIAS_GRADS
 
@@ -764,7 +767,7 @@ def loka_options(variant: str) -> dict:
         else:
             raise ValueError(
                 f"{variant!r}: unknown LoKA option {opt!r} (fast, nohost, min=X, x=GLOB, "
-                "bias=sum|gemm, static=MARGIN, mk)"
+                "force=GLOB, bias=sum|gemm, static=MARGIN, mk)"
             )
     return out
 

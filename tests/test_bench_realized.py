@@ -130,6 +130,8 @@ def test_loka_variants_name_their_plan_options():
         "exclude": ("*.mlp.1/wgrad", "head.*"),
     }
     assert realized.loka_options("loka+nohost") == {"charge_host": False}
+    forced = realized.loka_options("loka+force=seq.*/fwd+force=head")
+    assert realized.split_options(forced) == ({"force": ("seq.*/fwd", "head")}, {})
     opts = realized.loka_options("loka+min=1.1+bias=gemm")
     assert realized.split_options(opts) == ({"min_speedup": 1.1}, {"bias_grad": "gemm"})
     with pytest.raises(ValueError, match="bias= takes one of sum, gemm"):

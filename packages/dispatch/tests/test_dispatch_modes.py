@@ -182,6 +182,29 @@ def test_exclude_takes_a_site_or_one_pass_of_it():
         PlanConfig(exclude=("fc/backward",))
 
 
+def test_force_plans_a_safe_fp8_pass_that_the_bench_times_slower_than_bf16():
+    # The bench times each quantization standalone; under compile inductor may fuse it into
+    # the op that makes the input, so a pass the bench calls slower can win in place: force
+    # plans it (safe candidates only) for verification on the real step to judge.
+    slower = bench_table(BF16_ROWS + [("torch.native", ROW, p, 0.9, 0.3) for p in PASSES])
+    unsafe = errors_table([("fc", ROW, p, 0.5 if p == "wgrad" else 0.01,
+                            "unsafe" if p == "wgrad" else "safe") for p in PASSES])  # fmt: skip
+    plain = plan_rows(make_plan(SITES, ERRORS, slower, PlanConfig(mode="compiled")))
+    assert {r["recipe"] for r in plain.values()} == {"bf16"}
+    config = PlanConfig(mode="compiled", force=("f*/fwd", "fc/wgrad"))
+    assert config.forced("fc", "fwd") and not config.forced("fc", "dgrad")
+    rows = plan_rows(make_plan(SITES, unsafe, slower, config))
+    # fwd forced; dgrad not forced (and not faster enough); wgrad forced but unsafe
+    assert [rows[p]["recipe"] for p in PASSES] == [ROW, "bf16", "bf16"]
+    assert rows["fwd"]["reason"].startswith("FP8 forced (PlanConfig.force)")
+    assert "bf16 is faster" in str(rows["fwd"]["rejected"])
+    assert rows["fwd"]["predicted_speedup"] < 1.0  # the plan says what it expects
+    both = PlanConfig(mode="compiled", force=("fc",), exclude=("fc/fwd",))
+    assert not both.forced("fc", "fwd") and both.forced("fc", "dgrad")  # exclude wins
+    with pytest.raises(ValueError, match="force: 'fc/backward' names no pass"):
+        PlanConfig(force=("fc/backward",))
+
+
 def test_the_padded_baseline_is_a_candidate_only_where_dims_are_unaligned():
     from loka.dispatch.bench.candidates import candidates
 

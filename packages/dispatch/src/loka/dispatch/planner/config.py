@@ -52,6 +52,11 @@ class PlanConfig:
     # Patterns never planned for FP8: a site name glob ("head.*"), or a site glob and a
     # pass ("layers.*.mlp.1/wgrad": that pass only; the others stay candidates).
     exclude: tuple[str, ...] = ()
+    # Patterns (as `exclude`'s) planned for FP8 wherever a safe candidate exists, faster than
+    # bf16 or not: for an A/B on the real step where the standalone bench may misjudge the
+    # cost (a quantization inductor fuses into the op that makes the input); verification
+    # still holds the real step to not slower than bf16. `exclude` wins where both match.
+    force: tuple[str, ...] = ()
     # Credit quantizations shared between passes (see `loka.dispatch.planner.sharing`).
     share_quantization: bool = True
     # Plan for inference: only the forward pass counts (dgrad and wgrad stay bf16).
@@ -84,12 +89,13 @@ class PlanConfig:
         for pass_, value in (self.budgets or {}).items():
             if pass_ not in PASSES or not value > 0:
                 raise ValueError(f"budgets: bad entry {pass_!r}: {value!r}")
-        for pattern in self.exclude:
-            _, slash, pass_pattern = pattern.partition("/")
-            if slash and not any(fnmatch.fnmatchcase(p, pass_pattern) for p in PASSES):
-                raise ValueError(
-                    f"exclude: {pattern!r} names no pass ({', '.join(PASSES)}) after the '/'"
-                )
+        for name in ("exclude", "force"):
+            for pattern in getattr(self, name):
+                _, slash, pass_pattern = pattern.partition("/")
+                if slash and not any(fnmatch.fnmatchcase(p, pass_pattern) for p in PASSES):
+                    raise ValueError(
+                        f"{name}: {pattern!r} names no pass ({', '.join(PASSES)}) after the '/'"
+                    )
         for pattern, weight in self.sensitivity.items():
             if not (math.isfinite(weight) and weight >= 0):
                 raise ValueError(f"sensitivity[{pattern!r}] must be >= 0, got {weight}")
@@ -107,10 +113,19 @@ class PlanConfig:
 
     def excluded(self, site: str, pass_: str | None = None) -> bool:
         """Whether `site` (with `pass_`: that pass of it) is excluded from FP8."""
-        for pattern in self.exclude:
-            site_pattern, _, pass_pattern = pattern.partition("/")
-            if not fnmatch.fnmatchcase(site, site_pattern):
-                continue
-            if not pass_pattern or (pass_ is not None and fnmatch.fnmatchcase(pass_, pass_pattern)):
-                return True
-        return False
+        return _matches(self.exclude, site, pass_)
+
+    def forced(self, site: str, pass_: str) -> bool:
+        """Whether `pass_` of `site` is forced to FP8 where safe (`force`, not excluded)."""
+        return _matches(self.force, site, pass_) and not self.excluded(site, pass_)
+
+
+def _matches(patterns: tuple[str, ...], site: str, pass_: str | None) -> bool:
+    """Whether a `site` glob (alone, or with a `/pass` glob matching `pass_`) matches."""
+    for pattern in patterns:
+        site_pattern, _, pass_pattern = pattern.partition("/")
+        if not fnmatch.fnmatchcase(site, site_pattern):
+            continue
+        if not pass_pattern or (pass_ is not None and fnmatch.fnmatchcase(pass_, pass_pattern)):
+            return True
+    return False

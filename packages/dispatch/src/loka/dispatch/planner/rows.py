@@ -42,8 +42,13 @@ def plan_rows(choice: SiteChoice, config: PlanConfig) -> list[dict]:
         chosen, t, b = combo[i], eff[i], choice.bf16[pass_]
         rejected = list(choice.rejected[pass_])
         if not chosen.is_bf16:
-            rejected.insert(0, {"backend": b.backend, "recipe": "bf16",
-                                "reason": f"slower: {b.median_ms:.4g} ms vs {t:.4g} ms"})  # fmt: skip
+            why = (
+                f"slower: {b.median_ms:.4g} ms vs {t:.4g} ms"
+                if b.median_ms > t or not config.forced(choice.site, pass_)
+                else f"FP8 forced (PlanConfig.force) though bf16 is faster: {b.median_ms:.4g} "
+                f"ms vs {t:.4g} ms"
+            )
+            rejected.insert(0, {"backend": b.backend, "recipe": "bf16", "reason": why})
         for o in choice.options[pass_]:
             if o is chosen:
                 continue
@@ -76,8 +81,13 @@ def plan_rows(choice: SiteChoice, config: PlanConfig) -> list[dict]:
             else:
                 reason = "bf16: the site is fastest with this pass in bf16"
         else:
+            what = (
+                "FP8 forced (PlanConfig.force)"
+                if config.forced(choice.site, pass_)
+                else "fastest safe choice"
+            )
             reason = (
-                f"fastest safe choice: {b.median_ms / max(t, 1e-12):.2f}x bf16, error bound "
+                f"{what}: {b.median_ms / max(t, 1e-12):.2f}x bf16, error bound "
                 f"{chosen.err:.4g} <= budget {chosen.budget:.4g}"
             )
             if t < chosen.median_ms - 1e-12:

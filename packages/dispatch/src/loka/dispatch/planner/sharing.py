@@ -65,21 +65,28 @@ def effective_times(options: tuple[Option, Option, Option], share: bool) -> Pass
 
 
 def combine(choice: SiteChoice, config: PlanConfig) -> list[Combo]:
-    """The valid combinations of a site's candidates: fastest first; among equal times the one
-    with fewer FP8 passes, then less error."""
+    """The valid combinations of a site's candidates: those with every forced pass
+    (`PlanConfig.force`) in FP8 first, then fastest first; among equal times the one with
+    fewer FP8 passes, then less error. A forced pass needs no margin over bf16."""
     bf16 = tuple(choice.bf16[p] for p in PASSES)
     pools = [[choice.bf16[p], *choice.options[p]] for p in PASSES]
+    forced = [config.forced(choice.site, p) for p in PASSES]
     # A traceable backend quantizes each operand in its own fused kernel: nothing is shared.
     share = config.share_quantization and config.mode == "eager"
     combos = []
     for options in itertools.product(*pools):
         times = effective_times(options, share)
         if any(
-            not o.is_bf16 and t * config.margin(p) >= b.median_ms
-            for o, t, b, p in zip(options, times, bf16, PASSES, strict=True)
+            not o.is_bf16 and not f and t * config.margin(p) >= b.median_ms
+            for o, t, b, p, f in zip(options, times, bf16, PASSES, forced, strict=True)
         ):
             continue
         error = sum(o.err for o in options if not o.is_bf16)
         combos.append(Combo(sum(times), error, options, times))
-    combos.sort(key=lambda c: (round(c.total, 9), c.fp8_passes, c.error))
+
+    def unforced(c: Combo) -> int:  # forced passes left in bf16 though an FP8 one was safe
+        return sum(f and o.is_bf16 and bool(choice.options[p])
+                   for o, f, p in zip(c.options, forced, PASSES, strict=True))  # fmt: skip
+
+    combos.sort(key=lambda c: (unforced(c), round(c.total, 9), c.fp8_passes, c.error))
     return combos
