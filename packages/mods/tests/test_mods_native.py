@@ -70,6 +70,12 @@ def test_the_formulation_traced_for_inductor_is_the_eager_one_bit_for_bit(
                 want, want_inv = want.t(), want_inv.t()
             assert torch.equal(data.view(torch.uint8), want.view(torch.uint8))
             assert torch.equal(scale.reciprocal().reshape(-1), want_inv.reshape(-1))
+    # the static-scale cast of a served input, traced the same way
+    from loka.kernels.native import _saturate_traced, saturate_cast_native
+
+    static = torch.tensor(3.0)
+    assert torch.equal(_saturate_traced(x, static, "e4m3").view(torch.uint8),
+                       saturate_cast_native(x, static, "e4m3").view(torch.uint8))  # fmt: skip
 
 
 def test_token_rows_take_the_tensor_amax_in_two_stages_under_compile_same_bits():

@@ -32,6 +32,7 @@ __all__ = [
     "native_mm",
     "native_refusal",
     "quantize_native",
+    "saturate_cast_native",
 ]
 
 NATIVE_BACKEND = "torch.native"
@@ -137,10 +138,21 @@ def _quantize_traced(
         )
     if pow2:
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return _saturate_traced(t, scale, fmt), scale
+
+
+def _saturate_traced(t: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     m = FP8_MAX[fmt]
     y = t.float() * scale
-    y = torch.where(y > m, m, torch.where(y < -m, -m, y))
-    return y.to(fp8_dtype(fmt)), scale
+    return torch.where(y > m, m, torch.where(y < -m, -m, y)).to(fp8_dtype(fmt))
+
+
+def saturate_cast_native(t: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`saturate(t * scale)` in FP8 (`loka.schema.fp8.saturate_cast`'s bits): the eager
+    path's one clamp, or under torch.compile the formulation `quantize_native` traces."""
+    if torch.compiler.is_compiling():
+        return _saturate_traced(t, scale, fmt)
+    return saturate_cast(t, scale, fmt)
 
 
 def native_mm(

@@ -37,11 +37,11 @@ from loka.kernels.native import (
     native_mm,
     native_refusal,
     quantize_native,
+    saturate_cast_native,
 )
 from loka.mods.bias_grad import bias_gradient
 from loka.mods.config import Fp8LinearConfig, PassConfig
 from loka.mods.dtypes import cast
-from loka.schema.fp8 import saturate_cast
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ def quantized_weight_forward(
         xq, x_inv = fwd.quantize(_pad_to(x, M, Kp), "a")
     else:
         scale, inv = input_scale
-        xq = saturate_cast(_pad_to(x, M, Kp), scale, fwd.a_fmt)
+        xq = saturate_cast_native(_pad_to(x, M, Kp), scale, fwd.a_fmt)
         x_inv = inv.reshape(1, 1).expand(M, 1).contiguous() if fwd.granularity == "row" else inv
     b = bias if bias is None or Np == out_features else F.pad(bias, (0, Np - out_features))
     # Every FP8 GEMM writes bf16 (rowwise _scaled_mm writes nothing else); cast after.
