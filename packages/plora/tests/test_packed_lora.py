@@ -315,6 +315,33 @@ def test_every_job_of_a_linear_trains_through_two_packed_leaves(backend):
     )
 
 
+@needs_kernels
+def test_the_unfused_op_path_trains_the_packed_leaves_like_the_loop():
+    """A base with a hook cannot run inside the packed op: the base runs alone, then the
+    adapters' op on the packed factors (B^T read as a strided view); its gradients match
+    the plain-torch loop's."""
+    jobs = [job("a", rank=2), job("b", rank=5, seed=1)]
+    grads = {}
+    for backend in ("triton", "loop"):
+        torch.manual_seed(0)
+        base = nn.Linear(24, 40)
+        base.register_forward_hook(lambda module, args, out: out * 1.0)
+        wrapper = nn.Sequential(base)
+        packed = convert_to_packed_lora(
+            wrapper, jobs, PackedLoraConfig(target_modules=("0",), backend=backend)
+        )
+        randomize_b(packed)
+        layer = packed.modules["0"]
+        assert not layer._base_fusable(torch.zeros(1, 24))
+        packed.set_batch([0, 1, 1], tokens_per_sample=3)
+        x = torch.randn(3, 3, 24, generator=torch.Generator().manual_seed(1))
+        wrapper(x).square().sum().backward()
+        grads[backend] = (layer.lora_packed_A.grad.clone(), layer.lora_packed_Bt.grad.clone())
+    for got, want in zip(grads["triton"], grads["loop"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert got.abs().sum() > 0
+
+
 def test_an_optimizer_state_saved_with_b_as_out_by_rank_still_loads():
     """States saved before the packed layout kept B's moments as [out, r]; they load
     transposed, and a state that fits neither orientation is refused."""
