@@ -131,15 +131,23 @@ def stamp(now: dt.datetime | None = None) -> str:
 
 
 def git_commit(cwd: Path | None = None) -> str | None:
-    """The checkout's commit, or None (a copied tree without history answers "HEAD")."""
+    """The checkout's commit; in a tree exported without history (`scripts/device-carry`),
+    the one its COMMIT file names; else None."""
+    root = cwd or Path(__file__).parent
     try:
         found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                               cwd=cwd or Path(__file__).parent, timeout=10)  # fmt: skip
+                               cwd=root, timeout=10)  # fmt: skip
+        commit = found.stdout.strip() if found.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
-        return None
-    commit = found.stdout.strip()
-    is_hash = len(commit) == 40 and all(c in "0123456789abcdef" for c in commit)
-    return commit if found.returncode == 0 and is_hash else None
+        commit = ""
+    if not _is_hash(commit):
+        exported = Path(__file__).resolve().parents[1] / "COMMIT"
+        commit = exported.read_text().strip() if exported.is_file() else ""
+    return commit if _is_hash(commit) else None
+
+
+def _is_hash(text: str) -> bool:
+    return len(text) == 40 and all(c in "0123456789abcdef" for c in text)
 
 
 def version(module: str) -> str | None:

@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         if owner is None or not hasattr(owner, name):
             raise SystemExit(f"--inductor: torch._inductor.config has no {key!r}")
         setattr(owner, name, value)
-    from harness import stamp, write_json
+    from harness import git_commit, stamp, write_json
 
     import loka.zoo as zoo
     from loka.probe import Probe, ProbeConfig
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {
         "command": " ".join([sys.executable, *sys.argv]),
-        "date_utc": stamp(),
+        "date_utc": stamp(), "git_commit": git_commit(),
         "device": torch.cuda.get_device_name() if gpu else platform.processor() or "cpu",
         "torch": torch.__version__,
         "python": platform.python_version(), "cuda": torch.version.cuda,

@@ -69,3 +69,23 @@ def test_write_json_is_atomic_and_makes_the_folder(tmp_path):
     with pytest.raises(TypeError):
         harness.write_atomic(path, None)  # a failed write keeps the old file
     assert json.loads(path.read_text())["x"] == 1
+
+
+def test_git_commit_of_a_tree_exported_without_history_reads_its_commit_file(tmp_path):
+    # scripts/device-carry exports HEAD with a COMMIT file and no .git: results written on
+    # the GPU host name their commit through it (they recorded None before).
+    import importlib.util
+    import shutil
+
+    (tmp_path / "bench").mkdir()
+    shutil.copy(Path(harness.__file__), tmp_path / "bench" / "harness.py")
+    spec = importlib.util.spec_from_file_location(
+        "exported_harness", tmp_path / "bench" / "harness.py"
+    )
+    exported = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exported)
+    assert exported.git_commit() is None  # no history, no COMMIT
+    (tmp_path / "COMMIT").write_text("ab" * 20 + "\n")
+    assert exported.git_commit() == "ab" * 20
+    (tmp_path / "COMMIT").write_text("HEAD")
+    assert exported.git_commit() is None
