@@ -296,7 +296,14 @@ def test_every_job_of_a_linear_trains_through_two_packed_leaves(backend):
     alias_a, alias_bt = layer.adapter_parameters(1)
     assert alias_a.data_ptr() == layer.lora_packed_A[2:].data_ptr()
     assert alias_bt.shape == (8, 32) and layer.lora_B[1].shape == (32, 8)
+    model.zero_grad(set_to_none=True)
+    packed.set_batch([0, 1, 2], SEQ)
+    model(input_ids=torch.randint(0, VOCAB, (3, SEQ))).logits.sum().backward()
+    # bound by the backward itself (a post-accumulate-grad hook), no sync call in between
+    assert alias_a.grad is not None
+    assert alias_a.grad.data_ptr() == layer.lora_packed_A.grad[2:].data_ptr()
     opt = PerAdapterOptimizer(packed)
+    opt.zero_grad()
     packed_train_step(packed, opt, batches_for(jobs))
     model.zero_grad(set_to_none=True)  # the user's own call: the packed gradients go
     before = params_of(packed, 1)

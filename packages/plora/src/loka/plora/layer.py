@@ -46,9 +46,11 @@ class AdapterAliases:
     The packed parameter is what the model computes with (one autograd leaf, one gradient
     accumulation a step for every adapter together); the aliases are what per-job
     optimizers step: `params[i]` shares storage with rows `bounds[i]` of `packed`, and
-    `sync()` points its `.grad` at the same rows of `packed.grad`. The binding is redone
-    only when the packed storage or gradient tensor changed (a `.to()`, a gradient set to
-    None and made anew), so an optimizer's state, keyed by the alias objects, survives.
+    `sync()` points its `.grad` at the same rows of `packed.grad` (it runs after every
+    gradient accumulation into `packed`, and before an optimizer step). The binding is
+    redone only when the packed storage or gradient tensor changed (a `.to()`, a gradient
+    set to None and made anew), so an optimizer's state, keyed by the alias objects,
+    survives.
     """
 
     def __init__(self, packed: nn.Parameter, bounds: Sequence[tuple[int, int]]) -> None:
@@ -59,6 +61,9 @@ class AdapterAliases:
         self._data_key = _storage_key(data)
         self._grad: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor | None] = [None] * len(self.bounds)
+        # Bound as soon as a backward makes the packed gradient, so an alias's `.grad` is
+        # current for any optimizer or reader, not only after `sync()`.
+        packed.register_post_accumulate_grad_hook(lambda _: self.sync())
 
     def sync(self) -> None:
         data = self.packed.detach()
