@@ -269,11 +269,11 @@ def device_ms(fn, reps: int = 10) -> tuple[float | None, list]:
 def _bench_shape(name, k, n, jobs, layout) -> dict:
     """The op at one linear shape. Times (ms), each the base GEMM (forward + input gradient)
     plus the adapters, against the base GEMM alone:
-    - t_{path}_ms: per-adapter leaves as a step has them (as PackedLoraLinear does:
-      `fused_base` takes them as they are and concatenates inside the op, the other paths
-      after torch.cat; 64 AccumulateGrads backward), wall clock (do_bench, host included);
-    - t_op_{path}_ms: the op alone on concatenated leaves a_cat, b_cat (what issue 19's aim
-      is about), wall clock;
+    - t_{path}_ms: per-adapter leaves concatenated by torch.cat (a step before
+      PackedLoraLinear's packed leaves; 64 AccumulateGrads backward), wall clock (do_bench,
+      host included);
+    - t_op_{path}_ms: the op alone on packed leaves a_cat, b_cat (as PackedLoraLinear has
+      them, and what issue 19's aim is about), wall clock;
     - device_op_{path}_ms: the same, GPU kernel time only (torch.profiler), and
       device_kernels_{path}: its kernels by time (name, ms per call, launches per call).
     adapter_over_base_* = (t - base) / base; its aim is <= AIM."""
@@ -299,10 +299,7 @@ def _bench_shape(name, k, n, jobs, layout) -> dict:
 
     def run_triton(vs, path):
         xs, a_s, b_s = vs[0], vs[1 : len(jobs) + 1], vs[len(jobs) + 1 :]
-        if path == "fused_base":  # as PackedLoraLinear calls it: each adapter's own factors
-            y = op(xs, a_s, b_s, path)
-        else:
-            y = op(xs, torch.cat(a_s), torch.cat(b_s, dim=1), path)
+        y = op(xs, torch.cat(a_s), torch.cat(b_s, dim=1), path)
         y.backward(dy)
         return y
 

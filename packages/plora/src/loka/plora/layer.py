@@ -18,7 +18,6 @@ from loka.plora.kernels import (
     multi_lora_linear,
     multi_lora_linear_reference,
 )
-from loka.plora.kernels.function import cat_factors
 
 
 class PackedBatch:
@@ -204,7 +203,7 @@ class PackedLoraLinear(nn.Module):
     def _packed_factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(A_cat [sum r, in], B_cat [out, sum r]) in `dtype`: the packed parameters
         themselves when already in `dtype` (B_cat a transposed view), else one cast each."""
-        return cat_factors((self.lora_packed_A,), (self.lora_packed_Bt.t(),), dtype)
+        return self.lora_packed_A.to(dtype), self.lora_packed_Bt.t().to(dtype)
 
     def _base_fusable(self, x: torch.Tensor) -> bool:
         """Whether the base linear can run inside the packed op: a plain nn.Linear without

@@ -29,17 +29,6 @@ from loka.plora.kernels.wgrad_split import lora_wgrad_split
 PATHS = ("fused", "unfused")
 
 
-def cat_factors(
-    a_parts: tuple[torch.Tensor, ...], b_parts: tuple[torch.Tensor, ...], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A_cat [sum r, K], B_cat [N, sum r]) in `dtype` from the adapters' own factors:
-    concatenated, then cast once (a launch per factor rather than one per adapter); a lone
-    adapter's factors as they are, since a concatenation of one tensor is a copy."""
-    if len(a_parts) == 1:
-        return a_parts[0].to(dtype), b_parts[0].to(dtype)
-    return torch.cat(a_parts).to(dtype), torch.cat(b_parts, dim=1).to(dtype)
-
-
 def resolve_path(path: str | None, layout: MultiLoraLayout) -> str:
     """The kernel path: `path`, else $LOKA_PLORA_KERNELS, else "fused"; "fused" becomes
     "unfused" when an adapter's rank exceeds the fused kernels' rank tile (128)."""
@@ -95,22 +84,18 @@ class MultiLoraBaseLinearFunction(torch.autograd.Function):
     the base GEMM's input gradient: no [T, N] output of its own and no separate [T, K] add of
     two input gradients (autograd's, when base and adapters are two ops).
 
-    The factors come as `count` A parts then `count` B parts (the concatenated `a_cat`,
-    `b_cat` when count is 1, or each adapter's own parameters): the op concatenates and
-    casts them to x's dtype itself and hands each part its gradient in the part's dtype, so
-    a packed step has no autograd nodes of its own for the concatenation and the casts
-    (a cat, its backward and two casts per layer)."""
+    The factors may be in another float dtype than x (PackedLoraLinear's float32 packed
+    parameters): the op casts them to x's dtype itself and returns their gradients in their
+    own dtype and strides, so a packed step has no cast or transpose nodes of its own."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layout, count, *factors):
-        a_parts, b_parts = factors[:count], factors[count:]
-        a_cat, b_cat = cat_factors(a_parts, b_parts, x.dtype)
+    def forward(ctx, x, weight, bias, a_cat, b_cat, layout):
+        a_x, b_x = a_cat.to(x.dtype), b_cat.to(x.dtype)
         base = torch.nn.functional.linear(x, weight, bias)
-        y, h = lora_forward(x, a_cat, b_cat, base, layout, out=base)
-        ctx.save_for_backward(x, weight, h, a_cat, b_cat)
+        y, h = lora_forward(x, a_x, b_x, base, layout, out=base)
+        ctx.save_for_backward(x, weight, h, a_x, b_x)
         ctx.layout = layout
-        ctx.ranks = [a.shape[0] for a in a_parts]
-        ctx.factor_dtype = a_parts[0].dtype
+        ctx.factor_dtype = a_cat.dtype
         return y
 
     @staticmethod
@@ -118,25 +103,18 @@ class MultiLoraBaseLinearFunction(torch.autograd.Function):
         x, weight, h, a_cat, b_cat = ctx.saved_tensors
         layout = ctx.layout
         dy = dy.contiguous()
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        need_factors = any(ctx.needs_input_grad[5:])
+        need_dx, need_dw, need_db, need_da, need_dbb = ctx.needs_input_grad[:5]
         base_dx = dy @ weight if need_dx else None
         dx, dh = lora_backward_data(
             dy, a_cat, b_cat, layout, need_dx=need_dx, accumulate_into=base_dx
         )
         dw = dy.t() @ x if need_dw else None
         dbias = dy.sum(0) if need_db else None
-        parts: tuple = (None,) * (2 * len(ctx.ranks))
-        if need_factors:
-            # dB in B's own strides: a transposed view of packed B^T gets its gradient with
-            # no transposing copy.
+        da = db = None
+        if need_da or need_dbb:
+            # dB in B's own strides: a transposed view of a packed B^T gets its gradient
+            # with no transposing copy.
             da, db = lora_wgrad_split(
                 dh, x, h, dy, layout, out_dtype=ctx.factor_dtype, db_like=b_cat
             )
-            if len(ctx.ranks) == 1:
-                parts = (da, db)
-            else:
-                # Row blocks of da are contiguous, so autograd keeps them as the gradients;
-                # B's column blocks are not, and are copied as the one-op cat's backward did.
-                parts = (*da.split(ctx.ranks), *db.split(ctx.ranks, dim=1))
-        return dx, dw, dbias, None, None, *parts
+        return dx, dw, dbias, da if need_da else None, db if need_dbb else None, None

@@ -11,7 +11,6 @@ import torch
 from loka.plora.kernels.function import (
     MultiLoraBaseLinearFunction,
     MultiLoraLinearFunction,
-    cat_factors,
     resolve_path,
 )
 from loka.plora.kernels.layout import MultiLoraLayout
@@ -43,8 +42,8 @@ def multi_lora_base_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    a_cat: torch.Tensor | Sequence[torch.Tensor],
-    b_cat: torch.Tensor | Sequence[torch.Tensor],
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
     layout: MultiLoraLayout,
     *,
     path: str | None = None,
@@ -53,9 +52,8 @@ def multi_lora_base_linear(
     adapters as one op, so that the adapters write into the base GEMM's output and input
     gradient in place (fused kernels; less memory traffic than `F.linear` followed by
     `multi_lora_linear`). weight: `[N, K]` (frozen or not), bias `[N]` or None, x's dtype.
-    a_cat, b_cat: the concatenated factors in x's dtype, or each adapter's own `[r_i, K]` /
-    `[N, r_i]` (in any one float dtype): the op then concatenates and casts them itself and
-    returns each its gradient in its dtype, with no autograd nodes of its own for either.
+    a_cat `[sum r, K]`, b_cat `[N, sum r]` (any strides, e.g. a packed B^T's transpose) in
+    one float dtype, x's or another: the op casts them and returns their gradients in it.
     Path "unfused" (or a rank > 128): `F.linear` then `multi_lora_linear`.
     """
     n = weight.shape[0]
@@ -63,34 +61,15 @@ def multi_lora_base_linear(
         raise ValueError(
             f"weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)} {x.dtype}"
         )
-    a_parts = (a_cat,) if isinstance(a_cat, torch.Tensor) else tuple(a_cat)
-    b_parts = (b_cat,) if isinstance(b_cat, torch.Tensor) else tuple(b_cat)
-    if len(a_parts) != len(b_parts) or not a_parts:
-        raise ValueError(f"{len(a_parts)} A factors against {len(b_parts)} B factors")
-    if len({t.dtype for t in (*a_parts, *b_parts)}) != 1:
-        raise TypeError("the adapters' factors must share one dtype")
+    if a_cat.dtype != b_cat.dtype:
+        raise TypeError(f"the factors must share one dtype, got {a_cat.dtype} and {b_cat.dtype}")
     if resolve_path(path, layout) != "fused":
         base = torch.nn.functional.linear(x, weight, bias)
-        a_cat, b_cat = cat_factors(a_parts, b_parts, x.dtype)
-        return multi_lora_linear(x, base, a_cat, b_cat, layout, path="unfused")
-    if len(a_parts) == 1:
-        _check_linear_shapes(x, (x.shape[0], n), a_parts[0], b_parts[0], layout)
-    total = sum(a.shape[0] for a in a_parts)
-    k = x.shape[1]
-    if any(a.shape[1:] != (k,) for a in a_parts) or total != layout.total_rank:
-        raise ValueError(
-            f"A factors {[tuple(a.shape) for a in a_parts]} do not make (sum of ranks "
-            f"{layout.total_rank}, K {k})"
+        return multi_lora_linear(
+            x, base, a_cat.to(x.dtype), b_cat.to(x.dtype), layout, path="unfused"
         )
-    if any(
-        b.shape[0] != n or b.shape[1] != a.shape[0] for a, b in zip(a_parts, b_parts, strict=True)
-    ):
-        raise ValueError(
-            f"B factors {[tuple(b.shape) for b in b_parts]} do not fit N {n} and the A ranks"
-        )
-    return MultiLoraBaseLinearFunction.apply(
-        x, weight, bias, layout, len(a_parts), *a_parts, *b_parts
-    )
+    _check_linear_shapes(x, (x.shape[0], n), a_cat, b_cat, layout)
+    return MultiLoraBaseLinearFunction.apply(x, weight, bias, a_cat, b_cat, layout)
 
 
 def multi_lora_linear_reference(
