@@ -48,6 +48,8 @@ Results: realized_<utc>.json under --out (default $OUT, else bench/results/): me
 every row (model, preset, mode, dynamic, variant, step_ms or fwd_ms, blocks,
 speedup_vs_bf16, ratio spread, grad_ok, quality and quality_ok with --quality-steps,
 vs_anchor where a recorded anchor exists, and for LoKA predicted_speedup, ceiling, g, s,
+g_step, ceiling_step and safe_ceiling_step (the ceilings with g the plan's bf16 GEMM
+kernel time over this run's bf16 step: `PlanSummary.set_step`),
 sites, passes, demoted), the plans' summaries. This is the project's end-to-end benchmark
 (it replaced bench/e2e.py, which ran variants one after another; its results stay recorded).
 """
@@ -55,6 +57,7 @@ sites, passes, demoted), the plans' summaries. This is the project's end-to-end 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import platform
@@ -409,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n== realized step speed ({args.preset}) ==")
     print(f"{'model':<7} {'mode':<10} {'variant':<24} {'fp8':>4} {'ms':>8} {'x bf16':>7} "
           f"{'ratio min..max':>15} {'pred':>6} {'pstep':>6} {'ceil':>6} {'safe':>6} "
-          f"{'quality':>8}")  # fmt: skip
+          f"{'cstep':>6} {'sstep':>6} {'quality':>8}")  # fmt: skip
     for r in rows:
         if r.get("batch_size") and str(r.get("variant", "")).startswith("infer"):
             r = r | {"variant": f"{r['variant']}@{r['batch_size']}"}  # the console's name only
@@ -418,10 +421,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r.get('skipped') or r.get('error', '')[:80]}")  # fmt: skip
             continue
         pred = r.get("predicted_speedup")
-        pstep, ceil, safe = (
+        pstep, ceil, safe, cstep, sstep = (
             "" if r.get(k) is None else f"{r[k]:.3f}"
-            for k in ("predicted_from_step", "ceiling", "safe_ceiling")
-        )
+            for k in ("predicted_from_step", "ceiling", "safe_ceiling", "ceiling_step",
+                      "safe_ceiling_step")
+        )  # fmt: skip
         quality = (
             ""
             if "quality" not in r
@@ -431,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{r.get('step_ms', r.get('fwd_ms')):>8.2f} {r['speedup_vs_bf16']:>7.3f} "
               f"{r['ratio_min']:>7.3f}..{r['ratio_max']:<7.3f} "
               f"{'' if pred is None else f'{pred:.3f}':>6} {pstep:>6} {ceil:>6} {safe:>6} "
-              f"{quality:>8}")  # fmt: skip
+              f"{cstep:>6} {sstep:>6} {quality:>8}")  # fmt: skip
     print(f"wrote {path} ({time.monotonic() - start:.0f} s)")
 
 
@@ -599,6 +603,7 @@ def run_mode(
                 row["predicted_from_step"] = predicted_from_step(
                     loka_plans[variant], row.get("demoted", {}), statistics.median(base)
                 )
+                row |= step_ceilings(loka_plans[variant].summary, statistics.median(base))
         if "error" not in row and "skipped" not in row:
             row["steps_timed"] = v.get("steps", 0)
         rows.append(row)
@@ -683,6 +688,15 @@ def predicted_from_step(plan, demoted, bf16_step_ms: float) -> float | None:
         if unit not in demoted and unit.rpartition("/")[0] not in demoted
     )  # fmt: skip
     return bf16_step_ms / (bf16_step_ms - saving) if saving < bf16_step_ms else None
+
+
+def step_ceilings(summary, bf16_step_ms: float) -> dict:
+    """The Amdahl ceilings as this run's bf16 step runs the plan's sites (`PlanSummary.set_step`
+    on a copy): `g_step`, `ceiling_step`, `safe_ceiling_step`."""
+    s = dataclasses.replace(summary)
+    s.set_step(bf16_step_ms)
+    return {"g_step": s.gemm_share_from_step, "ceiling_step": s.ceiling_from_step,
+            "safe_ceiling_step": s.safe_ceiling_from_step}  # fmt: skip
 
 
 def plan_record(plan) -> dict:

@@ -327,3 +327,17 @@ def test_profile_tables_go_into_the_runs_profile_folder(tmp_path, monkeypatch):
     (table,) = folder.iterdir()
     assert table.name == "profile_m_compiled_loka+x=_.fc_wgrad.txt"
     assert "Name" in table.read_text() and got["gpu_ms_per_step"] == 0
+
+
+def test_step_ceilings_use_the_measured_bf16_step_and_leave_the_plan_alone():
+    from loka.dispatch.planner import PlanSummary
+
+    summary = PlanSummary(sites=2, sites_fp8=1, passes_fp8=2, gemm_speedup=1.2,
+                          prequant_speedup=1.6, gemm_share=0.2, predicted_speedup=1.03,
+                          ceiling=1.08, estimated=False, device="cpu", bf16_gemm_ms=30.0,
+                          safe_prequant_speedup=1.4)  # fmt: skip
+    got = realized.step_ceilings(summary, 50.0)
+    assert got["g_step"] == pytest.approx(0.6)
+    assert got["ceiling_step"] == pytest.approx(1 / (0.4 + 0.6 / 1.6))
+    assert got["safe_ceiling_step"] == pytest.approx(1 / (0.4 + 0.6 / 1.4))
+    assert summary.ceiling_from_step is None and summary.measured_bf16_step_ms is None

@@ -54,7 +54,7 @@ def verified_summary(plan: pl.DataFrame) -> PlanSummary:
         "1.010x: slower than bf16); max_rounds (6) reached before it was measured alone"
         for s in fp8[:3]
     }
-    return PlanSummary(
+    summary = PlanSummary(
         sites=plan["site"].n_unique(), sites_fp8=len(fp8),
         passes_fp8=plan.filter(pl.col("recipe") != "bf16").height, gemm_speedup=1.16,
         prequant_speedup=1.58, gemm_share=0.2, predicted_speedup=1.031, ceiling=1.08,
@@ -64,7 +64,11 @@ def verified_summary(plan: pl.DataFrame) -> PlanSummary:
         verify_rounds=[{"round": 0, "sites": len(fp8), "speedup": 0.98, "low": 0.95, "high": 1.01,
                         "predicted": 1.031, "verdict": "not shown to be as fast as bf16",
                         "steps": 60}],
+        bf16_gemm_ms=40.0, safe_prequant_speedup=1.5,
     )  # fmt: skip
+    summary.set_step(100.0)  # g = 0.4 of the measured bf16 step, not Probe's 0.2
+    summary.predicted_from_step = 1.02
+    return summary
 
 
 def test_the_console_plan_fits_80_columns_one_line_per_site(capsys) -> None:
@@ -86,6 +90,7 @@ def test_the_console_plan_fits_80_columns_one_line_per_site(capsys) -> None:
     assert "kept in bf16: 77 passes, by reason:" in lines
     assert sum("no FP8 candidate is safe" in line for line in lines) == 1
     assert "fastest safe choice" not in text
+    assert any("ceiling as the measured bf16 step runs: 1.17" in line for line in summary.lines())
     # The plan summary's lines, the verification ones included, are all there, wrapped.
     flat = " ".join(" ".join(lines).split())
     for line in summary.lines():

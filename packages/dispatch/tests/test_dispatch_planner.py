@@ -200,6 +200,15 @@ def test_summary_predicts_end_to_end_with_its_ceiling() -> None:
     assert summary.predicted_speedup < summary.unconstrained_speedup < summary.ceiling
     assert any("accurate or not, quantizations included" in line for line in summary.lines())
     assert summary.sites_fp8 == 1 and summary.passes_fp8 == 1 and not summary.estimated
+    # From a measured bf16 step: g = the planned sites' bf16 kernel time (6 ms) over it.
+    assert summary.bf16_gemm_ms == pytest.approx(6.0)
+    summary.set_step(8.0)
+    assert summary.gemm_share_from_step == pytest.approx(0.75)
+    assert summary.ceiling_from_step == pytest.approx(1 / (0.25 + 0.75 / 1.2))
+    assert summary.safe_ceiling_from_step == pytest.approx(1 / (0.25 + 0.75 / (6 / 5.5)))
+    assert summary.ceiling_from_step > summary.ceiling  # g 0.75 of this step, 0.5 by Probe
+    summary.set_step(5.0)  # GEMMs timed apart longer than the step: no ceiling claimed
+    assert summary.ceiling_from_step is None and summary.gemm_share_from_step is None
     untimed = make_plan(
         sites.with_columns(pl.lit(None, pl.Float64).alias("time_share")), errors, bench
     )

@@ -385,7 +385,13 @@ def test_session_verifies_after_applying_and_settles_on_the_verified_sites(tmp_p
     assert phases[13:] == ["applied", "applied"]
     assert session.applied.sites == ["blocks.0.fc1"] and "blocks.0.fc1" in session.applied.demoted
     assert setup.model.blocks[0].fc1 is originals["blocks.0.fc1"]
-    assert session.plan.summary.measured_speedup == 1.0  # nothing kept: the step is bf16
+    summary = session.plan.summary
+    assert summary.measured_speedup == 1.0  # nothing kept: the step is bf16
+    # The ceiling as the measured bf16 step runs the planned sites (their bf16 kernels).
+    # The fake step: 100 ms; the synthetic bench's bf16 kernels of the planned sites: 6 ms.
+    assert summary.measured_bf16_step_ms == pytest.approx(100.0)
+    assert summary.gemm_share_from_step == pytest.approx(summary.bf16_gemm_ms / 100.0)
+    assert summary.ceiling_from_step is not None and summary.ceiling_from_step >= 1.0
     assert any("round 0: 1 FP8 site(s)" in e for e in events)
     assert any(e.startswith("verified after 14 step(s)") for e in events)
     report = (tmp_path / "report.html").read_text()

@@ -56,6 +56,30 @@ class PlanSummary:
     # costs (memory-bound GEMMs over many tokens can lose it all); unconstrained -> predicted
     # is what accuracy and the plan's rules cost.
     unconstrained_speedup: float | None = None
+    # The bf16 kernel time of the planned passes of the timed sites (ms per step), and the
+    # Amdahl ceiling as a measured bf16 step runs them (`set_step`, by verification and
+    # bench/realized.py): g = that time over the step. Probe's share g (above) comes from an
+    # eager step, whose unfused elementwise work a compiled step does not have, so under
+    # torch.compile it understates g and the ceiling (DHEN xl: 0.27 from Probe, 0.64 of the
+    # compiled step; ceiling 1.135x vs 1.389x).
+    bf16_gemm_ms: float | None = None
+    gemm_share_from_step: float | None = None
+    ceiling_from_step: float | None = None
+    safe_ceiling_from_step: float | None = None
+
+    def set_step(self, bf16_step_ms: float | None) -> None:
+        """Set the ceilings from a measured bf16 step (ms): g = `bf16_gemm_ms` / step, with
+        the plan's own s (all candidates) and safe s. None where g is unknown or not below 1
+        (GEMM times measured apart that exceed the step say the bench and the step differ)."""
+        self.measured_bf16_step_ms = bf16_step_ms
+        self.gemm_share_from_step = self.ceiling_from_step = self.safe_ceiling_from_step = None
+        if not bf16_step_ms or not self.bf16_gemm_ms or not 0 < self.bf16_gemm_ms < bf16_step_ms:
+            return
+        g = self.bf16_gemm_ms / bf16_step_ms
+        self.gemm_share_from_step = g
+        self.ceiling_from_step = 1.0 / ((1.0 - g) + g / self.prequant_speedup)
+        if self.safe_prequant_speedup:
+            self.safe_ceiling_from_step = 1.0 / ((1.0 - g) + g / self.safe_prequant_speedup)
 
     @property
     def share_of_ceiling(self) -> float | None:
@@ -123,6 +147,21 @@ class PlanSummary:
             f"end-to-end: measured on the real step {measured}{predicted} "
             f"({self.measured_steps} steps, {self.measured_method})"
         ]
+        if self.ceiling_from_step is not None:
+            safe = (
+                f" (safe candidates only {self.safe_ceiling_from_step:.3f}x)"
+                if self.safe_ceiling_from_step is not None else ""
+            )  # fmt: skip
+            reached = (
+                f"; measured reaches {(self.measured_speedup - 1) / (self.ceiling_from_step - 1):.0%} "
+                "of its gain"
+                if self.measured_interval is not None and self.ceiling_from_step > 1.0 else ""
+            )  # fmt: skip
+            out.append(
+                f"ceiling as the measured bf16 step runs: {self.ceiling_from_step:.3f}x{safe} with "
+                f"g = {self.gemm_share_from_step:.3f} (the planned sites' bf16 GEMM kernels over "
+                f"the step){reached}"
+            )
         return out + [f"demoted by verification: {s}: {r}" for s, r in self.verify_demoted.items()]
 
 
@@ -263,6 +302,7 @@ def summarize(
         device=devices[0].device if devices else "none",
         safe_prequant_speedup=s_safe,
         safe_ceiling=safe_ceiling,
+        bf16_gemm_ms=bf16_total if timed else None,
         unconstrained_speedup=unconstrained,
         notes=[*list(notes), f"{len(choices) - len(timed)} site(s) without timings stay bf16"]
         if len(timed) < len(choices) else list(notes),
