@@ -1220,9 +1220,10 @@ def profile(v, step_fn, out, tag) -> dict:
         sort_by="cuda_time_total" if gpu else "cpu_time_total", row_limit=200,
         max_name_column_width=160,
     )  # fmt: skip
-    # Variant names hold globs and slashes ("loka+x=*.mlp.1/wgrad"): not in a file name.
+    # Variant names hold globs, slashes, "+" and "=" ("loka+x=*.mlp.1/wgrad"): letters,
+    # digits, "_", "." and "-" only, the characters the GPU host's files come back with.
     Path(out).mkdir(parents=True, exist_ok=True)
-    Path(out, f"profile_{re.sub(r'[^A-Za-z0-9_.=+-]', '_', tag)}.txt").write_text(table)
+    Path(out, f"profile_{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}.txt").write_text(table)
     cuda_total = sum(e.self_device_time_total for e in events) / 1e3 / steps
     gemm = sum(e.self_device_time_total for e in events if e.key in LINEAR_GEMM_OPS) / 1e3 / steps
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:50]
