@@ -209,6 +209,10 @@ def test_summary_predicts_end_to_end_with_its_ceiling() -> None:
     assert summary.ceiling_from_step > summary.ceiling  # g 0.75 of this step, 0.5 by Probe
     summary.set_step(5.0)  # GEMMs timed apart longer than the step: no ceiling claimed
     assert summary.ceiling_from_step is None and summary.gemm_share_from_step is None
+    # A compiled plan says that Probe's eager share makes its prediction low; eager not.
+    assert not any("comes from eager steps" in n for n in summary.notes)
+    compiled = make_plan(sites, errors, bench, PlanConfig(mode="compiled")).summary
+    assert any("comes from eager steps" in n for n in compiled.notes)
     untimed = make_plan(
         sites.with_columns(pl.lit(None, pl.Float64).alias("time_share")), errors, bench
     )
