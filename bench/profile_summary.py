@@ -5,6 +5,13 @@ other Triton, the optimizers, the rest. Device-side rows only (self CPU 0), so a
 kernel is not counted twice with its launcher row.
 
     python bench/profile_summary.py bench/results/profiles_wukong_xl_20261202T0618Z/*.txt
+
+`--diff BASE` prints, for each table against BASE (e.g. a plan's step against bf16's), the
+change per kind and the kernels whose time grew or shrank most, matched by name less
+inductor's trailing index (`triton_red_fused_..._10` and `..._31` are one family): where a
+planned step loses what its GEMMs save.
+
+    python bench/profile_summary.py --diff profile_dhen_compiled_bf16.txt profile_dhen_compiled_loka.txt
 """
 
 from __future__ import annotations
@@ -48,11 +55,47 @@ def kind(name: str) -> str:
     return "other"
 
 
+def family(name: str) -> str:
+    """A kernel's name less inductor's trailing index: the same fused work in two graphs."""
+    return re.sub(r"_\d+$", "", name)
+
+
+def per_step(path: str, steps: int, key=kind) -> dict[str, float]:
+    """ms per step of a table's kernels, summed by `key` of their names."""
+    out: collections.Counter = collections.Counter()
+    for name, cuda_ms, _ in kernel_rows(path):
+        out[key(name)] += cuda_ms / steps
+    return dict(out)
+
+
+def diff_lines(base: str, table: str, steps: int, top: int = 8) -> list[str]:
+    """`table` against `base`: ms per step by kind, then the kernel families that grew and
+    shrank most."""
+    lines = [f"{table} against {base}:"]
+    a, b = per_step(base, steps), per_step(table, steps)
+    for k in sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0) - a.get(k, 0))):
+        lines.append(f"   {k:18s} {a.get(k, 0):7.2f} -> {b.get(k, 0):7.2f} ms/step "
+                     f"({b.get(k, 0) - a.get(k, 0):+.2f})")  # fmt: skip
+    fa, fb = per_step(base, steps, family), per_step(table, steps, family)
+    change = {f: fb.get(f, 0) - fa.get(f, 0) for f in set(fa) | set(fb)}
+    grew = sorted((f for f in change if change[f] > 0), key=lambda f: -change[f])[:top]
+    shrank = sorted((f for f in change if change[f] < 0), key=lambda f: change[f])[:top]
+    for title, names in (("grew most", grew), ("shrank most", shrank)):
+        lines.append(f"   {title}:")
+        lines += [f"     {change[f]:+7.2f} ms/step  {f[:110]}" for f in names]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("tables", nargs="+")
     p.add_argument("--steps", type=int, default=4, help="steps the profile covered")
+    p.add_argument("--diff", metavar="BASE", help="compare each table with this one")
     args = p.parse_args(argv)
+    if args.diff:
+        for path in args.tables:
+            print("\n".join(diff_lines(args.diff, path, args.steps)))
+        return
     for path in args.tables:
         rows = kernel_rows(path)
         ms, launches = collections.Counter(), collections.Counter()

@@ -34,3 +34,16 @@ def test_main_prints_a_line_per_kind(capsys):
     out = capsys.readouterr().out
     assert "listed kernels 64.54 ms/step" in out  # as recorded in summary.txt
     assert "fp8 gemm" in out
+
+
+def test_diff_puts_the_plans_kernels_against_bf16s_by_kind_and_family(capsys):
+    summary = _load()
+    assert summary.family("triton_red_fused_amax_abs_10") == "triton_red_fused_amax_abs"
+    bf16, loka = (str(PROFILES / f"profile_wukong_compiled_{t}.txt") for t in ("bf16", "loka"))
+    lines = summary.diff_lines(bf16, loka, steps=4)
+    fp8 = next(line for line in lines if line.strip().startswith("fp8 gemm"))
+    assert "0.00 ->" in fp8 and "(+" in fp8  # FP8 GEMMs appear only in the plan's step
+    grew = lines.index("   grew most:")
+    assert lines.index("   shrank most:") > grew + 1  # families listed under each
+    summary.main(["--diff", bf16, loka])
+    assert "against" in capsys.readouterr().out
