@@ -49,7 +49,7 @@ every row (model, preset, mode, dynamic, variant, step_ms or fwd_ms, blocks,
 speedup_vs_bf16, ratio spread, grad_ok, quality and quality_ok with --quality-steps,
 vs_anchor where a recorded anchor exists, and for LoKA predicted_speedup, ceiling, g, s,
 g_step, ceiling_step and safe_ceiling_step (the ceilings with g the plan's bf16 GEMM
-kernel time over this run's bf16 step: `PlanSummary.set_step`),
+kernel time over this run's bf16 step: `PlanSummary.ceiling_from_step`),
 sites, passes, demoted), the plans' summaries. This is the project's end-to-end benchmark
 (it replaced bench/e2e.py, which ran variants one after another; its results stay recorded).
 """
@@ -691,10 +691,9 @@ def predicted_from_step(plan, demoted, bf16_step_ms: float) -> float | None:
 
 
 def step_ceilings(summary, bf16_step_ms: float) -> dict:
-    """The Amdahl ceilings as this run's bf16 step runs the plan's sites (`PlanSummary.set_step`
-    on a copy): `g_step`, `ceiling_step`, `safe_ceiling_step`."""
-    s = dataclasses.replace(summary)
-    s.set_step(bf16_step_ms)
+    """The Amdahl ceilings as this run's bf16 step runs the plan's sites (a copy of its
+    summary with that step measured): `g_step`, `ceiling_step`, `safe_ceiling_step`."""
+    s = dataclasses.replace(summary, measured_bf16_step_ms=bf16_step_ms)
     return {"g_step": s.gemm_share_from_step, "ceiling_step": s.ceiling_from_step,
             "safe_ceiling_step": s.safe_ceiling_from_step}  # fmt: skip
 

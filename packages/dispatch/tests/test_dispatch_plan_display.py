@@ -66,7 +66,7 @@ def verified_summary(plan: pl.DataFrame) -> PlanSummary:
                         "steps": 60}],
         bf16_gemm_ms=40.0, safe_prequant_speedup=1.5,
     )  # fmt: skip
-    summary.set_step(100.0)  # g = 0.4 of the measured bf16 step, not Probe's 0.2
+    summary.measured_bf16_step_ms = 100.0  # g = 0.4 of the measured bf16 step, not Probe's 0.2
     summary.predicted_from_step = 1.02
     return summary
 

@@ -15,7 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loka.dispatch.planner import PlanConfig, batches_to_decide, make_plan, sites_fingerprint
+from loka.dispatch.planner import (
+    PlanConfig,
+    PlanSummary,
+    batches_to_decide,
+    make_plan,
+    sites_fingerprint,
+)
 from loka.schema import PASSES, validate
 
 DEVICE = {
@@ -202,13 +208,19 @@ def test_summary_predicts_end_to_end_with_its_ceiling() -> None:
     assert summary.sites_fp8 == 1 and summary.passes_fp8 == 1 and not summary.estimated
     # From a measured bf16 step: g = the planned sites' bf16 kernel time (6 ms) over it.
     assert summary.bf16_gemm_ms == pytest.approx(6.0)
-    summary.set_step(8.0)
+    summary.measured_bf16_step_ms = 8.0
     assert summary.gemm_share_from_step == pytest.approx(0.75)
     assert summary.ceiling_from_step == pytest.approx(1 / (0.25 + 0.75 / 1.2))
     assert summary.safe_ceiling_from_step == pytest.approx(1 / (0.25 + 0.75 / (6 / 5.5)))
     assert summary.ceiling_from_step > summary.ceiling  # g 0.75 of this step, 0.5 by Probe
-    summary.set_step(5.0)  # GEMMs timed apart longer than the step: no ceiling claimed
+    summary.measured_bf16_step_ms = (
+        5.0  # GEMMs timed apart longer than the step: no ceiling claimed
+    )
     assert summary.ceiling_from_step is None and summary.gemm_share_from_step is None
+    # Derived, not stored: a summary read back (with a key an earlier version wrote) agrees.
+    saved = {**summary.__dict__, "measured_bf16_step_ms": 8.0, "ceiling_from_step": None}
+    restored = PlanSummary.from_dict(saved)
+    assert restored.ceiling_from_step == pytest.approx(1 / (0.25 + 0.75 / 1.2))
     # A compiled plan says that Probe's eager share makes its prediction low; eager not.
     assert not any("comes from eager steps" in n for n in summary.notes)
     compiled = make_plan(sites, errors, bench, PlanConfig(mode="compiled")).summary

@@ -45,7 +45,7 @@ def read_plan(path: str | os.PathLike[str]) -> Plan:
     metadata = read_metadata(path)
     summary = None
     if "summary" in metadata:
-        summary = PlanSummary(**json.loads(metadata["summary"]))
+        summary = PlanSummary.from_dict(json.loads(metadata["summary"]))
     if summary is None:
         raise ValueError(f"{path}: a plan table without the planner's summary metadata")
     return Plan(table, summary, metadata)

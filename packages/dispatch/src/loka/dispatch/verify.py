@@ -511,7 +511,7 @@ def settle(applied, result: Verification) -> None:
     summary.verified_sites = list(result.kept)
     summary.verify_demoted = dict(result.demoted)
     summary.verify_rounds = [r.as_dict() for r in result.rounds]
-    summary.set_step(result.bf16_step_ms)
+    summary.measured_bf16_step_ms = result.bf16_step_ms
     summary.predicted_from_step = result.predicted_kept if result.bf16_step_ms else None
     if "summary" in applied.plan.metadata:  # as the planner writes it
         applied.plan.metadata["summary"] = json.dumps(

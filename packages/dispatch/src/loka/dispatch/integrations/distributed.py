@@ -35,7 +35,7 @@ def unpack_plan(payload: bytes) -> Plan:
     size = int.from_bytes(payload[:8], "little")
     head = json.loads(payload[8 : 8 + size])
     table = pl.read_ipc(io.BytesIO(payload[8 + size :]))
-    return Plan(table, PlanSummary(**head["summary"]), head["metadata"])
+    return Plan(table, PlanSummary.from_dict(head["summary"]), head["metadata"])
 
 
 def plan_once(make: Callable[[], Plan], src: int = 0) -> Plan:

@@ -50,7 +50,7 @@ def _eager_share_note(summary: PlanSummary) -> str:
         f"g = {summary.gemm_share:.3f} comes from eager steps (Probe); a compiled step fuses the "
         "work around the GEMMs, so their share there, and this plan's gain, are larger: the "
         "prediction is low for a compiled step; verification predicts from the measured bf16 "
-        "step (PlanSummary.set_step)"
+        "step (PlanSummary.ceiling_from_step)"
     )
 
 

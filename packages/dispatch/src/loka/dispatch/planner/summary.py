@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import polars as pl
 
@@ -56,30 +56,43 @@ class PlanSummary:
     # costs (memory-bound GEMMs over many tokens can lose it all); unconstrained -> predicted
     # is what accuracy and the plan's rules cost.
     unconstrained_speedup: float | None = None
-    # The bf16 kernel time of the planned passes of the timed sites (ms per step), and the
-    # Amdahl ceiling as a measured bf16 step runs them (`set_step`, by verification and
-    # bench/realized.py): g = that time over the step. Probe's share g (above) comes from an
-    # eager step, whose unfused elementwise work a compiled step does not have, so under
-    # torch.compile it understates g and the ceiling (DHEN xl: 0.27 from Probe, 0.64 of the
-    # compiled step; ceiling 1.135x vs 1.389x).
+    # The bf16 kernel time of the planned passes of the timed sites (ms per step). With a
+    # measured bf16 step (`measured_bf16_step_ms`, from verification or bench/realized.py)
+    # it gives g as that step runs them, and the ceilings from it (`*_from_step`). Probe's
+    # share g (above) comes from an eager step, whose unfused elementwise work a compiled
+    # step does not have, so under torch.compile it understates g and the ceiling (DHEN xl:
+    # 0.27 from Probe, 0.64 of the compiled step; ceiling 1.135x vs 1.389x).
     bf16_gemm_ms: float | None = None
-    gemm_share_from_step: float | None = None
-    ceiling_from_step: float | None = None
-    safe_ceiling_from_step: float | None = None
 
-    def set_step(self, bf16_step_ms: float | None) -> None:
-        """Set the ceilings from a measured bf16 step (ms): g = `bf16_gemm_ms` / step, with
-        the plan's own s (all candidates) and safe s. None where g is unknown or not below 1
-        (GEMM times measured apart that exceed the step say the bench and the step differ)."""
-        self.measured_bf16_step_ms = bf16_step_ms
-        self.gemm_share_from_step = self.ceiling_from_step = self.safe_ceiling_from_step = None
-        if not bf16_step_ms or not self.bf16_gemm_ms or not 0 < self.bf16_gemm_ms < bf16_step_ms:
-            return
-        g = self.bf16_gemm_ms / bf16_step_ms
-        self.gemm_share_from_step = g
-        self.ceiling_from_step = 1.0 / ((1.0 - g) + g / self.prequant_speedup)
-        if self.safe_prequant_speedup:
-            self.safe_ceiling_from_step = 1.0 / ((1.0 - g) + g / self.safe_prequant_speedup)
+    @classmethod
+    def from_dict(cls, values: dict) -> PlanSummary:
+        """A summary as `__dict__` wrote it, keys no longer fields ignored (a plan saved by
+        an earlier version may carry some)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    @property
+    def gemm_share_from_step(self) -> float | None:
+        """g = `bf16_gemm_ms` over the measured bf16 step; None where either is unknown or
+        g is not below 1 (GEMMs timed apart that exceed the step: the two disagree)."""
+        step, gemm = self.measured_bf16_step_ms, self.bf16_gemm_ms
+        if not step or not gemm or not 0 < gemm < step:
+            return None
+        return gemm / step
+
+    def _ceiling_from_step(self, s: float | None) -> float | None:
+        g = self.gemm_share_from_step
+        return None if g is None or not s else 1.0 / ((1.0 - g) + g / s)
+
+    @property
+    def ceiling_from_step(self) -> float | None:
+        """1/((1-g)+g/s) with g from the measured step and the plan's s (every candidate)."""
+        return self._ceiling_from_step(self.prequant_speedup)
+
+    @property
+    def safe_ceiling_from_step(self) -> float | None:
+        """The same with s over the safe candidates only."""
+        return self._ceiling_from_step(self.safe_prequant_speedup)
 
     @property
     def share_of_ceiling(self) -> float | None:
