@@ -12,10 +12,14 @@ seconds per variant:
 - ``plan``: fwd and dgrad of both in FP8 (e4m3, rowwise dynamic), wgrad bf16: the plan;
 - ``plan+fc1.wgrad``, ``plan+fc2.wgrad``, ``plan+wgrad``: the plan with those wgrad passes
   in FP8 as well;
+- ``plan+wgrad.tensor``: the plan with both wgrad passes in FP8 at tensor scales (one
+  amax per operand instead of one per column over the tokens);
 - ``fc1.wgrad``: that wgrad pass alone in FP8.
 
-Each is timed with and without inductor's multi-kernel reductions, speedup against bf16
-under the same settings; with `--profile` each variant's kernels go into
+Each is timed under each of `--inductor`'s setting sets (``default``; ``mk``: multi-kernel
+reductions; ``cdt``: coordinate-descent tuning of every Triton kernel's block sizes and
+warps; ``mk+cdt``), speedup against bf16 under the same settings; with `--profile` each
+variant's kernels go into
 `wgrad_in_graph_<stamp>_profiles/` (torch.profiler tables: compare with
 `bench/profile_summary.py --diff`), so that the kernel that carries the loss can be named.
 Results in --out: wgrad_in_graph_<utc>.json.
@@ -36,6 +40,7 @@ from pathlib import Path
 from harness import Budget, metadata, parser, profile_events, stamp, time_ms, write_json
 
 ROW = "e4m3:e4m3/row/dynamic"
+TENSOR = "e4m3:e4m3/tensor/dynamic"
 # variant -> the passes in FP8, as "linear.pass"
 VARIANTS = {
     "bf16": (),
@@ -43,7 +48,16 @@ VARIANTS = {
     "plan+fc1.wgrad": ("fc1.fwd", "fc1.dgrad", "fc2.fwd", "fc2.dgrad", "fc1.wgrad"),
     "plan+fc2.wgrad": ("fc1.fwd", "fc1.dgrad", "fc2.fwd", "fc2.dgrad", "fc2.wgrad"),
     "plan+wgrad": ("fc1.fwd", "fc1.dgrad", "fc2.fwd", "fc2.dgrad", "fc1.wgrad", "fc2.wgrad"),
+    "plan+wgrad.tensor": ("fc1.fwd", "fc1.dgrad", "fc2.fwd", "fc2.dgrad", "fc1.wgrad:tensor",
+                          "fc2.wgrad:tensor"),
     "fc1.wgrad": ("fc1.wgrad",),
+}
+# --inductor's setting sets: torch.compile(options=...)
+INDUCTOR = {
+    "default": {},
+    "mk": {"triton.multi_kernel": 1},
+    "cdt": {"coordinate_descent_tuning": True},
+    "mk+cdt": {"triton.multi_kernel": 1, "coordinate_descent_tuning": True},
 }
 
 
@@ -55,17 +69,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--compile", choices=("on", "off"), default=None,
                    help="torch.compile the block (default: on with a GPU)")  # fmt: skip
-    p.add_argument("--multi-kernel", choices=("both", "on", "off"), default="both")
+    p.add_argument("--inductor", default="default,mk",
+                   help=f"setting sets to time each variant under ({', '.join(INDUCTOR)})")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="a profiler table per variant")
     args = p.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+    unknown = [v for v in args.inductor.split(",") if v not in INDUCTOR]
+    if unknown:
+        p.error(f"--inductor: unknown {', '.join(unknown)} (known: {', '.join(INDUCTOR)})")
     return args
 
 
 def block(dim: int, hidden: int, fp8: tuple[str, ...], device: str, seed: int = 0):
-    """The pre-norm MLP block with the named passes in FP8 (`torch.native`, rowwise e4m3)."""
+    """The pre-norm MLP block with the named passes in FP8 (`torch.native`, e4m3, rowwise;
+    a pass named ``linear.pass:tensor`` at tensor scales)."""
     import torch
     from torch import nn
 
@@ -75,8 +94,12 @@ def block(dim: int, hidden: int, fp8: tuple[str, ...], device: str, seed: int = 
     norm, fc1, fc2 = nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.Linear(hidden, dim)
 
     def convert(linear: nn.Linear, name: str) -> nn.Module:
-        passes = {p: PassConfig(ROW, "torch.native") if f"{name}.{p}" in fp8 else "bf16"
-                  for p in ("fwd", "dgrad", "wgrad")}  # fmt: skip
+        def recipe(p: str) -> PassConfig | str:
+            if f"{name}.{p}:tensor" in fp8:
+                return PassConfig(TENSOR, "torch.native")
+            return PassConfig(ROW, "torch.native") if f"{name}.{p}" in fp8 else "bf16"
+
+        passes = {p: recipe(p) for p in ("fwd", "dgrad", "wgrad")}
         if all(v == "bf16" for v in passes.values()):
             return linear
         return Fp8Linear.from_linear(linear, Fp8LinearConfig(**passes))
@@ -115,30 +138,27 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens or (16384 if gpu else 64)
     dim, hidden = args.dim or (2048 if gpu else 32), args.hidden or (4096 if gpu else 64)
     compiled = (args.compile or ("on" if gpu else "off")) == "on"
-    settings = {"both": (False, True), "on": (True,), "off": (False,)}[args.multi_kernel]
-    if not compiled:
-        settings = (False,)
+    settings = args.inductor.split(",") if compiled else ["default"]
     budget, rows, skipped = Budget(args.budget_s), [], []
     when = stamp()
     profiles = Path(args.out) / f"wgrad_in_graph_{when}_profiles"
     x = torch.randn(tokens, dim, device=device, requires_grad=True)
-    for multi_kernel in settings:
+    for setting in settings:
         base_ms = None
         for name in args.variants.split(","):
             if budget.over():
-                skipped.append(f"{name} multi_kernel={multi_kernel}")
+                skipped.append(f"{name} inductor={setting}")
                 continue
             torch._dynamo.reset()
             model = block(dim, hidden, VARIANTS[name], device)
             run = model
             if compiled:
-                options = {"triton.multi_kernel": 1} if multi_kernel else {}
-                run = torch.compile(model, options=options)
+                run = torch.compile(model, options=dict(INDUCTOR[setting]))
             step = step_fn(run, x, device)
             ms = time_ms(step, device)
             base_ms = ms if name == "bf16" else base_ms
             row = {"variant": name, "fp8_passes": list(VARIANTS[name]), "ms": ms,
-                   "multi_kernel": multi_kernel, "compiled": compiled,
+                   "inductor": setting, "compiled": compiled,
                    "speedup_vs_bf16": base_ms / ms if base_ms else None}  # fmt: skip
             if args.profile:
                 table = profile_events(lambda i, step=step: step(), 4).table(
@@ -146,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
                     max_name_column_width=160,
                 )  # fmt: skip
                 profiles.mkdir(parents=True, exist_ok=True)
-                tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{name}_mk{int(multi_kernel)}")
+                tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{name}_{setting}")
                 (profiles / f"profile_{tag}.txt").write_text(table)
                 row["profile"] = f"profile_{tag}.txt"
             rows.append(row)
             speedup = row["speedup_vs_bf16"]
             print(f"[wgrad_in_graph {budget.elapsed():5.0f} s] {name:16s} "
-                  f"multi-kernel={int(multi_kernel)} {ms:8.3f} ms "
+                  f"{setting:8s} {ms:8.3f} ms "
                   f"{'' if speedup is None else f'{speedup:.3f}x bf16'}", flush=True)  # fmt: skip
     meta = metadata(device, tokens=tokens, dim=dim, hidden=hidden, recipe=ROW,
                     backend="torch.native", skipped=skipped,

@@ -33,20 +33,26 @@ def test_each_variant_puts_its_passes_in_fp8(script):
     alone = script.block(16, 32, script.VARIANTS["fc1.wgrad"], "cpu")
     assert type(alone.fc2) is not Fp8Linear and alone.fc1.fp8_config.fwd.is_bf16
     assert type(script.block(16, 32, (), "cpu").fc1) is not Fp8Linear
+    tensor = script.block(16, 32, script.VARIANTS["plan+wgrad.tensor"], "cpu")
+    for linear in (tensor.fc1, tensor.fc2):
+        assert linear.fp8_config.wgrad.recipe.granularity == "tensor"
+        assert linear.fp8_config.fwd.recipe.granularity == "row"
 
 
 def test_main_writes_a_row_per_variant_with_its_speedup_and_profile(script, tmp_path):
-    assert script.main(["--out", str(tmp_path), "--variants", "bf16,plan+wgrad", "--profile",
+    assert script.main(["--out", str(tmp_path), "--variants", "bf16,plan+wgrad,plan+wgrad.tensor", "--profile",
                         "--tokens", "32", "--dim", "16", "--hidden", "32"]) == 0  # fmt: skip
     (result,) = tmp_path.glob("wgrad_in_graph_*.json")
     rows = json.loads(result.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["bf16", "plan+wgrad"]
+    assert [r["variant"] for r in rows] == ["bf16", "plan+wgrad", "plan+wgrad.tensor"]
+    assert all(r["inductor"] == "default" for r in rows)
     assert rows[0]["speedup_vs_bf16"] == 1.0 and rows[1]["speedup_vs_bf16"] > 0
     assert len(rows[1]["fp8_passes"]) == 6 and not rows[0]["compiled"]
     (profiles,) = tmp_path.glob("wgrad_in_graph_*_profiles")
     assert sorted(p.name for p in profiles.iterdir()) == [
-        "profile_bf16_mk0.txt",
-        "profile_plan_wgrad_mk0.txt",
+        "profile_bf16_default.txt",
+        "profile_plan_wgrad.tensor_default.txt",
+        "profile_plan_wgrad_default.txt",
     ]
 
 
@@ -54,3 +60,6 @@ def test_unknown_variants_are_refused_in_one_line(script, capsys):
     with pytest.raises(SystemExit):
         script.parse_args(["--variants", "bf16,fc3.wgrad"])
     assert "unknown fc3.wgrad" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.parse_args(["--inductor", "mk,fast"])
+    assert "--inductor: unknown fast" in capsys.readouterr().err
