@@ -41,15 +41,15 @@ from harness import Budget, metadata, parser, profile_events, stamp, time_ms, wr
 
 ROW = "e4m3:e4m3/row/dynamic"
 TENSOR = "e4m3:e4m3/tensor/dynamic"
+PLAN = ("fc1.fwd", "fc1.dgrad", "fc2.fwd", "fc2.dgrad")
 # variant -> the passes in FP8, as "linear.pass"
 VARIANTS = {
     "bf16": (),
-    "plan": ("fc1.fwd", "fc1.dgrad", "fc2.fwd", "fc2.dgrad"),
-    "plan+fc1.wgrad": ("fc1.fwd", "fc1.dgrad", "fc2.fwd", "fc2.dgrad", "fc1.wgrad"),
-    "plan+fc2.wgrad": ("fc1.fwd", "fc1.dgrad", "fc2.fwd", "fc2.dgrad", "fc2.wgrad"),
-    "plan+wgrad": ("fc1.fwd", "fc1.dgrad", "fc2.fwd", "fc2.dgrad", "fc1.wgrad", "fc2.wgrad"),
-    "plan+wgrad.tensor": ("fc1.fwd", "fc1.dgrad", "fc2.fwd", "fc2.dgrad", "fc1.wgrad:tensor",
-                          "fc2.wgrad:tensor"),
+    "plan": PLAN,
+    "plan+fc1.wgrad": (*PLAN, "fc1.wgrad"),
+    "plan+fc2.wgrad": (*PLAN, "fc2.wgrad"),
+    "plan+wgrad": (*PLAN, "fc1.wgrad", "fc2.wgrad"),
+    "plan+wgrad.tensor": (*PLAN, "fc1.wgrad:tensor", "fc2.wgrad:tensor"),
     "fc1.wgrad": ("fc1.wgrad",),
 }
 # --inductor's setting sets: torch.compile(options=...)
