@@ -14,7 +14,12 @@ seconds per variant:
   in FP8 as well;
 - ``plan+wgrad.tensor``: the plan with both wgrad passes in FP8 at tensor scales (one
   amax per operand instead of one per column over the tokens);
-- ``fc1.wgrad``: that wgrad pass alone in FP8.
+- ``fc1.wgrad``: that wgrad pass alone in FP8;
+- ``triton``, ``triton+wgrad``: the plan, and the plan with both wgrad passes, on
+  ``torch.scaled_mm`` instead: the same GEMMs, the operands quantized by our Triton kernels
+  (`loka_mods` custom ops, opaque to inductor), x and dY each by one transpose-quantization
+  that writes the row-scaled operand and its column-scaled transpose from two reads,
+  instead of inductor's separate fused kernels.
 
 Each is timed under each of `--inductor`'s setting sets (``default``; ``mk``: multi-kernel
 reductions; ``cdt``: coordinate-descent tuning of every Triton kernel's block sizes and
@@ -51,7 +56,17 @@ VARIANTS = {
     "plan+wgrad": (*PLAN, "fc1.wgrad", "fc2.wgrad"),
     "plan+wgrad.tensor": (*PLAN, "fc1.wgrad:tensor", "fc2.wgrad:tensor"),
     "fc1.wgrad": ("fc1.wgrad",),
+    "triton": PLAN,
+    "triton+wgrad": (*PLAN, "fc1.wgrad", "fc2.wgrad"),
 }
+# the backend of a variant's FP8 passes
+NATIVE, TRITON_QUANT = "torch.native", "torch.scaled_mm"
+
+
+def backend_of(variant: str) -> str:
+    return TRITON_QUANT if variant.startswith("triton") else NATIVE
+
+
 # --inductor's setting sets: torch.compile(options=...)
 INDUCTOR = {
     "default": {},
@@ -82,8 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def block(dim: int, hidden: int, fp8: tuple[str, ...], device: str, seed: int = 0):
-    """The pre-norm MLP block with the named passes in FP8 (`torch.native`, e4m3, rowwise;
+def block(
+    dim: int, hidden: int, fp8: tuple[str, ...], device: str, seed: int = 0, backend: str = NATIVE
+):
+    """The pre-norm MLP block with the named passes in FP8 (on `backend`, e4m3, rowwise;
     a pass named ``linear.pass:tensor`` at tensor scales)."""
     import torch
     from torch import nn
@@ -96,8 +113,8 @@ def block(dim: int, hidden: int, fp8: tuple[str, ...], device: str, seed: int = 
     def convert(linear: nn.Linear, name: str) -> nn.Module:
         def recipe(p: str) -> PassConfig | str:
             if f"{name}.{p}:tensor" in fp8:
-                return PassConfig(TENSOR, "torch.native")
-            return PassConfig(ROW, "torch.native") if f"{name}.{p}" in fp8 else "bf16"
+                return PassConfig(TENSOR, backend)
+            return PassConfig(ROW, backend) if f"{name}.{p}" in fp8 else "bf16"
 
         passes = {p: recipe(p) for p in ("fwd", "dgrad", "wgrad")}
         if all(v == "bf16" for v in passes.values()):
@@ -149,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
             if budget.over():
                 skipped.append(f"{name} inductor={setting}")
                 continue
+            if not gpu and backend_of(name) != NATIVE:  # _scaled_mm is rowwise on CUDA only
+                skipped.append(f"{name}: {backend_of(name)} needs a GPU")
+                continue
             torch._dynamo.reset()
-            model = block(dim, hidden, VARIANTS[name], device)
+            model = block(dim, hidden, VARIANTS[name], device, backend=backend_of(name))
             run = model
             if compiled:
                 run = torch.compile(model, options=dict(INDUCTOR[setting]))
@@ -158,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             ms = time_ms(step, device)
             base_ms = ms if name == "bf16" else base_ms
             row = {"variant": name, "fp8_passes": list(VARIANTS[name]), "ms": ms,
+                   "backend": backend_of(name),
                    "inductor": setting, "compiled": compiled,
                    "speedup_vs_bf16": base_ms / ms if base_ms else None}  # fmt: skip
             if args.profile:
@@ -175,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{setting:8s} {ms:8.3f} ms "
                   f"{'' if speedup is None else f'{speedup:.3f}x bf16'}", flush=True)  # fmt: skip
     meta = metadata(device, tokens=tokens, dim=dim, hidden=hidden, recipe=ROW,
-                    backend="torch.native", skipped=skipped,
+                    skipped=skipped,
                     timing="fwd+bwd of the block, bf16 autocast, harness.time_ms (do_bench "
                            "median on CUDA)")  # fmt: skip
     path = write_json(Path(args.out) / f"wgrad_in_graph_{when}.json", {"meta": meta, "rows": rows})

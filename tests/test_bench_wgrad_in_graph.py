@@ -37,15 +37,22 @@ def test_each_variant_puts_its_passes_in_fp8(script):
     for linear in (tensor.fc1, tensor.fc2):
         assert linear.fp8_config.wgrad.recipe.granularity == "tensor"
         assert linear.fp8_config.fwd.recipe.granularity == "row"
+    triton = script.block(16, 32, script.VARIANTS["triton+wgrad"], "cpu", backend="torch.scaled_mm")
+    for linear in (triton.fc1, triton.fc2):
+        assert {p.backend for p in linear.fp8_config.passes().values()} == {"torch.scaled_mm"}
+    assert script.backend_of("triton") == "torch.scaled_mm" == script.backend_of("triton+wgrad")
+    assert script.backend_of("plan+wgrad") == "torch.native"
 
 
 def test_main_writes_a_row_per_variant_with_its_speedup_and_profile(script, tmp_path):
-    assert script.main(["--out", str(tmp_path), "--variants", "bf16,plan+wgrad,plan+wgrad.tensor", "--profile",
+    assert script.main(["--out", str(tmp_path), "--variants", "bf16,plan+wgrad,plan+wgrad.tensor,triton", "--profile",
                         "--tokens", "32", "--dim", "16", "--hidden", "32"]) == 0  # fmt: skip
     (result,) = tmp_path.glob("wgrad_in_graph_*.json")
     rows = json.loads(result.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["bf16", "plan+wgrad", "plan+wgrad.tensor"]
     assert all(r["inductor"] == "default" for r in rows)
+    meta = json.loads(result.read_text())["meta"]
+    assert meta["skipped"] == ["triton: torch.scaled_mm needs a GPU"]
     assert rows[0]["speedup_vs_bf16"] == 1.0 and rows[1]["speedup_vs_bf16"] > 0
     assert len(rows[1]["fp8_passes"]) == 6 and not rows[0]["compiled"]
     (profiles,) = tmp_path.glob("wgrad_in_graph_*_profiles")
