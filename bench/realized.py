@@ -142,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="dhen")
     p.add_argument("--modes", default="compiled,eager")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma list; LoKA variants take options: loka+fast, loka+nohost, loka+min=1.15, loka+x=GLOB/pass, loka+bias=gemm")  # fmt: skip
+                   help="comma list; LoKA variants take options: loka+fast, loka+nohost, loka+min=1.15, loka+wq=1, loka+x=GLOB/pass, loka+bias=gemm")  # fmt: skip
     p.add_argument("--preset", default="large")
     p.add_argument("--model-options", default="", type=model_options,
                    help="model config fields for every variant, e.g. mixing=bmm (Wukong); "
@@ -740,7 +740,9 @@ def loka_options(variant: str) -> dict:
     """`PlanConfig` fields of a LoKA variant: ``loka`` is the default plan; options follow
     ``+``: ``fast`` (allow fast accumulation, `torch.native.fast` timed too), ``nohost``
     (eager: `charge_host=False`, plan on device time alone), ``min=X``
-    (`min_speedup`), ``x=GLOB`` (`exclude`: a site glob, or ``site-glob/pass``; repeatable),
+    (`min_speedup`), ``wq=F`` (`wgrad_quant_factor`: a wgrad's quantization charged at F
+    times its standalone time; ``wq=1`` plans on the standalone timing), ``x=GLOB``
+    (`exclude`: a site glob, or ``site-glob/pass``; repeatable),
     ``force=GLOB`` (`PlanConfig.force`: FP8 where safe, faster than bf16 or not; repeatable),
     ``bias=gemm`` (`ApplyConfig.bias_grad`: the FP8 sites' bias gradient as a GEMM),
     ``static=MARGIN`` (serving only: `loka.mods.calibrate_input_scales` on training
@@ -760,6 +762,8 @@ def loka_options(variant: str) -> dict:
             out["charge_host"] = False
         elif opt.startswith("min="):
             out["min_speedup"] = float(opt[4:])
+        elif opt.startswith("wq="):
+            out["wgrad_quant_factor"] = float(opt[3:])
         elif opt.startswith("x="):
             out["exclude"] = (*out.get("exclude", ()), opt[2:])
         elif opt.startswith("force="):
@@ -779,7 +783,7 @@ def loka_options(variant: str) -> dict:
                 raise ValueError(f"{variant!r}: static= takes a margin (a number >= 1)") from None
         else:
             raise ValueError(
-                f"{variant!r}: unknown LoKA option {opt!r} (fast, nohost, min=X, x=GLOB, "
+                f"{variant!r}: unknown LoKA option {opt!r} (fast, nohost, min=X, wq=F, x=GLOB, "
                 "force=GLOB, bias=sum|gemm, static=MARGIN, mk)"
             )
     return out

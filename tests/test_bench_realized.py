@@ -130,6 +130,10 @@ def test_loka_variants_name_their_plan_options():
         "exclude": ("*.mlp.1/wgrad", "head.*"),
     }
     assert realized.loka_options("loka+nohost") == {"charge_host": False}
+    assert realized.split_options(realized.loka_options("loka+mk+wq=1")) == (
+        {"wgrad_quant_factor": 1.0},
+        {},
+    )
     forced = realized.loka_options("loka+force=seq.*/fwd+force=head")
     assert realized.split_options(forced) == ({"force": ("seq.*/fwd", "head")}, {})
     opts = realized.loka_options("loka+min=1.1+bias=gemm")

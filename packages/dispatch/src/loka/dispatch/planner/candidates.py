@@ -134,6 +134,16 @@ def _timing(row: dict, mode: str = "compiled", charge_host: bool = True) -> Timi
     return Timing(median, median if gemm is None else gemm, 0.0 if quant is None else quant)
 
 
+def _in_place(timing: Timing, pass_: str, config: PlanConfig) -> Timing:
+    """`timing` of an FP8 pass as the planned step pays it: a wgrad pass's quantization
+    charged at `PlanConfig.wgrad_quant_charge()` times its standalone time."""
+    factor = config.wgrad_quant_charge() if pass_ == "wgrad" else 1.0
+    if factor == 1.0:
+        return timing
+    extra = (factor - 1.0) * timing.quant_ms
+    return Timing(timing.median_ms + extra, timing.gemm_ms, timing.quant_ms + extra)
+
+
 def _bf16_baseline(rows: list[dict], mode: str) -> dict | None:
     """The bf16 row a pass's FP8 options must beat: `torch.bf16`'s, or in a compiled plan
     the faster of it and `inductor.bf16`'s (the GEMM at padded dims, which inductor runs
@@ -249,7 +259,7 @@ def site_candidates(
         for r in rows:
             if r["_speed"] != "bf16":
                 by_speed.setdefault(r["_speed"], []).append(r)
-                timing = _timing(r, config.mode, config.charge_host)
+                timing = _in_place(_timing(r, config.mode, config.charge_host), pass_, config)
                 choice.best_gemm[pass_] = min(choice.best_gemm.get(pass_, gemm), timing.gemm_ms)
                 choice.best_total[pass_] = min(
                     choice.best_total.get(pass_, median), timing.median_ms
@@ -286,7 +296,8 @@ def site_candidates(
             ):  # fmt: skip
                 choice.undecided.append({**err, "budget": budget})
             for r in timed:
-                median, gemm, quant = _timing(r, config.mode, config.charge_host)
+                timing = _timing(r, config.mode, config.charge_host)
+                median, gemm, quant = _in_place(timing, pass_, config)
                 option = Option(
                     r["backend"], recipe, pass_, median, gemm, quant, bool(r["estimated"]),
                     bound, budget,

@@ -61,7 +61,7 @@ def plan_rows(choice: SiteChoice, config: PlanConfig) -> list[dict]:
                 )
                 reason = (
                     f"{what}: {o.median_ms:.4g} ms vs {b.median_ms:.4g} ms "
-                    "(also with quantizations shared)"
+                    "(also with quantizations shared)" + _charge_note(pass_, config)
                 )
             elif budget_moved and with_it < total:
                 reason = "dropped to meet the global error budget"
@@ -92,6 +92,7 @@ def plan_rows(choice: SiteChoice, config: PlanConfig) -> list[dict]:
             )
             if t < chosen.median_ms - 1e-12:
                 reason += f" (quantization shared with other passes: {chosen.median_ms - t:.4g} ms)"
+            reason += _charge_note(pass_, config)
             if chosen.fused:
                 reason += (
                     f"; the norm feeding it is fused with the quantization "
@@ -128,3 +129,11 @@ PLAN_TYPES = {  # columns whose type the rows alone do not settle (all null, nes
     "fuse_norm": pl.Boolean,
     "norm": pl.String,
 }
+
+
+def _charge_note(pass_: str, config: PlanConfig) -> str:
+    """What the pass's time includes beyond its standalone timing (`_in_place`)."""
+    factor = config.wgrad_quant_charge() if pass_ == "wgrad" else 1.0
+    if factor == 1.0:
+        return ""
+    return f"; its quantization charged at {factor:g}x its standalone time, as the {config.mode} step pays it"
