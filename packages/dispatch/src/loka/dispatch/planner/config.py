@@ -22,9 +22,10 @@ MIN_SPEEDUP = {mode: dict.fromkeys(PASSES, 1.05) for mode in MODES}
 # its standalone time in DHEN xl's MLP block (the block's profiles,
 # bench/results/wgrad_in_graph_20261203T140008Z and ..142518Z: +0.78 ms of quantizing
 # kernels for two passes timed 0.29 ms). Whole models, one process each, with and without
-# their wgrad passes: Wukong xl's seven (timed 1.31-1.44x) gained nothing (..140204Z),
-# HSTU xl's three (the uvqk projection, timed 1.57x) gained 1.4% of the step (..141237Z).
-# At a 1.05 margin a charge of 1.9-2.7x drops Wukong's 4096 x 4096 passes (1.31x) and keeps
+# their wgrad passes: Wukong xl's seven (4096 x 4096, timed 1.31x) gained nothing (..140204Z),
+# HSTU xl's three (the uvqk projection, tensor scales, timed 1.56x) gained 1.4% of the step
+# (..141237Z).
+# At a 1.05 margin a charge of 1.8-2.7x drops Wukong's 4096 x 4096 passes (1.31x) and keeps
 # HSTU's; 2.0 also drops DHEN's `fc1` passes (1.14x, 0.65 ms lost each in place). Eager
 # plans use backends that quantize x and dY once for two passes, timed as run: no charge.
 # This replaced a compiled wgrad margin of 1.15, which Wukong's passes cleared.
