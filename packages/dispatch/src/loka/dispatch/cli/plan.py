@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", type=Path, default=Path("plan.parquet"),
                         help="plan table to write (default plan.parquet)")  # fmt: skip
     parser.add_argument("--min-speedup", type=float, default=None,
-                        help="speedup over bf16 every FP8 pass must reach (default: 1.05 eager, 1.15 compiled)")  # fmt: skip
+                        help="speedup over bf16 every FP8 pass must reach (default 1.05)")  # fmt: skip
     parser.add_argument("--allow-fast-accum", action="store_true")
     parser.add_argument("--allow-undecided", action="store_true")
     parser.add_argument("--error-budget-total", type=float, default=None,
