@@ -12,6 +12,16 @@ inductor's trailing index (`triton_red_fused_..._10` and `..._31` are one family
 planned step loses what its GEMMs save.
 
     python bench/profile_summary.py --diff profile_dhen_compiled_bf16.txt profile_dhen_compiled_loka.txt
+
+`--plan RUN.json` (with `--diff`; `--variant` picks the plan, `--kernel-bench` the timings
+it was made from) adds the plan's prediction in parts beside the profiles: its FP8 passes'
+bf16 GEMMs, FP8 GEMMs and quantization as the kernel bench timed them, and what the two
+profiles say they took in the step (the bf16 GEMM time the plan removed, the FP8 GEMM time
+it added, the net growth of the Triton kernels): which part of a prediction missed.
+
+    python bench/profile_summary.py --diff ..._profiles/profile_hstu_compiled_bf16.txt \
+        ..._profiles/profile_hstu_compiled_loka.txt --plan realized_....json \
+        --kernel-bench bench/results/kernel_bench_xl_h200_20261203T0556Z.parquet
 """
 
 from __future__ import annotations
@@ -86,15 +96,79 @@ def diff_lines(base: str, table: str, steps: int, top: int = 8) -> list[str]:
     return lines
 
 
+def planned_parts(run: str, variant: str | None, kernel_bench: str) -> dict[str, float]:
+    """ms of the FP8 passes of a plan recorded in `run` (a `bench/realized.py` JSON; the
+    plan whose key ends in `variant`, or its only plan) as the bench timed them: their bf16
+    GEMMs, FP8 GEMMs, and quantization (the rest of each pass's predicted time, any
+    in-place charge included)."""
+    import json
+
+    import polars as pl
+
+    from loka.dispatch.bench.candidates import m_bucket
+
+    plans = json.loads(Path(run).read_text())["plans"]
+    keys = [k for k in plans if variant is None or k.split("/")[-1] == variant]
+    if len(keys) != 1:
+        raise SystemExit(f"--plan: {len(keys)} plans match {variant!r} in {run}: {sorted(plans)}")
+    bench = pl.read_parquet(kernel_bench)
+    parts = {"bf16": 0.0, "fp8 gemm": 0.0, "quant": 0.0}
+    for r in plans[keys[0]]["table"]:
+        if r["recipe"] == "bf16":
+            continue
+        timed = bench.filter(
+            (pl.col("M_bucket") == m_bucket(r["M_p50"])) & (pl.col("K") == r["K"])
+            & (pl.col("N") == r["N"]) & (pl.col("pass") == r["pass"])
+            & (pl.col("backend") == r["backend"]) & (pl.col("recipe") == r["recipe"])
+        )  # fmt: skip
+        if timed.is_empty():
+            raise SystemExit(f"--kernel-bench has no row for {r['site']} {r['pass']} {r['recipe']}")
+        gemm = timed["gemm_ms"][0]
+        parts["bf16"] += r["bf16_ms"]
+        parts["fp8 gemm"] += gemm
+        parts["quant"] += r["predicted_ms"] - gemm
+    return parts
+
+
+def parts_lines(base: str, table: str, steps: int, planned: dict[str, float]) -> list[str]:
+    """The plan's parts as timed beside what the profiles say they took in the step."""
+    a, b = per_step(base, steps), per_step(table, steps)
+    triton = ("triton w/ quant", "triton other")
+    in_step = {
+        "bf16": a.get("bf16 gemm", 0) - b.get("bf16 gemm", 0),
+        "fp8 gemm": b.get("fp8 gemm", 0) - a.get("fp8 gemm", 0),
+        "quant": sum(b.get(k, 0) for k in triton) - sum(a.get(k, 0) for k in triton),
+    }
+    names = {"bf16": "bf16 GEMMs replaced", "fp8 gemm": "FP8 GEMMs", "quant": "quantization (net)"}
+    lines = ["   the plan's FP8 passes, as timed -> in the step (ms/step):"]
+    for k, name in names.items():
+        ratio = planned[k] / in_step[k] if in_step[k] > 0 else float("nan")
+        lines.append(
+            f"     {name:22s} {planned[k]:8.2f} -> {in_step[k]:8.2f}  (timed/step {ratio:.2f})"
+        )
+    saving = {k: p["bf16"] - p["fp8 gemm"] - p["quant"] for k, p in (("planned", planned),
+              ("in_step", in_step))}  # fmt: skip
+    lines.append(f"     {'saving':22s} {saving['planned']:8.2f} -> {saving['in_step']:8.2f}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("tables", nargs="+")
     p.add_argument("--steps", type=int, default=4, help="steps the profile covered")
     p.add_argument("--diff", metavar="BASE", help="compare each table with this one")
+    p.add_argument("--plan", metavar="RUN.json", help="with --diff: the plan's prediction in parts")
+    p.add_argument("--variant", default=None, help="which plan of --plan's run (e.g. loka+mk)")
+    p.add_argument("--kernel-bench", default=None, help="the timings the plan was made from")
     args = p.parse_args(argv)
+    if args.plan and not (args.diff and args.kernel_bench):
+        p.error("--plan needs --diff BASE (the bf16 profile) and --kernel-bench")
+    planned = planned_parts(args.plan, args.variant, args.kernel_bench) if args.plan else None
     if args.diff:
         for path in args.tables:
             print("\n".join(diff_lines(args.diff, path, args.steps)))
+            if planned is not None:
+                print("\n".join(parts_lines(args.diff, path, args.steps, planned)))
         return
     for path in args.tables:
         rows = kernel_rows(path)

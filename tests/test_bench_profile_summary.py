@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 PROFILES = ROOT / "bench/results/profiles_wukong_xl_20261202T0618Z"
 
@@ -47,3 +49,29 @@ def test_diff_puts_the_plans_kernels_against_bf16s_by_kind_and_family(capsys):
     assert lines.index("   shrank most:") > grew + 1  # families listed under each
     summary.main(["--diff", bf16, loka])
     assert "against" in capsys.readouterr().out
+
+
+def test_the_prediction_in_parts_from_the_recorded_hstu_run(capsys):
+    # HSTU xl (realized_20261203T085405Z): its plan's FP8 passes as the bench timed them
+    # against the bf16 and LoKA profiles of the same run.
+    run = ROOT / "bench/results/realized_20261203T085405Z.json"
+    profiles = ROOT / "bench/results/realized_20261203T085405Z_profiles"
+    timings = ROOT / "bench/results/kernel_bench_xl_h200_20261203T0556Z.parquet"
+    summary = _load()
+    planned = summary.planned_parts(str(run), None, str(timings))
+    # 34 passes: their bf16 time is the plan's own rows' sum; the FP8 time splits in two
+    assert planned["bf16"] == pytest.approx(74.98, abs=0.01)
+    assert planned["fp8 gemm"] + planned["quant"] == pytest.approx(50.56, abs=0.01)
+    summary.main(["--diff", str(profiles / "profile_hstu_compiled_bf16.txt"),
+                  str(profiles / "profile_hstu_compiled_loka.txt"), "--plan", str(run),
+                  "--kernel-bench", str(timings)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "bf16 GEMMs replaced       74.98 ->    61.95  (timed/step 1.21)" in out
+    assert "FP8 GEMMs                 40.36 ->    31.68  (timed/step 1.27)" in out
+    assert "saving                    24.42 ->    15.35" in out
+
+
+def test_a_plan_needs_its_profiles_and_timings(capsys):
+    with pytest.raises(SystemExit):
+        _load().main(["x.txt", "--plan", "run.json"])
+    assert "--plan needs --diff BASE" in capsys.readouterr().err
