@@ -105,13 +105,17 @@ def planned_parts(run: str, variant: str | None, kernel_bench: str) -> dict[str,
 
     import polars as pl
 
-    from loka.dispatch.bench.candidates import m_bucket
+    from loka.dispatch.bench.candidates import m_bucket, speed_key
 
     plans = json.loads(Path(run).read_text())["plans"]
     keys = [k for k in plans if variant is None or k.split("/")[-1] == variant]
     if len(keys) != 1:
         raise SystemExit(f"--plan: {len(keys)} plans match {variant!r} in {run}: {sorted(plans)}")
     bench = pl.read_parquet(kernel_bench)
+    # rows are timed once per speed key (pow2 and scale bounds change no time)
+    bench = bench.with_columns(
+        pl.col("recipe").map_elements(speed_key, return_dtype=pl.String).alias("speed")
+    )
     parts = {"bf16": 0.0, "fp8 gemm": 0.0, "quant": 0.0}
     for r in plans[keys[0]]["table"]:
         if r["recipe"] == "bf16":
@@ -119,7 +123,7 @@ def planned_parts(run: str, variant: str | None, kernel_bench: str) -> dict[str,
         timed = bench.filter(
             (pl.col("M_bucket") == m_bucket(r["M_p50"])) & (pl.col("K") == r["K"])
             & (pl.col("N") == r["N"]) & (pl.col("pass") == r["pass"])
-            & (pl.col("backend") == r["backend"]) & (pl.col("recipe") == r["recipe"])
+            & (pl.col("backend") == r["backend"]) & (pl.col("speed") == speed_key(r["recipe"]))
         )  # fmt: skip
         if timed.is_empty():
             raise SystemExit(f"--kernel-bench has no row for {r['site']} {r['pass']} {r['recipe']}")
@@ -158,7 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=4, help="steps the profile covered")
     p.add_argument("--diff", metavar="BASE", help="compare each table with this one")
     p.add_argument("--plan", metavar="RUN.json", help="with --diff: the plan's prediction in parts")
-    p.add_argument("--variant", default=None, help="which plan of --plan's run (e.g. loka+mk)")
+    p.add_argument("--variant", default=None,
+                   help="which plan of --plan's run: the last part of its key (loka+mk; the "
+                        "plain loka plan's key ends in its --dynamic setting, auto)")  # fmt: skip
     p.add_argument("--kernel-bench", default=None, help="the timings the plan was made from")
     args = p.parse_args(argv)
     if args.plan and not (args.diff and args.kernel_bench):

@@ -75,3 +75,15 @@ def test_a_plan_needs_its_profiles_and_timings(capsys):
     with pytest.raises(SystemExit):
         _load().main(["x.txt", "--plan", "run.json"])
     assert "--plan needs --diff BASE" in capsys.readouterr().err
+
+
+def test_plan_rows_find_their_timing_by_speed_key():
+    # InterFormer xl's plan (realized_20261203T110458Z) takes pow2 recipes, timed under
+    # their speed key (e4m3:e4m3/row/dynamic): the parts still add up to the plan's times.
+    run = ROOT / "bench/results/realized_20261203T110458Z.json"
+    timings = ROOT / "bench/results/kernel_bench_xl_h200_20261203T0556Z.parquet"
+    planned = _load().planned_parts(str(run), "auto", str(timings))
+    assert planned["bf16"] == pytest.approx(25.74, abs=0.01)
+    assert planned["fp8 gemm"] == pytest.approx(13.66, abs=0.01)
+    with pytest.raises(SystemExit, match="3 plans match None"):
+        _load().planned_parts(str(run), None, str(timings))
