@@ -97,27 +97,36 @@ def diff_lines(base: str, table: str, steps: int, top: int = 8) -> list[str]:
 
 
 def planned_parts(run: str, variant: str | None, kernel_bench: str) -> dict[str, float]:
-    """ms of the FP8 passes of a plan recorded in `run` (a `bench/realized.py` JSON; the
-    plan whose key ends in `variant`, or its only plan) as the bench timed them: their bf16
-    GEMMs, FP8 GEMMs, and quantization (the rest of each pass's predicted time, any
-    in-place charge included)."""
+    """`parts_as_timed` of the plan recorded in `run` (a `bench/realized.py` JSON; the plan
+    whose key ends in `variant`, or its only plan) against the timings in `kernel_bench`."""
     import json
 
     import polars as pl
-
-    from loka.dispatch.bench.candidates import m_bucket, speed_key
 
     plans = json.loads(Path(run).read_text())["plans"]
     keys = [k for k in plans if variant is None or k.split("/")[-1] == variant]
     if len(keys) != 1:
         raise SystemExit(f"--plan: {len(keys)} plans match {variant!r} in {run}: {sorted(plans)}")
-    bench = pl.read_parquet(kernel_bench)
+    try:
+        return parts_as_timed(plans[keys[0]]["table"], pl.read_parquet(kernel_bench))
+    except KeyError as e:
+        raise SystemExit(f"--kernel-bench: {e.args[0]}") from None
+
+
+def parts_as_timed(plan_rows: list[dict], kernel_bench) -> dict[str, float]:
+    """ms of a plan's FP8 passes (its table's rows) as the kernel bench (a polars frame)
+    timed them: their bf16 GEMMs, FP8 GEMMs, and quantization (the rest of each pass's
+    predicted time, any in-place charge included). KeyError names a pass it has no row for."""
+    import polars as pl
+
+    from loka.dispatch.bench.candidates import m_bucket, speed_key
+
     # rows are timed once per speed key (pow2 and scale bounds change no time)
-    bench = bench.with_columns(
+    bench = kernel_bench.with_columns(
         pl.col("recipe").map_elements(speed_key, return_dtype=pl.String).alias("speed")
     )
     parts = {"bf16": 0.0, "fp8 gemm": 0.0, "quant": 0.0}
-    for r in plans[keys[0]]["table"]:
+    for r in plan_rows:
         if r["recipe"] == "bf16":
             continue
         timed = bench.filter(
@@ -126,7 +135,7 @@ def planned_parts(run: str, variant: str | None, kernel_bench: str) -> dict[str,
             & (pl.col("backend") == r["backend"]) & (pl.col("speed") == speed_key(r["recipe"]))
         )  # fmt: skip
         if timed.is_empty():
-            raise SystemExit(f"--kernel-bench has no row for {r['site']} {r['pass']} {r['recipe']}")
+            raise KeyError(f"no timing of {r['site']} {r['pass']} {r['recipe']}")
         gemm = timed["gemm_ms"][0]
         parts["bf16"] += r["bf16_ms"]
         parts["fp8 gemm"] += gemm
@@ -134,25 +143,33 @@ def planned_parts(run: str, variant: str | None, kernel_bench: str) -> dict[str,
     return parts
 
 
-def parts_lines(base: str, table: str, steps: int, planned: dict[str, float]) -> list[str]:
-    """The plan's parts as timed beside what the profiles say they took in the step."""
+def parts_in_step(base: str, table: str, steps: int) -> dict[str, float]:
+    """What the step spent on a plan's FP8 passes, by its profile `table` against bf16's
+    `base` (ms/step): the bf16 GEMM time removed, the FP8 GEMM time added, and the net
+    growth of the Triton kernels (the quantization, less the elementwise work it absorbed)."""
     a, b = per_step(base, steps), per_step(table, steps)
     triton = ("triton w/ quant", "triton other")
-    in_step = {
+    return {
         "bf16": a.get("bf16 gemm", 0) - b.get("bf16 gemm", 0),
         "fp8 gemm": b.get("fp8 gemm", 0) - a.get("fp8 gemm", 0),
         "quant": sum(b.get(k, 0) for k in triton) - sum(a.get(k, 0) for k in triton),
     }
+
+
+def saving(parts: dict[str, float]) -> float:
+    return parts["bf16"] - parts["fp8 gemm"] - parts["quant"]
+
+
+def parts_lines(timed: dict[str, float], in_step: dict[str, float]) -> list[str]:
+    """The plan's parts as timed beside what the profiles say they took in the step."""
     names = {"bf16": "bf16 GEMMs replaced", "fp8 gemm": "FP8 GEMMs", "quant": "quantization (net)"}
     lines = ["   the plan's FP8 passes, as timed -> in the step (ms/step):"]
     for k, name in names.items():
-        ratio = planned[k] / in_step[k] if in_step[k] > 0 else float("nan")
+        ratio = timed[k] / in_step[k] if in_step[k] > 0 else float("nan")
         lines.append(
-            f"     {name:22s} {planned[k]:8.2f} -> {in_step[k]:8.2f}  (timed/step {ratio:.2f})"
+            f"     {name:22s} {timed[k]:8.2f} -> {in_step[k]:8.2f}  (timed/step {ratio:.2f})"
         )
-    saving = {k: p["bf16"] - p["fp8 gemm"] - p["quant"] for k, p in (("planned", planned),
-              ("in_step", in_step))}  # fmt: skip
-    lines.append(f"     {'saving':22s} {saving['planned']:8.2f} -> {saving['in_step']:8.2f}")
+    lines.append(f"     {'saving':22s} {saving(timed):8.2f} -> {saving(in_step):8.2f}")
     return lines
 
 
@@ -174,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         for path in args.tables:
             print("\n".join(diff_lines(args.diff, path, args.steps)))
             if planned is not None:
-                print("\n".join(parts_lines(args.diff, path, args.steps, planned)))
+                in_step = parts_in_step(args.diff, path, args.steps)
+                print("\n".join(parts_lines(planned, in_step)))
         return
     for path in args.tables:
         rows = kernel_rows(path)

@@ -95,6 +95,7 @@ LIGHT_SERVING_FACTOR = 0.75
 
 
 INFER_VARIANTS = ("torchao", "loka")
+PROFILE_STEPS = 4  # steps each profile covers
 
 
 def infer_variants(text: str) -> tuple[str, ...]:
@@ -591,6 +592,14 @@ def run_mode(
                     row["saved"] = saved_for_backward(made[variant], step_fn)
                 except Exception as e:  # recorded in the row; the run goes on
                     row["profile_error"] = f"{type(e).__name__}: {e}"
+        bf16_profile = made.get("bf16", {}).get("row", {}).get("profile")
+        for variant, plan in loka_plans.items():
+            row = made.get(variant, {}).get("row", {})
+            if bf16_profile and row.get("profile"):
+                row["prediction_parts"] = prediction_parts(
+                    plan, bench.table, args.profile_dir, bf16_profile["table"],
+                    row["profile"]["table"],
+                )  # fmt: skip
     rows = []
     base = times.get("bf16")
     key = QUALITY_KEY.get(name, "ne")
@@ -1211,12 +1220,27 @@ def saved_for_backward(v, step_fn) -> dict:
 LINEAR_GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::_scaled_mm"})
 
 
+def prediction_parts(plan, kernel_bench, folder, base_table: str, table: str) -> dict:
+    """A plan's FP8 passes as the bench timed them (bf16 GEMMs, FP8 GEMMs, quantization)
+    beside what the step spent on them by its profile against bf16's
+    (`profile_summary.parts_in_step`): which part of the prediction missed."""
+    from profile_summary import parts_as_timed, parts_in_step, saving
+
+    try:
+        timed = parts_as_timed(plan.table.to_dicts(), kernel_bench)
+    except KeyError as e:
+        return {"error": str(e.args[0])}
+    in_step = parts_in_step(str(Path(folder, base_table)), str(Path(folder, table)), PROFILE_STEPS)
+    return {"timed": timed, "in_step": in_step,
+            "saving_timed": saving(timed), "saving_in_step": saving(in_step)}  # fmt: skip
+
+
 def profile(v, step_fn, out, tag) -> dict:
     """torch.profiler over a few steps: CUDA and CPU time per step, top kernels by time."""
     import torch
     from harness import profile_events
 
-    steps = 4
+    steps = PROFILE_STEPS
     gpu = torch.cuda.is_available()
     events = profile_events(lambda i: step_fn(v, i), steps)
     table = events.table(
@@ -1226,11 +1250,13 @@ def profile(v, step_fn, out, tag) -> dict:
     # Variant names hold globs, slashes, "+" and "=" ("loka+x=*.mlp.1/wgrad"): letters,
     # digits, "_", "." and "-" only, the characters the GPU host's files come back with.
     Path(out).mkdir(parents=True, exist_ok=True)
-    Path(out, f"profile_{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}.txt").write_text(table)
+    name = f"profile_{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}.txt"
+    Path(out, name).write_text(table)
     cuda_total = sum(e.self_device_time_total for e in events) / 1e3 / steps
     gemm = sum(e.self_device_time_total for e in events if e.key in LINEAR_GEMM_OPS) / 1e3 / steps
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:50]
     return {
+        "table": name,
         "gpu_ms_per_step": cuda_total,
         # The linears' GEMMs in place: bf16's share is the g of the Amdahl ceiling as the
         # step runs it (the bench's isolated bf16 GEMMs ran ~20% slower than inside a

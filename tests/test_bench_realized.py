@@ -331,6 +331,32 @@ def test_profile_tables_go_into_the_runs_profile_folder(tmp_path, monkeypatch):
     (table,) = folder.iterdir()
     assert table.name == "profile_m_compiled_loka_x__.fc_wgrad.txt"
     assert "Name" in table.read_text() and got["gpu_ms_per_step"] == 0
+    assert got["table"] == table.name  # what prediction_parts reads back
+
+
+def test_prediction_parts_put_the_plan_as_timed_beside_the_profiled_step(monkeypatch):
+    # The recorded HSTU xl run (realized_20261203T085405Z): its plan, the timings it was
+    # made from, and its bf16 and LoKA profiles.
+    import json
+    import types
+
+    import polars as pl
+
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    results = _PATH.parent / "results"
+    record = json.loads((results / "realized_20261203T085405Z.json").read_text())
+    plan = types.SimpleNamespace(table=pl.DataFrame(record["plans"]["hstu/compiled/auto"]["table"]))
+    timings = pl.read_parquet(results / "kernel_bench_xl_h200_20261203T0556Z.parquet")
+    folder = results / "realized_20261203T085405Z_profiles"
+    got = realized.prediction_parts(plan, timings, folder, "profile_hstu_compiled_bf16.txt",
+                                    "profile_hstu_compiled_loka.txt")  # fmt: skip
+    assert got["timed"]["bf16"] == pytest.approx(74.98, abs=0.01)
+    assert got["in_step"]["bf16"] == pytest.approx(61.95, abs=0.01)
+    assert got["in_step"]["fp8 gemm"] == pytest.approx(31.68, abs=0.01)
+    assert got["saving_timed"] == pytest.approx(24.42, abs=0.01)
+    assert got["saving_in_step"] == pytest.approx(15.35, abs=0.01)
+    missing = realized.prediction_parts(plan, timings.head(0), folder, "a.txt", "b.txt")
+    assert missing == {"error": "no timing of layers.0.uvqk fwd e4m3:e4m3/tensor/dynamic"}
 
 
 def test_step_ceilings_use_the_measured_bf16_step_and_leave_the_plan_alone():
