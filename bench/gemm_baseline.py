@@ -14,7 +14,10 @@ pre-quantized: `torch._scaled_mm`) side by side:
 - ``do_bench``: Triton's `do_bench` (L2 flushed before each call, one call at a time);
 - ``in_step``: the GEMM's own kernel time from `torch.profiler`, each call between
   memory-bound elementwise work over 128 MB (a GELU and its backward's shape of traffic),
-  as inside a step: what a profile of the real step would show for it.
+  as inside a step: what a profile of the real step would show for it;
+- ``graph+spacer``: the bench's CUDA-graph method with that elementwise work between the
+  calls, less a graph of the elementwise work alone: a timing method the bench could use
+  if ``in_step`` shows the back-to-back calls are what make ``bench`` slow.
 
 Rows: shape, pass, method, bf16 ms, FP8 ms, their ratio; results in --out as
 gemm_baseline_<utc>.json.
@@ -37,7 +40,7 @@ from harness import Budget, metadata, parser, profile_events, stamp, write_json
 # M x K x N of xl linears: DHEN's fc1 and fc2, Wukong's interaction MLP, HSTU's uvqk.
 SHAPES = ("16384x2048x4096", "16384x4096x2048", "16384x8192x4096", "32768x3072x12288")
 PASSES = ("fwd", "wgrad")
-METHODS = ("bench", "graph+bias", "do_bench", "in_step")
+METHODS = ("bench", "graph+bias", "do_bench", "in_step", "graph+spacer")
 ROW = "e4m3:e4m3/row/dynamic"
 SPACER_BYTES = 128 * 2**20
 
@@ -135,19 +138,28 @@ def do_bench_ms(fn, device: str) -> float:
     return time_ms(fn, device)
 
 
+def make_spacer(device: str):
+    """A call of memory-bound elementwise work over SPACER_BYTES (a GELU of float32), what
+    a step runs between its GEMMs; on the CPU a small one (the tiny GEMM beside it)."""
+    import torch
+    import torch.nn.functional as F
+
+    spacer_in = torch.randn((SPACER_BYTES if device == "cuda" else 2**16) // 4, device=device)
+    return lambda: F.gelu(spacer_in)
+
+
+def graph_spacer_ms(fn, device: str) -> float:
+    """`graph_ms` of the spacer then `fn`, less `graph_ms` of the spacer alone."""
+    spacer = make_spacer(device)
+    pair = graph_ms(lambda: (spacer(), fn()), device)
+    return max(pair - graph_ms(spacer, device), 0.0)
+
+
 def in_step_ms(fn, device: str, calls: int) -> float:
     """The GEMM's kernel time per call from torch.profiler, each call after ~128 MB of
     elementwise work (a step's duty cycle); on the CPU, the wall time of the pair minus
     the spacer's."""
-    import torch
-    import torch.nn.functional as F
-
-    # On the CPU a 128 MB spacer would take far longer than the tiny GEMM it surrounds.
-    spacer_in = torch.randn((SPACER_BYTES if device == "cuda" else 2**16) // 4, device=device)
-
-    def spacer() -> None:
-        F.gelu(spacer_in)
-
+    spacer = make_spacer(device)
     if device != "cuda":
         pair = statistics.median(_wall(lambda: (spacer(), fn()), 3))
         return max(pair - statistics.median(_wall(spacer, 3)), 0.0)
@@ -198,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             plain = {k: f for k, f in calls.items() if not k.endswith("+bias")}
             measured["do_bench"] = {k: do_bench_ms(f, device) for k, f in plain.items()}
             measured["in_step"] = {k: in_step_ms(f, device, args.calls) for k, f in plain.items()}
+            measured["graph+spacer"] = {k: graph_spacer_ms(f, device) for k, f in plain.items()}
             for method in METHODS:
                 ms = measured[method]
                 bf16, fp8 = ms["bf16"], ms.get("fp8")
