@@ -20,7 +20,10 @@ pre-quantized: `torch._scaled_mm`) side by side:
   if ``in_step`` shows the back-to-back calls are what make ``bench`` slow.
 
 Rows: shape, pass, method, bf16 ms, FP8 ms, their ratio; results in --out as
-gemm_baseline_<utc>.json.
+gemm_baseline_<utc>.json. With `--clocks` (forward passes; needs NVML through `pynvml`),
+rows ``clocks`` record the SM clock and power drawn over a second of back-to-back calls
+and a second of calls between the elementwise traffic: whether the bench's back-to-back
+GEMMs run at lower clocks than a step's.
 
     python3 bench/gemm_baseline.py                       # DHEN / Wukong / HSTU xl shapes
     python3 bench/gemm_baseline.py --shapes 16384x2048x4096
@@ -50,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default=None, help=f"comma list of MxKxN ({','.join(SHAPES)})")
     p.add_argument("--passes", default=",".join(PASSES))
     p.add_argument("--calls", type=int, default=20, help="profiled calls per in_step timing")
+    p.add_argument("--clocks", action="store_true", help="SM clock and power under each duty")
     args = p.parse_args(argv)
     for pass_ in args.passes.split(","):
         if pass_ not in PASSES:
@@ -171,6 +175,45 @@ def in_step_ms(fn, device: str, calls: int) -> float:
     return sum(e.self_device_time_total for e in gemm) / 1e3 / calls
 
 
+def clocks(fn, device: str, seconds: float = 1.0) -> dict | None:
+    """Median SM clock (MHz) and power (W) NVML reports while `fn` runs back to back and
+    while it runs between the elementwise traffic, `seconds` each (None without NVML: the
+    CPU, or no `pynvml`). NVML's sample period is 1/6-1 s, hence whole seconds."""
+    import threading
+    import time
+
+    import torch
+
+    if device != "cuda":
+        return None
+    try:
+        torch.cuda.clock_rate(), torch.cuda.power_draw()
+    except Exception:  # no NVML binding on this host
+        return None
+    spacer = make_spacer(device)
+    out = {}
+    for duty, call in (("back_to_back", fn), ("spaced", lambda: (spacer(), fn()))):
+        samples, done = [], threading.Event()
+
+        def sample(samples=samples, done=done) -> None:
+            while not done.is_set():
+                samples.append((torch.cuda.clock_rate(), torch.cuda.power_draw() / 1e3))
+                time.sleep(0.05)
+
+        thread = threading.Thread(target=sample)
+        end = time.perf_counter() + seconds
+        thread.start()
+        while time.perf_counter() < end:
+            for _ in range(8):
+                call()
+            torch.cuda.synchronize()
+        done.set()
+        thread.join()
+        out[duty] = {"sm_mhz": statistics.median(c for c, _ in samples),
+                     "power_w": statistics.median(w for _, w in samples)}  # fmt: skip
+    return out
+
+
 def _kernels(events) -> list:
     from harness import device_kernels
 
@@ -220,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
                 speedup = "" if fp8 is None else f"fp8 {fp8:7.3f} ms  {bf16 / fp8:.3f}x"
                 print(f"[gemm_baseline {budget.elapsed():4.0f} s] {text:17s} {pass_:5s} "
                       f"{method:10s} bf16 {bf16:7.3f} ms  {speedup}", flush=True)  # fmt: skip
+            if args.clocks and pass_ == "fwd":
+                got = {k: clocks(f, device) for k, f in plain.items()}
+                rows.append({"shape": text, "pass": pass_, "method": "clocks", "clocks": got})
+                print(f"[gemm_baseline {budget.elapsed():4.0f} s] {text:17s} {pass_:5s} "
+                      f"clocks     {got}", flush=True)  # fmt: skip
             del ops, calls
     meta = metadata(device, skipped=skipped, recipe=ROW, spacer_bytes=SPACER_BYTES,
                     calls=args.calls)  # fmt: skip

@@ -53,3 +53,13 @@ def test_bad_input_is_one_line(script, capsys):
     with pytest.raises(SystemExit):
         script.parse_args(["--passes", "fwd,dgrad"])
     assert "unknown 'dgrad'" in capsys.readouterr().err
+
+
+def test_clocks_are_a_row_of_the_forward_and_absent_without_nvml(script, tmp_path):
+    assert script.main(["--out", str(tmp_path), "--shapes", "32x16x24", "--calls", "2",
+                        "--clocks"]) == 0  # fmt: skip
+    (result,) = tmp_path.glob("gemm_baseline_*.json")
+    rows = json.loads(result.read_text())["rows"]
+    (clock_row,) = [r for r in rows if r["method"] == "clocks"]
+    assert clock_row["pass"] == "fwd" and clock_row["clocks"] == {"bf16": None}
+    assert script.clocks(lambda: None, "cpu") is None
