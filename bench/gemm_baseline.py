@@ -38,7 +38,16 @@ import statistics
 import sys
 from pathlib import Path
 
-from harness import Budget, metadata, parser, profile_events, stamp, write_json
+from harness import (
+    Budget,
+    device_kernels,
+    metadata,
+    parser,
+    profile_events,
+    stamp,
+    time_ms,
+    write_json,
+)
 
 # M x K x N of xl linears: DHEN's fc1 and fc2, Wukong's interaction MLP, HSTU's uvqk.
 SHAPES = ("16384x2048x4096", "16384x4096x2048", "16384x8192x4096", "32768x3072x12288")
@@ -136,12 +145,6 @@ def graph_ms(fn, device: str) -> float:
     return timing._median_wall(fn)
 
 
-def do_bench_ms(fn, device: str) -> float:
-    from harness import time_ms
-
-    return time_ms(fn, device)
-
-
 def make_spacer(device: str):
     """A call of memory-bound elementwise work over SPACER_BYTES (a GELU of float32), what
     a step runs between its GEMMs; on the CPU a small one (the tiny GEMM beside it)."""
@@ -161,16 +164,15 @@ def graph_spacer_ms(fn, device: str) -> float:
 
 def in_step_ms(fn, device: str, calls: int) -> float:
     """The GEMM's kernel time per call from torch.profiler, each call after ~128 MB of
-    elementwise work (a step's duty cycle); on the CPU, the wall time of the pair minus
-    the spacer's."""
-    spacer = make_spacer(device)
+    elementwise work (a step's duty cycle); on the CPU (no profiled kernels),
+    `graph_spacer_ms`'s wall clocks."""
     if device != "cuda":
-        pair = statistics.median(_wall(lambda: (spacer(), fn()), 3))
-        return max(pair - statistics.median(_wall(spacer, 3)), 0.0)
+        return graph_spacer_ms(fn, device)
+    spacer = make_spacer(device)
     for _ in range(3):
         spacer(), fn()
-    names_before = {e.key for e in _kernels(profile_events(lambda i: spacer(), 2))}
-    events = _kernels(profile_events(lambda i: (spacer(), fn()), calls))
+    names_before = {e.key for e in device_kernels(profile_events(lambda i: spacer(), 2))}
+    events = device_kernels(profile_events(lambda i: (spacer(), fn()), calls))
     gemm = [e for e in events if e.key not in names_before]
     return sum(e.self_device_time_total for e in gemm) / 1e3 / calls
 
@@ -214,23 +216,6 @@ def clocks(fn, device: str, seconds: float = 1.0) -> dict | None:
     return out
 
 
-def _kernels(events) -> list:
-    from harness import device_kernels
-
-    return device_kernels(events)
-
-
-def _wall(fn, reps: int) -> list[float]:
-    import time
-
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -251,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 k: graph_ms(f, device) for k, f in graph_calls(ops, pass_).items()
             }
             plain = {k: f for k, f in calls.items() if not k.endswith("+bias")}
-            measured["do_bench"] = {k: do_bench_ms(f, device) for k, f in plain.items()}
+            measured["do_bench"] = {k: time_ms(f, device) for k, f in plain.items()}
             measured["in_step"] = {k: in_step_ms(f, device, args.calls) for k, f in plain.items()}
             measured["graph+spacer"] = {k: graph_spacer_ms(f, device) for k, f in plain.items()}
             for method in METHODS:
