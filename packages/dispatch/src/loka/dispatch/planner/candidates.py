@@ -137,7 +137,7 @@ def _timing(row: dict, mode: str = "compiled", charge_host: bool = True) -> Timi
 def _in_place(timing: Timing, pass_: str, config: PlanConfig) -> Timing:
     """`timing` of an FP8 pass as the planned step pays it: a wgrad pass's quantization
     charged at `PlanConfig.wgrad_quant_charge()` times its standalone time."""
-    factor = config.wgrad_quant_charge() if pass_ == "wgrad" else 1.0
+    factor = config.quant_charge(pass_)
     if factor == 1.0:
         return timing
     extra = (factor - 1.0) * timing.quant_ms

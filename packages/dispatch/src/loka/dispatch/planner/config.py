@@ -121,6 +121,11 @@ class PlanConfig:
             return self.wgrad_quant_factor
         return WGRAD_QUANT_FACTOR[self.mode]
 
+    def quant_charge(self, pass_: str) -> float:
+        """The multiple of its standalone time `pass_`'s quantization is charged: the wgrad
+        charge for a wgrad pass, 1 for the others."""
+        return self.wgrad_quant_charge() if pass_ == "wgrad" else 1.0
+
     def weight(self, site: str) -> float:
         value = 1.0
         for pattern, weight in self.sensitivity.items():

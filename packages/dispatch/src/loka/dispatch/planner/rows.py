@@ -133,7 +133,7 @@ PLAN_TYPES = {  # columns whose type the rows alone do not settle (all null, nes
 
 def _charge_note(pass_: str, config: PlanConfig) -> str:
     """What the pass's time includes beyond its standalone timing (`_in_place`)."""
-    factor = config.wgrad_quant_charge() if pass_ == "wgrad" else 1.0
+    factor = config.quant_charge(pass_)
     if factor == 1.0:
         return ""
     return f"; its quantization charged at {factor:g}x its standalone time, as the {config.mode} step pays it"
