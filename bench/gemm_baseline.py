@@ -17,7 +17,10 @@ pre-quantized: `torch._scaled_mm`) side by side:
   as inside a step: what a profile of the real step would show for it;
 - ``graph+spacer``: the bench's CUDA-graph method with that elementwise work between the
   calls, less a graph of the elementwise work alone: a timing method the bench could use
-  if ``in_step`` shows the back-to-back calls are what make ``bench`` slow.
+  if ``in_step`` shows the back-to-back calls are what make ``bench`` slow;
+- ``after_idle`` (with ``--idle-s S``): ``bench`` again, each dtype's timing after S seconds
+  of an idle GPU, as the kernel bench's first rows follow a model's probing and compiling
+  (host work): whether a GPU coming out of idle clocks is what makes ``bench`` slow.
 
 Rows: shape, pass, method, bf16 ms, FP8 ms, their ratio; results in --out as
 gemm_baseline_<utc>.json. With `--clocks` (forward passes; needs NVML through `pynvml`),
@@ -63,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--passes", default=",".join(PASSES))
     p.add_argument("--calls", type=int, default=20, help="profiled calls per in_step timing")
     p.add_argument("--clocks", action="store_true", help="SM clock and power under each duty")
+    p.add_argument(
+        "--idle-s",
+        type=float,
+        default=0.0,
+        help="also time `bench` after this many idle seconds (method after_idle)",
+    )
     args = p.parse_args(argv)
     for pass_ in args.passes.split(","):
         if pass_ not in PASSES:
@@ -124,15 +133,27 @@ def graph_calls(ops: dict, pass_: str) -> dict:
     return {k: calls[k + suffix] for k in ("bf16", "fp8") if k in calls}
 
 
-def bench_ms(M: int, K: int, N: int, pass_: str, device: str) -> dict:
-    """bf16 and FP8 GEMM milliseconds as the kernel bench times them (`PassTimer.time`)."""
+def bench_ms(M: int, K: int, N: int, pass_: str, device: str, idle_s: float = 0.0) -> dict:
+    """bf16 and FP8 GEMM milliseconds as the kernel bench times them (`PassTimer.time`),
+    each after `idle_s` seconds of an idle device."""
+    import time
+
+    import torch
+
     from loka.dispatch.bench.candidates import Candidate
     from loka.dispatch.bench.timing import PassTimer
 
     timer = PassTimer(M, K, N, device)
-    out = {"bf16": timer.time(Candidate("torch.bf16", "bf16", pass_)).gemm_ms}
+    candidates = {"bf16": Candidate("torch.bf16", "bf16", pass_)}
     if device == "cuda":
-        out["fp8"] = timer.time(Candidate("torch.scaled_mm", ROW, pass_)).gemm_ms
+        candidates["fp8"] = Candidate("torch.scaled_mm", ROW, pass_)
+    out = {}
+    for name, candidate in candidates.items():
+        if idle_s > 0:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            time.sleep(idle_s)
+        out[name] = timer.time(candidate).gemm_ms
     return out
 
 
@@ -239,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             measured["do_bench"] = {k: time_ms(f, device) for k, f in plain.items()}
             measured["in_step"] = {k: in_step_ms(f, device, args.calls) for k, f in plain.items()}
             measured["graph+spacer"] = {k: graph_spacer_ms(f, device) for k, f in plain.items()}
-            for method in METHODS:
+            if args.idle_s > 0:
+                measured["after_idle"] = bench_ms(M, K, N, pass_, device, args.idle_s)
+            for method in measured:
                 ms = measured[method]
                 bf16, fp8 = ms["bf16"], ms.get("fp8")
                 row = {"shape": text, "pass": pass_, "method": method, "bf16_ms": bf16,
@@ -255,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"clocks     {got}", flush=True)  # fmt: skip
             del ops, calls
     meta = metadata(device, skipped=skipped, recipe=ROW, spacer_bytes=SPACER_BYTES,
-                    calls=args.calls)  # fmt: skip
+                    calls=args.calls, idle_s=args.idle_s)  # fmt: skip
     path = write_json(
         Path(args.out) / f"gemm_baseline_{stamp()}.json", {"meta": meta, "rows": rows}
     )

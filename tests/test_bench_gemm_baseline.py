@@ -63,3 +63,12 @@ def test_clocks_are_a_row_of_the_forward_and_absent_without_nvml(script, tmp_pat
     (clock_row,) = [r for r in rows if r["method"] == "clocks"]
     assert clock_row["pass"] == "fwd" and clock_row["clocks"] == {"bf16": None}
     assert script.clocks(lambda: None, "cpu") is None
+
+
+def test_after_idle_is_one_more_method_only_when_asked(script, tmp_path):
+    assert script.main(["--out", str(tmp_path), "--shapes", "32x16x24", "--calls", "2",
+                        "--passes", "fwd", "--idle-s", "0.01"]) == 0  # fmt: skip
+    (result,) = tmp_path.glob("gemm_baseline_*.json")
+    data = json.loads(result.read_text())
+    assert [r["method"] for r in data["rows"]] == [*script.METHODS, "after_idle"]
+    assert data["meta"]["idle_s"] == 0.01 and data["rows"][-1]["bf16_ms"] >= 0
