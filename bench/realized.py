@@ -18,11 +18,13 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    with the spread of the paired per-block ratios.
 5. With `--verify`, LoKA's plan first goes through Dispatch's closed-loop verification
    (`loka.dispatch.verify`) on the same step, so that the blocks time the verified plan.
-6. Quality (`--quality-steps N`): fresh models (bf16 seeds 0, 1, 2 and LoKA's final plan:
-   the applied plan less what verification demoted) train N steps in the same mode on the
-   same fresh batches (none cycled), then eval on the same held-out batches (NE for CTR
-   models, NDCG@10 for HSTU); `quality_ok`: not worse than the bf16 seeds' band. The timed
-   models are not used: verification gives LoKA's more steps, over a few cycled batches.
+6. Quality (`--quality-steps N`): fresh models (bf16 seeds 0, 1, 2, timed variants or not,
+   and LoKA's final plan: the applied plan less what verification demoted) train N steps in
+   the same mode on the same fresh batches (none cycled), one at a time, then eval on the
+   same held-out batches (NE for CTR models, NDCG@10 for HSTU); `quality_ok`: not worse
+   than the bf16 seeds' band. The timed models are not used (verification gives LoKA's more
+   steps, over a few cycled batches) and all but bf16's are freed first: time only
+   `bf16,loka` where four timed xl models do not fit (InterFormer's did not).
 7. Inference (`--inference`): the bf16 seed-0 model's weights served in bf16, forward only,
    in the same mode, interleaved blocks: `infer-bf16`, `infer-torchao-rowwise` (dynamic
    FP8, torchao), `infer-loka` (`PlanConfig(inference=True, mode=mode)`). Both FP8 variants
@@ -211,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-QUALITY_KEY = {"dlrm": "ne", "dhen": "ne", "wukong": "ne", "hstu": "ndcg@10"}
+QUALITY_KEY = {"dlrm": "ne", "dhen": "ne", "wukong": "ne", "interformer": "ne", "hstu": "ndcg@10"}
 
 
 class Clock:
@@ -418,8 +420,12 @@ def main(argv: list[str] | None = None) -> None:
         if r.get("batch_size") and str(r.get("variant", "")).startswith("infer"):
             r = r | {"variant": f"{r['variant']}@{r['batch_size']}"}  # the console's name only
         if "step_ms" not in r and "fwd_ms" not in r:
+            what = r.get("skipped") or r.get("error", "")[:80]
+            if not what and "quality" in r:
+                what = f"not timed; quality {r['quality']:.4f}"
+                what += "" if r.get("quality_ok", True) else "!"
             print(f"{r.get('model', ''):<7} {r.get('mode', ''):<10} {r.get('variant', ''):<24} "
-                  f"{r.get('skipped') or r.get('error', '')[:80]}")  # fmt: skip
+                  f"{what}")  # fmt: skip
             continue
         pred = r.get("predicted_speedup")
         pstep, ceil, safe, cstep, sstep = (
@@ -617,6 +623,11 @@ def run_mode(
             row["steps_timed"] = v.get("steps", 0)
         rows.append(row)
     if args.quality_steps > 0 and left() > 60:
+        # The band needs every bf16 seed; one not timed is trained for quality alone, and
+        # the timed models other than bf16's (which serving reuses) go first: four timed
+        # InterFormer xl models and a fresh one do not fit an H200.
+        rows += quality_only_rows(rows, name, mode)
+        release_timed(made, keep="bf16")
         for r in rows:
             variant = r["variant"]
             if variant in QUALITY_SEEDS or (variant in loka_plans and "error" not in r):
@@ -624,6 +635,7 @@ def run_mode(
                 demoted = r.get("demoted", {})
                 r["eval"] = train_and_evaluate(args, name, mode, variant, plan, demoted,
                                                dynamic, loka_apply.get(variant))  # fmt: skip
+                release_timed({}, keep="")  # the fresh model's memory, before the next
                 r["quality"] = r["eval"].get(key)
                 r["quality_steps"] = args.quality_steps
         quality_rows(rows, key)
@@ -653,6 +665,27 @@ def run_mode(
                                  "traceback": traceback.format_exc()[-3000:]})  # fmt: skip
     made.clear()
     return rows
+
+
+def quality_only_rows(rows: list[dict], name: str, mode: str) -> list[dict]:
+    """A row for each bf16 seed of the quality band that was not a timed variant."""
+    timed = {r.get("variant") for r in rows}
+    return [{"model": name, "mode": mode, "variant": seed, "timed": False}
+            for seed in QUALITY_SEEDS if seed not in timed]  # fmt: skip
+
+
+def release_timed(made: dict, keep: str) -> None:
+    """Drop the timed models, their optimizers and applied plans, but `keep`'s, and hand
+    their memory back to the device."""
+    import torch
+
+    for variant, v in made.items():
+        if variant != keep:
+            for part in ("setup", "model", "opt", "applied"):
+                v.pop(part, None)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # A static step builds one graph; jagged batches a second, dynamic in M. More is a graph

@@ -99,6 +99,25 @@ class _DetachedHead(torch.nn.Module):
         return self.inner[1](self.inner[0](x).detach())
 
 
+def test_quality_trains_every_bf16_seed_even_when_only_bf16_was_timed():
+    rows = [
+        {"model": "interformer", "mode": "compiled", "variant": "bf16", "step_ms": 120.0},
+        {"model": "interformer", "mode": "compiled", "variant": "loka+mk", "step_ms": 112.0},
+    ]
+    extra = realized.quality_only_rows(rows, "interformer", "compiled")
+    assert [r["variant"] for r in extra] == ["bf16-seed1", "bf16-seed2"]
+    assert all(r["timed"] is False and "step_ms" not in r for r in extra)
+    assert realized.quality_only_rows(rows + extra, "interformer", "compiled") == []
+
+
+def test_releasing_the_timed_models_keeps_only_the_one_serving_reuses():
+    made = {v: {"row": {"variant": v}, "setup": object(), "model": object(), "opt": object(),
+                "applied": object()} for v in ("bf16", "bf16-seed1", "loka")}  # fmt: skip
+    realized.release_timed(made, keep="bf16")
+    assert set(made["bf16"]) == {"row", "setup", "model", "opt", "applied"}
+    assert made["loka"] == {"row": {"variant": "loka"}} and set(made["bf16-seed1"]) == {"row"}
+
+
 def test_gradient_check_flags_a_variant_that_trains_something_else():
     import copy
 

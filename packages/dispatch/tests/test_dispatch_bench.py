@@ -178,6 +178,50 @@ def test_benchmark_measures_then_reuses_its_cache(tmp_path) -> None:
     assert any("budget" in note for note in late.notes)
 
 
+def test_cached_baselines_are_timed_again_and_the_faster_kept(tmp_path, monkeypatch) -> None:
+    import loka.dispatch.bench.runner as runner
+
+    cache = BenchCache(tmp_path)
+    recipes = {"fwd": ["e4m3:e4m3/row/dynamic"], "dgrad": [], "wgrad": []}
+    kw = dict(recipes=recipes, cache=cache, time_on_cpu=True)
+    first = benchmark([Shape(32, 128, 64)], **kw)
+    baseline = {
+        r["pass"]: r["median_ms"] for r in first.table.filter(pl.col("recipe") == "bf16").rows(
+            named=True)
+    }  # fmt: skip
+    # One session read the forward's baseline 30% slow and the dgrad's 30% fast; the next
+    # bench times every baseline again.
+    now = {"fwd": baseline["fwd"] / 1.3, "dgrad": baseline["dgrad"] * 1.3,
+           "wgrad": baseline["wgrad"] * 1.01}  # fmt: skip
+    calls = []
+
+    def fake_time(timer, c):
+        calls.append(c)
+        ms = now[c.pass_]
+        return runner.PassTiming(ms, ms, 0.0, "wall_clock")
+
+    monkeypatch.setattr(runner, "_time", fake_time)
+    second = benchmark([Shape(32, 128, 64)], retime_baselines=True, **kw)
+    assert {c.pass_ for c in calls} == {"fwd", "dgrad", "wgrad"} and all(c.is_bf16 for c in calls)
+    assert second.measured == 0 and second.retimed == 3 and second.reused == first.measured
+    got = {r["pass"]: r["median_ms"] for r in second.table.filter(pl.col("recipe") == "bf16")
+           .rows(named=True)}  # fmt: skip
+    # The faster of the two readings: the forward's new one, the others' cached ones.
+    assert got == {"fwd": now["fwd"], "dgrad": baseline["dgrad"], "wgrad": baseline["wgrad"]}
+    (note,) = [n for n in second.notes if "re-timed" in n]
+    assert note.startswith("2 of 3 cached bf16 baseline(s)") and "32x128x64" in note
+    # The cache keeps the faster reading; FP8 rows are reused as they were.
+    stored = read_table(cache.path(DeviceInfo.current("cpu")), "kernel_bench")
+    fwd = stored.filter((pl.col("recipe") == "bf16") & (pl.col("pass") == "fwd"))
+    assert fwd["median_ms"].to_list() == [now["fwd"]] and stored.height == first.measured
+    fp8 = second.table.filter(pl.col("recipe") != "bf16").sort("backend")
+    assert fp8.equals(first.table.filter(pl.col("recipe") != "bf16").sort("backend"))
+    # Off (the CPU's default: wall clocks there check machinery) nothing is timed again.
+    calls.clear()
+    third = benchmark([Shape(32, 128, 64)], **kw)
+    assert calls == [] and third.retimed == 0
+
+
 def test_measuring_order_gives_every_shape_its_most_promising_candidates_first() -> None:
     shapes = [Shape(4096, 1024, 4096), Shape(1024, 256, 512)]  # most important first
     plan = [(s, st) for s in shapes for st in candidates(s.M_bucket, s.K, s.N)]
