@@ -475,8 +475,10 @@ def run_mode(
         backends=mode_backends(mode), recipes=site_recipes(tables["site_errors"]),
         include_fast_accum=any(o.get("allow_fast_accum") for o in options.values()),
     )  # fmt: skip
-    log(f"{name}/{mode}: bench {bench.measured} measured, {bench.reused} cached, "
-        f"{bench.estimated} estimated")  # fmt: skip
+    log(f"{name}/{mode}: bench {bench.measured} measured, {bench.reused} cached "
+        f"({bench.retimed} bf16 baselines re-timed), {bench.estimated} estimated")  # fmt: skip
+    for note in bench.notes:
+        log(f"{name}/{mode}: bench: {note}")
     loka_plans, loka_apply = {}, {}
     for variant, opts in options.items():
         plan_opts, apply_opts = split_options(opts)
