@@ -566,7 +566,9 @@ def run_mode(
         # Graphs dynamo built while warming up (every input shape of the cycled batches):
         # more than one means recompiles (a dynamic graph, or one graph per shape).
         v["row"]["graphs"] = built = counters["stats"]["unique_graphs"] - graphs
+        v["row"] |= device_memory_gb()  # held so far (this and the earlier variants), peak
         log(f"{name}/{mode}/{v['row']['variant']}: warmed up in {v['row']['warmup_s']:.0f} s"
+            + (f", {v['row']['held_gb']:.0f} GB held" if "held_gb" in v["row"] else "")
             + (f"; WARNING {built} graphs (graph breaks or recompiles: rerun with "
                "TORCH_LOGS=graph_breaks,recompiles)" if built > MAX_EXPECTED_GRAPHS else ""))  # fmt: skip
     live = [k for k, v in made.items() if "error" not in v["row"] and "skipped" not in v["row"]]
@@ -667,6 +669,17 @@ def run_mode(
                                  "traceback": traceback.format_exc()[-3000:]})  # fmt: skip
     made.clear()
     return rows
+
+
+def device_memory_gb() -> dict[str, float]:
+    """GB the process holds on the GPU now (`held_gb`) and at most so far (`peak_gb`): what
+    `check_memory`'s estimate can be held to; empty on the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"held_gb": torch.cuda.memory_allocated() / 1e9,
+            "peak_gb": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip
 
 
 def quality_only_rows(rows: list[dict], name: str, mode: str) -> list[dict]:
