@@ -209,7 +209,8 @@ def test_cached_baselines_are_timed_again_and_the_faster_kept(tmp_path, monkeypa
     # The faster of the two readings: the forward's new one, the others' cached ones.
     assert got == {"fwd": now["fwd"], "dgrad": baseline["dgrad"], "wgrad": baseline["wgrad"]}
     (note,) = [n for n in second.notes if "re-timed" in n]
-    assert note.startswith("2 of 3 cached bf16 baseline(s)") and "32x128x64" in note
+    assert note.startswith("2 of 3 cached bf16 baseline(s)") and "1 faster now" in note
+    assert "1 slower" in note and "the largest: 32x128x64 fwd" in note
     # The cache keeps the faster reading; FP8 rows are reused as they were.
     stored = read_table(cache.path(DeviceInfo.current("cpu")), "kernel_bench")
     fwd = stored.filter((pl.col("recipe") == "bf16") & (pl.col("pass") == "fwd"))
