@@ -134,9 +134,9 @@ def test_a_recipe_no_backend_of_the_mode_runs_is_not_called_unmeasured():
 
 def test_compiled_plans_charge_a_wgrad_its_quantization_as_the_step_pays_it():
     # Every pass needs 1.05x in every mode. A compiled wgrad's transposed quantizations are
-    # charged at 2x their standalone time (measured 1.7-3.0x in place): a wgrad whose time
-    # is mostly quantization (0.6 + 0.3 ms standalone, 1.11x) loses compiled (0.6 + 0.6 =
-    # 1.2 ms) and wins eager, where nothing is charged.
+    # charged at 1.9x their standalone time (measured 1-3x in place): a wgrad whose time is
+    # mostly quantization (0.6 + 0.3 ms standalone, 1.11x) loses compiled (0.6 + 0.57 =
+    # 1.17 ms) and wins eager, where nothing is charged.
     heavy = bench_table(
         BF16_ROWS
         + [("torch.scaled_mm", ROW, p, 0.6, 0.3) for p in PASSES]
@@ -145,7 +145,7 @@ def test_compiled_plans_charge_a_wgrad_its_quantization_as_the_step_pays_it():
     for mode in MODES:
         assert {p: PlanConfig(mode=mode).margin(p) for p in PASSES} == dict.fromkeys(PASSES, 1.05)
     assert PlanConfig().wgrad_quant_charge() == 1.0
-    assert PlanConfig(mode="compiled").wgrad_quant_charge() == 2.0
+    assert PlanConfig(mode="compiled").wgrad_quant_charge() == 1.9
     assert PlanConfig(mode="compiled", min_speedup=1.2).margin("fwd") == 1.2
     eager = plan_rows(make_plan(SITES, ERRORS, heavy, PlanConfig(mode="eager")))
     assert {r["recipe"] for r in eager.values()} == {ROW}
@@ -156,22 +156,22 @@ def test_compiled_plans_charge_a_wgrad_its_quantization_as_the_step_pays_it():
         rows = plan_rows(make_plan(SITES, ERRORS, heavy, PlanConfig(mode=mode)))
         assert {p: rows[p]["recipe"] for p in PASSES} == {"fwd": ROW, "dgrad": ROW,
                                                         "wgrad": "bf16"}, mode  # fmt: skip
-        assert "slower than bf16: 1.2 ms vs 1 ms" in str(rows["wgrad"]["rejected"]), mode
-        assert "charged at 2x its standalone time" in str(rows["wgrad"]["rejected"]), mode
+        assert "slower than bf16: 1.17 ms vs 1 ms" in str(rows["wgrad"]["rejected"]), mode
+        assert "charged at 1.9x its standalone time" in str(rows["wgrad"]["rejected"]), mode
     # The charge is the user's to set: at 1.0 the standalone timing stands.
     asked = PlanConfig(mode="compiled", wgrad_quant_factor=1.0)
     assert {r["recipe"] for r in plan_rows(make_plan(SITES, ERRORS, heavy, asked)).values()} == {
         ROW
     }
-    # A wgrad whose GEMM dominates still pays charged (0.5 + 2 x 0.1 = 0.7 ms, 1.43x), and
+    # A wgrad whose GEMM dominates still pays charged (0.5 + 1.9 x 0.1 = 0.69 ms, 1.45x), and
     # the plan predicts the charged time (a compiled plan shares no quantization).
     deep = bench_table(BF16_ROWS + [("torch.native", ROW, p, 0.5, 0.1) for p in PASSES])
     rows = plan_rows(make_plan(SITES, ERRORS, deep, PlanConfig(mode="compiled")))
     assert rows["wgrad"]["recipe"] == ROW
-    assert rows["wgrad"]["predicted_ms"] == pytest.approx(0.7)
+    assert rows["wgrad"]["predicted_ms"] == pytest.approx(0.69)
     assert rows["fwd"]["predicted_ms"] == pytest.approx(0.6)
     assert (
-        "charged at 2x its standalone time, as the compiled step pays it" in rows["wgrad"]["reason"]
+        "charged at 1.9x its standalone time, as the compiled step pays it" in rows["wgrad"]["reason"]
     )
     for bad in (0.5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="wgrad_quant_factor must be >= 1"):
