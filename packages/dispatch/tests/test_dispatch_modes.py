@@ -171,7 +171,8 @@ def test_compiled_plans_charge_a_wgrad_its_quantization_as_the_step_pays_it():
     assert rows["wgrad"]["predicted_ms"] == pytest.approx(0.69)
     assert rows["fwd"]["predicted_ms"] == pytest.approx(0.6)
     assert (
-        "charged at 1.9x its standalone time, as the compiled step pays it" in rows["wgrad"]["reason"]
+        "charged at 1.9x its standalone time, as the compiled step pays it"
+        in rows["wgrad"]["reason"]
     )
     for bad in (0.5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="wgrad_quant_factor must be >= 1"):
