@@ -183,6 +183,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train fresh bf16 seeds and LoKA's final plan this long, then eval",
     )
     p.add_argument(
+        "--quality-only",
+        action="store_true",
+        help="with --quality-steps: train and evaluate only, no timed models or blocks (an "
+        "HSTU xl quality run then fits one device call)",
+    )
+    p.add_argument(
         "--dynamic", default="auto",
         help="comma list: auto (torch.compile's default: a shape that changes makes the graph "
              "dynamic) and/or static (dynamic=False: one specialized graph per shape); every "
@@ -200,6 +206,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda (default where present) or cpu")
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
+    if args.quality_only and args.quality_steps <= 0:
+        p.error("--quality-only needs --quality-steps N (N > 0)")
     if args.device is None:
         import torch
 
@@ -491,6 +499,10 @@ def run_mode(
         log(f"{name}/{mode}: {variant} plan {s.sites_fp8} sites / {s.passes_fp8} passes, "
             f"predicted {s.predicted_speedup}, ceiling {s.ceiling}")  # fmt: skip
 
+    if args.quality_only:
+        rows = [plan_row(name, mode, v, loka_plans.get(v)) for v in variants]
+        quality_phase(args, rows, name, mode, dynamic, loka_plans, loka_apply)
+        return rows
     if gpu:
         check_memory(name, args.preset, variants)
     made: dict[str, dict] = {}
@@ -612,7 +624,6 @@ def run_mode(
                 )  # fmt: skip
     rows = []
     base = times.get("bf16")
-    key = QUALITY_KEY.get(name, "ne")
     for variant, v in made.items():
         row = v["row"]
         if variant in times and times[variant] and base:
@@ -627,22 +638,10 @@ def run_mode(
             row["steps_timed"] = v.get("steps", 0)
         rows.append(row)
     if args.quality_steps > 0 and left() > 60:
-        # The band needs every bf16 seed; one not timed is trained for quality alone, and
-        # the timed models other than bf16's (which serving reuses) go first: four timed
+        # The timed models other than bf16's (which serving reuses) go first: four timed
         # InterFormer xl models and a fresh one do not fit an H200.
-        rows += quality_only_rows(rows, name, mode)
         release_timed(made, keep="bf16")
-        for r in rows:
-            variant = r["variant"]
-            if variant in QUALITY_SEEDS or (variant in loka_plans and "error" not in r):
-                plan = loka_plans.get(variant)
-                demoted = r.get("demoted", {})
-                r["eval"] = train_and_evaluate(args, name, mode, variant, plan, demoted,
-                                               dynamic, loka_apply.get(variant))  # fmt: skip
-                release_timed({}, keep="")  # the fresh model's memory, before the next
-                r["quality"] = r["eval"].get(key)
-                r["quality_steps"] = args.quality_steps
-        quality_rows(rows, key)
+        quality_phase(args, rows, name, mode, dynamic, loka_plans, loka_apply)
     band = [r["speedup_vs_bf16"] for r in rows if r["variant"].startswith("bf16") and "speedup_vs_bf16" in r]  # fmt: skip
     for r in rows:
         r["bf16_band"] = (min(band), max(band)) if band else None
@@ -680,6 +679,36 @@ def device_memory_gb() -> dict[str, float]:
         return {}
     return {"held_gb": torch.cuda.memory_allocated() / 1e9,
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9}  # fmt: skip
+
+
+def quality_phase(args, rows, name, mode, dynamic, loka_plans, loka_apply) -> None:
+    """Each bf16 seed (a row added for one not among `rows`) and each LoKA plan trained
+    fresh, one at a time, then evaluated: `quality`, and `quality_ok` against the seeds'
+    band, on the rows."""
+    key = QUALITY_KEY.get(name, "ne")
+    rows += quality_only_rows(rows, name, mode)
+    for r in rows:
+        variant = r["variant"]
+        if variant in QUALITY_SEEDS or (variant in loka_plans and "error" not in r):
+            plan = loka_plans.get(variant)
+            demoted = r.get("demoted", {})
+            r["eval"] = train_and_evaluate(args, name, mode, variant, plan, demoted,
+                                           dynamic, loka_apply.get(variant))  # fmt: skip
+            release_timed({}, keep="")  # the fresh model's memory, before the next
+            r["quality"] = r["eval"].get(key)
+            r["quality_steps"] = args.quality_steps
+    quality_rows(rows, key)
+
+
+def plan_row(name: str, mode: str, variant: str, plan) -> dict:
+    """An untimed row of `variant` (`--quality-only`): with its plan's summary for LoKA's."""
+    row = {"model": name, "mode": mode, "variant": variant, "timed": False}
+    if plan is not None:
+        s = plan.summary
+        row |= {"fp8_layers": s.sites_fp8, "passes_fp8": s.passes_fp8,
+                "predicted_speedup": s.predicted_speedup, "ceiling": s.ceiling,
+                "safe_ceiling": s.safe_ceiling}  # fmt: skip
+    return row
 
 
 def quality_only_rows(rows: list[dict], name: str, mode: str) -> list[dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,28 @@ def test_quality_trains_every_bf16_seed_even_when_only_bf16_was_timed():
     assert [r["variant"] for r in extra] == ["bf16-seed1", "bf16-seed2"]
     assert all(r["timed"] is False and "step_ms" not in r for r in extra)
     assert realized.quality_only_rows(rows + extra, "interformer", "compiled") == []
+
+
+def test_quality_only_trains_and_evaluates_without_timing(tmp_path, capsys, monkeypatch):
+    # CPU smoke of the whole script (tiny preset, eager): no timed model, every bf16 seed
+    # and the plan trained fresh and evaluated, the band judged.
+    monkeypatch.syspath_prepend(str(_PATH.parent))  # its `harness`
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what the script sets on the CPU, undone after
+    realized.main(["--device", "cpu", "--models", "dhen", "--modes", "eager", "--variants",
+                   "bf16,loka", "--quality-only", "--quality-steps", "2", "--no-grad-check",
+                   "--out", str(tmp_path)])  # fmt: skip
+    (path,) = tmp_path.glob("realized_*.json")
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["variant"] for r in runs] == ["bf16", "loka", "bf16-seed1", "bf16-seed2"]
+    assert all(r["timed"] is False and "step_ms" not in r and r["quality_steps"] == 2
+               for r in runs)  # fmt: skip
+    seeds = [r["quality"] for r in runs if r["variant"].startswith("bf16")]
+    loka = runs[1]
+    assert loka["quality_band"] == [min(seeds), max(seeds)] and "fp8_layers" in loka
+    assert loka["quality_ok"] == (loka["quality"] <= max(seeds))
+    assert "not timed; quality" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        realized.parse_args(["--quality-only"])
 
 
 def test_releasing_the_timed_models_keeps_only_the_one_serving_reuses():
