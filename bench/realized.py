@@ -739,11 +739,18 @@ MAX_EXPECTED_GRAPHS = 2
 QUALITY_SEEDS = {"bf16": 0, "bf16-seed1": 1, "bf16-seed2": 2}
 
 
+# The share of the free GPU memory a run's estimate may fill: InterFormer xl's four timed
+# variants, estimated at 128 GB of the H200's ~140 GB free, did not fit (0.95 let them).
+HOLD_SHARE = 0.85
+
+
 def check_memory(name: str, preset: str, variants: list[str]) -> None:
     """Refuse, in one line, a run whose variants cannot all be held on the GPU at once (the
     interleaved blocks need every model and optimizer resident; one step's activations at a
-    time): `zoo.estimate_step`'s state and FP8 bytes per variant, its activations once.
-    InterFormer xl with six variants (estimate 6 x 25 GB + 27 GB) ran out of an H200."""
+    time): `zoo.estimate_step`'s state and FP8 bytes per variant, its activations once,
+    within `HOLD_SHARE` of the free memory. InterFormer xl with six variants (estimate
+    6 x 25 GB + 27 GB) ran out of an H200, and with four (128 GB) too, where three (103 GB)
+    ran; HSTU xl's estimate matched its measured peak (80 vs 79 GB)."""
     import torch
 
     import loka.zoo as zoo
@@ -754,9 +761,10 @@ def check_memory(name: str, preset: str, variants: list[str]) -> None:
     need = len(variants) * (est.state_bytes + est.fp8_bytes)
     need += est.activation_bytes + est.transient_bytes
     free, _ = torch.cuda.mem_get_info()
-    if need > 0.95 * free:
+    if need > HOLD_SHARE * free:
         per = (est.state_bytes + est.fp8_bytes) / 1e9
-        fit = max(0, int((0.95 * free - est.activation_bytes - est.transient_bytes) / 1e9 / per))
+        usable = HOLD_SHARE * free - est.activation_bytes - est.transient_bytes
+        fit = max(0, int(usable / 1e9 / per))
         raise MemoryError(
             f"{name} {preset}: {len(variants)} variants need about {need / 1e9:.0f} GB held at "
             f"once ({per:.0f} GB each, estimated), {free / 1e9:.0f} GB free: run at most {fit} "

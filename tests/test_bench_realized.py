@@ -206,12 +206,17 @@ def test_a_loka_variant_with_mk_compiles_with_multi_kernel_and_the_others_do_not
 
 def test_variants_that_cannot_all_be_held_on_the_gpu_are_refused_in_one_line(monkeypatch):
     # Wukong xl: about 14 GB of weights and optimizer state per variant, 14 GB of activations.
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60e9, 141e9))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70e9, 141e9))
     with pytest.raises(
         MemoryError, match=r"wukong xl: 6 variants need about \d+ GB .*run at most 3"
     ):
         realized.check_memory("wukong", "xl", ["v"] * 6)
     realized.check_memory("wukong", "xl", ["v"] * 3)  # fits: no error
+    # InterFormer xl on a whole H200: three timed variants ran, four ran out of memory.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (140e9, 141e9))
+    realized.check_memory("interformer", "xl", ["v"] * 3)
+    with pytest.raises(MemoryError, match=r"interformer xl: 4 variants .*run at most 3"):
+        realized.check_memory("interformer", "xl", ["v"] * 4)
 
 
 def test_serving_batches_stack_training_batches():
