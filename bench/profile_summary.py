@@ -52,8 +52,14 @@ def kernel_rows(path: str, name_width: int = 160) -> list[tuple[str, float, int]
     return rows
 
 
+# cuBLAS's nvjet kernels name their operand types after the SM: `tst` bf16, `qqtst` e4m3 x
+# e4m3, `qrtst` / `rqtst` e4m3 x e5m2 (a gradient in e5m2). Matching only `qqtst` once
+# counted HSTU xl's e5m2 wgrad GEMMs as bf16 ones.
+FP8_GEMM = re.compile(r"nvjet_sm\d+_[qr]{2}t")
+
+
 def kind(name: str) -> str:
-    if "qqtst" in name:
+    if FP8_GEMM.search(name):
         return "fp8 gemm"
     if "nvjet" in name or "cutlass" in name or "gemm" in name.lower():
         return "bf16 gemm"
