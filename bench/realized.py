@@ -408,9 +408,7 @@ def main(argv: list[str] | None = None) -> None:
                 # What is timed so far, on disk now: a run killed later keeps these rows.
                 write_json(out / f"realized_{meta['date_utc']}.json",
                            {"meta": meta | {"partial": True}, "runs": rows, "plans": plans})  # fmt: skip
-                gc.collect()
-                if gpu:
-                    torch.cuda.empty_cache()
+                free_device_memory()
                 torch._dynamo.reset()
 
     for r in rows:
@@ -694,7 +692,7 @@ def quality_phase(args, rows, name, mode, dynamic, loka_plans, loka_apply) -> No
             demoted = r.get("demoted", {})
             r["eval"] = train_and_evaluate(args, name, mode, variant, plan, demoted,
                                            dynamic, loka_apply.get(variant))  # fmt: skip
-            release_timed({}, keep="")  # the fresh model's memory, before the next
+            free_device_memory()  # the fresh model's, before the next
             r["quality"] = r["eval"].get(key)
             r["quality_steps"] = args.quality_steps
     quality_rows(rows, key)
@@ -721,12 +719,17 @@ def quality_only_rows(rows: list[dict], name: str, mode: str) -> list[dict]:
 def release_timed(made: dict, keep: str) -> None:
     """Drop the timed models, their optimizers and applied plans, but `keep`'s, and hand
     their memory back to the device."""
-    import torch
-
     for variant, v in made.items():
         if variant != keep:
             for part in ("setup", "model", "opt", "applied"):
                 v.pop(part, None)
+    free_device_memory()
+
+
+def free_device_memory() -> None:
+    """Collect what no longer has a reference and hand its GPU memory back to the device."""
+    import torch
+
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -756,8 +759,7 @@ def check_memory(name: str, preset: str, variants: list[str]) -> None:
     import loka.zoo as zoo
 
     est = zoo.estimate_step(name, preset)
-    gc.collect()  # what earlier models of this run left must not count as held
-    torch.cuda.empty_cache()
+    free_device_memory()  # what earlier models of this run left must not count as held
     need = len(variants) * (est.state_bytes + est.fp8_bytes)
     need += est.activation_bytes + est.transient_bytes
     free, _ = torch.cuda.mem_get_info()
