@@ -39,6 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--M", type=int, default=128, help="small: the device stays ahead")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--graphs", choices=("both", "on", "off"), default="both",
+                   help="Fp8LinearConfig.eager_graphs for the kernel backend's rows: both "
+                        "runs each pass set with and without (A/B in one process)")  # fmt: skip
+    p.add_argument("--wall-M", type=int, default=16384,
+                   help="also wall ms per fwd+bwd at this M (device-bound), FP8 (all three "
+                        "passes) with and without graphs against nn.Linear; 0: skip")  # fmt: skip
     p.add_argument("--regional", action="store_true",
                    help="also the torch-native linear compiled on its own (module.compile()): "
                         "the host cost of an eager model whose FP8 sites alone are compiled")  # fmt: skip
@@ -75,6 +81,45 @@ def profile(module, x, calls: int, top: int) -> dict:
     }
 
 
+def wall_ms(args, K: int, N: int, device: str, backend: str, baseline) -> dict:
+    """Wall ms per fwd+bwd (weight touched) at M = --wall-M, where the device is the slower
+    side: the graphs must not cost device time. Interleaved rounds, medians."""
+    import statistics
+    import time
+
+    import torch
+
+    from loka.mods import Fp8Linear, Fp8LinearConfig
+
+    x = torch.randn(args.wall_M, K, device=device, requires_grad=True)
+    modules = {"nn.Linear": baseline}
+    for graphs in (True, False):
+        config = Fp8LinearConfig.from_recipes(args.recipe, args.recipe, args.recipe,
+                                              backend=backend).replace(eager_graphs=graphs)  # fmt: skip
+        modules[f"fp8 graphs={graphs}"] = Fp8Linear(K, N, device=device, config=config)
+    times: dict[str, list[float]] = {name: [] for name in modules}
+
+    def call(module) -> None:
+        with torch.no_grad():
+            module.weight.add_(0.0)
+        module(x).sum().backward()
+
+    for _ in range(5):
+        for name, module in modules.items():
+            for _ in range(3):
+                call(module)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                call(module)
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) * 1e3 / 10)
+    out = {name: statistics.median(v) for name, v in times.items()}
+    print("[host_profile] wall ms per fwd+bwd at M=" + str(args.wall_M) + ": "
+          + ", ".join(f"{n} {v:.3f}" for n, v in out.items()), flush=True)  # fmt: skip
+    return {"M": args.wall_M, "median_ms": out, "raw_ms": times}
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
     from torch import nn
@@ -98,10 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[host_profile] nn.Linear fwd+bwd {base[False]:.3f} ms host "
               f"(weight touched: {base[True]:.3f})", flush=True)  # fmt: skip
         native = "torch.native" if gpu else "torch.native.cpu"
-        runs = [(passes, backend, False) for passes in PASS_SETS]
+        graph_modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.graphs]
+        runs = [(p, backend, False, g) for p in PASS_SETS for g in graph_modes]
         if args.regional:
-            runs += [(passes, native, True) for passes in PASS_SETS]
-        for passes, run_backend, regional in runs:
+            runs += [(passes, native, True, False) for passes in PASS_SETS]
+        for passes, run_backend, regional, graphs in runs:
             if budget.over():
                 rows.append({"passes": list(passes), "backend": run_backend,
                              "regional": regional, "error": "skipped: over the time budget"})  # fmt: skip
@@ -109,24 +155,31 @@ def main(argv: list[str] | None = None) -> int:
             config = Fp8LinearConfig(**{
                 p: PassConfig(args.recipe, run_backend) if p in passes else PassConfig("bf16")
                 for p in ("fwd", "dgrad", "wgrad")
-            })  # fmt: skip
+            }, eager_graphs=graphs)  # fmt: skip
             module = Fp8Linear(K, N, device=device, config=config)
             if regional:
                 module.compile(fullgraph=True)
-            row = {"passes": list(passes), "backend": run_backend, "regional": regional}
+            row = {"passes": list(passes), "backend": run_backend, "regional": regional,
+                   "eager_graphs": graphs}  # fmt: skip
             for touch in (False, True):
                 ms = host_ms_per_call(module, x, touch, args.calls)
                 row["host_ms_touched" if touch else "host_ms"] = ms
                 row["extra_ms_touched" if touch else "extra_ms"] = ms - base[touch]
             row |= profile(module, x, min(args.calls, 20), args.top)
+            if module.eager_graphs is not None:
+                stats = module.eager_graphs.stats
+                row["graph_stats"] = {"replays": stats.replays, "captures": stats.captures,
+                                      "eager": dict(stats.eager)}  # fmt: skip
             rows.append(row)
-            label = f"{'+'.join(passes)}{' compiled alone' if regional else ''}"
+            graphs_label = " graphs" if graphs and not regional else ""
+            label = f"{'+'.join(passes)}{' compiled alone' if regional else ''}{graphs_label}"
             print(f"[host_profile] FP8 {label:32s} extra host {row['extra_ms']:.3f} ms"
                   f" (weight touched {row['extra_ms_touched']:.3f}), "
                   f"{row['launches_per_call']:.0f} launches per call", flush=True)  # fmt: skip
+        wall = wall_ms(args, K, N, device, backend, baseline) if gpu and args.wall_M else {}
     path = Path(args.out) / f"host_profile_{stamp()}.json"
     meta = metadata(device, backend=backend, recipe=args.recipe, M=args.M, K=K, N=N)
-    write_json(path, {"meta": meta, "baseline_ms": base, "rows": rows})
+    write_json(path, {"meta": meta, "baseline_ms": base, "rows": rows, "wall_ms": wall})
     print(f"wrote {path}")
     return 0
 

@@ -634,6 +634,9 @@ def run_mode(
                 row |= step_ceilings(loka_plans[variant].summary, statistics.median(base))
         if "error" not in row and "skipped" not in row:
             row["steps_timed"] = v.get("steps", 0)
+        if v.get("model") is not None and (graphs := eager_graph_stats(v["model"])):
+            row["eager_graphs"] = graphs
+            log(f"{name}/{mode}/{variant}: eager graphs {graphs}")
         rows.append(row)
     if args.quality_steps > 0 and left() > 60:
         # The timed models other than bf16's (which serving reuses) go first: four timed
@@ -724,6 +727,28 @@ def release_timed(made: dict, keep: str) -> None:
             for part in ("setup", "model", "opt", "applied"):
                 v.pop(part, None)
     free_device_memory()
+
+
+def eager_graph_stats(model) -> dict | None:
+    """What the FP8 linears' eager CUDA graphs did over the run (`loka.mods.eager_graphs`):
+    calls replayed, captured and run eagerly by reason; graphs held. None: no graphs."""
+    from collections import Counter
+
+    from loka.mods import Fp8Linear
+
+    total = {"modules": 0, "graphs": 0, "replays": 0, "captures": 0, "eager": Counter()}
+    for module in model.modules():
+        graphs = getattr(module, "eager_graphs", None) if isinstance(module, Fp8Linear) else None
+        if graphs is None or not (graphs.stats.replays or graphs.stats.eager_calls):
+            continue
+        total["modules"] += 1
+        total["graphs"] += len(graphs)
+        total["replays"] += graphs.stats.replays
+        total["captures"] += graphs.stats.captures
+        total["eager"] += graphs.stats.eager
+    if not total["modules"]:
+        return None
+    return total | {"eager": dict(total["eager"])}
 
 
 def free_device_memory() -> None:

@@ -223,6 +223,27 @@ def test_cached_baselines_are_timed_again_and_the_faster_kept(tmp_path, monkeypa
     assert calls == [] and third.retimed == 0
 
 
+def test_cached_host_times_are_measured_again(tmp_path, monkeypatch) -> None:
+    """An eager FP8 row's host time is this process's: a later bench re-measures it (the
+    host's speed moves between processes, and eager graphs cut it)."""
+    import loka.dispatch.bench.runner as runner
+
+    recipes = {"fwd": ["e4m3:e4m3/row/dynamic"], "dgrad": [], "wgrad": []}
+    kw = dict(recipes=recipes, cache=BenchCache(tmp_path), time_on_cpu=True)
+    monkeypatch.setattr(runner, "_host_ms", lambda c, shape, device: 1.0)
+    first = benchmark([Shape(32, 128, 64)], **kw)
+    fp8 = pl.col("recipe") != "bf16"
+    assert set(first.table.filter(fp8)["host_ms"].to_list()) == {1.0}
+    monkeypatch.setattr(runner, "_host_ms", lambda c, shape, device: 0.25)
+    second = benchmark([Shape(32, 128, 64)], retime_baselines=True, **kw)
+    assert second.measured == 0
+    assert set(second.table.filter(fp8)["host_ms"].to_list()) == {0.25}
+    (note,) = [n for n in second.notes if "host time" in n]
+    assert "1.000 ms cached, 0.250 ms now" in note
+    third = benchmark([Shape(32, 128, 64)], **kw)  # off: the cached host time stands
+    assert set(third.table.filter(fp8)["host_ms"].to_list()) == {1.0}
+
+
 def test_measuring_order_gives_every_shape_its_most_promising_candidates_first() -> None:
     shapes = [Shape(4096, 1024, 4096), Shape(1024, 256, 512)]  # most important first
     plan = [(s, st) for s in shapes for st in candidates(s.M_bucket, s.K, s.N)]

@@ -85,6 +85,12 @@ class Fp8LinearConfig:
     activations and gradients in two stages (`loka.kernels.native.quantize_native`'s
     `rows_vary`), 2x faster than one reduction over a symbolic M, a little slower over a
     static one. `loka.dispatch.apply` sets it for the sites whose M varied under Probe.
+
+    eager_graphs: in eager mode on a GPU, replay the quantizations of x, dY and the weight
+    (the kernel backends', not the torch-native one's) from CUDA graphs captured per input
+    layout (`loka.mods.eager_graphs`): one launch each instead of a dozen ops, for the host
+    time that decides eager steps. It holds FP8 copies of x and dY per site in graph memory.
+    Ignored under torch.compile.
     """
 
     fwd: PassConfig | Recipe | str = "e4m3:e4m3/row/dynamic"
@@ -93,6 +99,7 @@ class Fp8LinearConfig:
     pad: bool = False
     bias_grad: str = "sum"
     tokens_vary: bool = False
+    eager_graphs: bool = True
 
     def __post_init__(self) -> None:
         for pass_ in PASSES:
@@ -101,6 +108,8 @@ class Fp8LinearConfig:
             raise TypeError(f"pad must be a bool, got {self.pad!r}")
         if not isinstance(self.tokens_vary, bool):
             raise TypeError(f"tokens_vary must be a bool, got {self.tokens_vary!r}")
+        if not isinstance(self.eager_graphs, bool):
+            raise TypeError(f"eager_graphs must be a bool, got {self.eager_graphs!r}")
         if self.bias_grad not in BIAS_GRADS:
             raise ValueError(f"bias_grad must be one of {BIAS_GRADS}, got {self.bias_grad!r}")
 
@@ -143,4 +152,5 @@ class Fp8LinearConfig:
         text = ", ".join(f"{p}={c}" for p, c in self.passes().items())
         text += ", pad" if self.pad else ""
         text += f", bias_grad={self.bias_grad}" if self.bias_grad != "sum" else ""
+        text += ", no eager graphs" if not self.eager_graphs else ""
         return text + (", tokens_vary" if self.tokens_vary else "")

@@ -22,6 +22,7 @@ from torch import nn
 
 from loka.mods.alignment import check_shape
 from loka.mods.config import Fp8LinearConfig
+from loka.mods.eager_graphs import EagerGraphs
 from loka.mods.linear_function import Fp8LinearFunction
 from loka.mods.linear_plan import LinearPlan
 from loka.mods.native_function import (
@@ -124,6 +125,8 @@ class Fp8Linear(nn.Linear):
         self._prequantized_stamp: tuple[int, int, int] | None = None
         self._input_amax: float | None = None  # static input scale (serving), see below
         self._input_scale: tuple[torch.Tensor, torch.Tensor] | None = None
+        # CUDA graphs of the eager quantizations (kernel backends only; None: off).
+        self.eager_graphs = EagerGraphs() if config.eager_graphs and native is None else None
         device = self.weight.device
         windows = {
             "amax_history_input": self.plan.input_window,
@@ -172,6 +175,14 @@ class Fp8Linear(nn.Linear):
         Parameters stay, amax histories of the new config start empty."""
         self._init_fp8(config)
 
+    def _graphs_for(self, x: torch.Tensor) -> EagerGraphs | None:
+        """The eager graphs this call may use: None under torch.compile, on the CPU and
+        inside another CUDA graph capture."""
+        graphs = self.eager_graphs
+        if graphs is None or torch.compiler.is_compiling() or not graphs.usable(x):
+            return None
+        return graphs
+
     def refresh_weight_cache(self) -> None:
         """Re-make the weight's FP8 copies now if the weight changed (forward does this too)."""
         layouts = self.plan.weight_layouts
@@ -189,13 +200,15 @@ class Fp8Linear(nn.Linear):
         if stamp == self._weight_stamp:
             return
         self._weight_stamp = stamp
-        refresh_weight_eager(*args)
+        refresh_weight_eager(*args, graphs=self._graphs_for(self.weight))
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Fp8Linear:
         super()._apply(fn, recurse)
         # The cache is not a buffer (module.to(dtype) must not cast FP8 bytes): re-made on
         # the weight's new device at the next forward; a prequantized copy at once.
         self._allocate_weight_cache()
+        if self.eager_graphs is not None:  # graphs read the old device's memory
+            self.eager_graphs = EagerGraphs(self.eager_graphs.max_graphs)
         if self._prequantized is not None:
             amax = self._input_amax
             self.prequantize_weight()
@@ -340,7 +353,7 @@ class Fp8Linear(nn.Linear):
             x2d, self.weight, self.bias, self.plan, dtype,
             torch.is_grad_enabled() and self.weight.requires_grad,
             self._history("amax_history_input"), self._history("amax_history_grad_output"),
-            *self.gemm_weights(),
+            self._graphs_for(x2d), *self.gemm_weights(),
         )  # fmt: skip
         return y.view(*x.shape[:-1], self.out_features)
 

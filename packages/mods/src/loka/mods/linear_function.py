@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from loka.mods.bias_grad import bias_gradient
 from loka.mods.dtypes import cast
+from loka.mods.eager_graphs import EagerGraphs
 from loka.mods.linear_plan import LinearPlan
 from loka.mods.ops import call
 
@@ -112,6 +113,53 @@ class SavedForBackward(NamedTuple):
     wt_inv_scale: torch.Tensor
 
 
+def quantize_for_passes(
+    t: torch.Tensor,
+    history: torch.Tensor,
+    rows: int,
+    cols: int,
+    first: tuple[str, int, bool],
+    wgrad: tuple[str, int, bool],
+    share: bool,
+) -> tuple[Quantized | None, Quantized | None]:
+    """`t` quantized for its first pass (x: fwd, dY: dgrad) and, transposed, for wgrad, each
+    given as (config, history window, needed); None for a pass not in FP8 or not needed.
+    With `share` (the two recipes agree) one quantization makes both."""
+    first_config, first_window, need_first = first
+    wgrad_config, wgrad_window, need_wgrad = wgrad
+    first_q = wgrad_q = None
+    if need_first and first_config:
+        first_q = quantize_operand(
+            t, first_config, history, first_window, rows, cols, transpose=share and need_wgrad
+        )
+    if need_wgrad and wgrad_config:
+        if first_q is not None and first_q.t_data is not None:
+            wgrad_q = first_q
+        else:
+            # Quantized its own way (the first pass's quantization recorded the amax).
+            wgrad_q = quantize_operand(
+                t, wgrad_config, history, wgrad_window, rows, cols, transpose=True,
+                push=not (first_q is not None and first_window),
+            )  # fmt: skip
+    return first_q, wgrad_q
+
+
+def quantize_grad_output(
+    dy: torch.Tensor,
+    grad_history: torch.Tensor,
+    plan: LinearPlan,
+    rows: int,
+    cols: int,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[Quantized | None, Quantized | None]:
+    """dY quantized for dgrad and, transposed, for wgrad (`quantize_for_passes`)."""
+    return quantize_for_passes(
+        dy, grad_history, rows, cols, (plan.dgrad_dy, plan.dgrad_dy_window, need_dx),
+        (plan.wgrad_dyt, plan.wgrad_dy_window, need_dw), plan.shares_dy,
+    )  # fmt: skip
+
+
 def linear_backward(
     plan: LinearPlan,
     dy: torch.Tensor,
@@ -121,34 +169,30 @@ def linear_backward(
     grad_history: torch.Tensor,
     need_dx: bool,
     need_dw: bool,
+    graphs: EagerGraphs | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dgrad ``dY W`` [M, K], wgrad ``dY^T x`` [N, K]) as the plan says, uncast; None for
-    what is not needed. dY is quantized once for both passes when their recipes agree."""
+    what is not needed. dY is quantized once for both passes when their recipes agree; with
+    `graphs`, that quantization replays a CUDA graph (`loka.mods.eager_graphs`)."""
     M, K, N = shape
     Mp, _, Np = plan.multiples.pad(M, K, N)
     dx = dw = None
-    quantized = None
-    if need_dx and plan.dgrad_dy:
-        quantized = quantize_operand(
-            dy, plan.dgrad_dy, grad_history, plan.dgrad_dy_window, Mp, Np,
-            transpose=plan.shares_dy and need_dw,
-        )  # fmt: skip
+    consts = (plan, Mp, Np, need_dx, need_dw)
+    if graphs is not None and (plan.dgrad_dy or plan.wgrad_dyt) and graphs.usable(dy):
+        dgrad_q, wgrad_q = graphs.run("grad", quantize_grad_output, (dy, grad_history), consts)
+    else:
+        dgrad_q, wgrad_q = quantize_grad_output(dy, grad_history, *consts)
+    if dgrad_q is not None:
         dx = gemm(
-            quantized, plan.dgrad_dy, saved.wt_data, saved.wt_inv_scale, plan.dgrad_wt, None,
+            dgrad_q, plan.dgrad_dy, saved.wt_data, saved.wt_inv_scale, plan.dgrad_wt, None,
             plan.dgrad_backend,
         )  # fmt: skip
         dx = unpad(dx, M, K)
     elif need_dx:
         dx = high_precision_mm(dy, saved.weight, compute_dtype)
-    if need_dw and plan.wgrad_dyt:
-        if quantized is None or quantized.t_data is None:
-            recorded = need_dx and bool(plan.dgrad_dy) and bool(plan.dgrad_dy_window)
-            quantized = quantize_operand(
-                dy, plan.wgrad_dyt, grad_history, plan.wgrad_dy_window, Mp, Np,
-                transpose=True, push=not recorded,
-            )  # fmt: skip
+    if wgrad_q is not None:
         dw = gemm(
-            quantized, plan.wgrad_dyt, saved.xt_data, saved.xt_inv_scale, plan.wgrad_xt, None,
+            wgrad_q, plan.wgrad_dyt, saved.xt_data, saved.xt_inv_scale, plan.wgrad_xt, None,
             plan.wgrad_backend, transposed=True,
         )  # fmt: skip
         dw = unpad(dw, N, K)
@@ -157,11 +201,28 @@ def linear_backward(
     return dx, dw
 
 
+def quantize_input(
+    x: torch.Tensor,
+    input_history: torch.Tensor,
+    plan: LinearPlan,
+    rows: int,
+    cols: int,
+    keep_wgrad: bool,
+) -> tuple[Quantized | None, Quantized | None]:
+    """x quantized for the forward and x^T for wgrad, kept for the backward
+    (`quantize_for_passes`)."""
+    return quantize_for_passes(
+        x, input_history, rows, cols, (plan.fwd_x, plan.fwd_x_window, True),
+        (plan.wgrad_xt, plan.wgrad_x_window, keep_wgrad), plan.shares_x,
+    )  # fmt: skip
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with per-pass FP8. Arguments after the plan: the compute dtype of the
     high-precision passes, whether the weight gradient will be needed (else nothing is kept
-    for wgrad), the input and grad histories,
-    then the cached weight's FP8 data and inverse scales, fwd layout then dgrad layout."""
+    for wgrad), the input and grad histories, the module's `EagerGraphs` (None: no CUDA
+    graphs, as under torch.compile), then the cached weight's FP8 data and inverse scales,
+    fwd layout then dgrad layout."""
 
     @staticmethod
     def forward(
@@ -174,34 +235,29 @@ class Fp8LinearFunction(torch.autograd.Function):
         keep_wgrad: bool,
         input_history: torch.Tensor,
         grad_history: torch.Tensor,
+        graphs: EagerGraphs | None,
         *cache: torch.Tensor,
     ) -> torch.Tensor:
         M, K = x.shape
         N = weight.shape[0]
         Mp, Kp, Np = plan.multiples.pad(M, K, N)
-        quantized = None
-        if plan.fwd_x:
-            quantized = quantize_operand(
-                x, plan.fwd_x, input_history, plan.fwd_x_window, Mp, Kp,
-                transpose=plan.shares_x and keep_wgrad,
-            )  # fmt: skip
+        consts = (plan, Mp, Kp, keep_wgrad)
+        if graphs is not None and (plan.fwd_x or (keep_wgrad and plan.wgrad_xt)):
+            fwd_q, wgrad_q = graphs.run("input", quantize_input, (x, input_history), consts)
+        else:
+            fwd_q, wgrad_q = quantize_input(x, input_history, *consts)
+        if fwd_q is not None:
             b = None if bias is None else pad_vector(bias, Np)
-            y = gemm(quantized, plan.fwd_x, cache[0], cache[1], plan.fwd_w, b, plan.fwd_backend)
+            y = gemm(fwd_q, plan.fwd_x, cache[0], cache[1], plan.fwd_w, b, plan.fwd_backend)
             y = cast(unpad(y, M, N), compute_dtype)
         else:
             b = None if bias is None else cast(bias, compute_dtype)
             y = F.linear(cast(x, compute_dtype), cast(weight, compute_dtype), b)
-        if keep_wgrad and plan.wgrad_xt and (quantized is None or quantized.t_data is None):
-            # x^T for wgrad, quantized its own way (the fwd quantization recorded the amax).
-            recorded = bool(plan.fwd_x) and bool(plan.fwd_x_window)
-            quantized = quantize_operand(
-                x, plan.wgrad_xt, input_history, plan.wgrad_x_window, Mp, Kp,
-                transpose=True, push=not recorded,
-            )  # fmt: skip
+        fp8_wgrad = wgrad_q is not None
         saved = SavedForBackward(
             x if keep_wgrad and not plan.wgrad_xt else None,
-            quantized.t_data if keep_wgrad and plan.wgrad_xt else None,
-            quantized.t_inv_scale if keep_wgrad and plan.wgrad_xt else None,
+            wgrad_q.t_data if fp8_wgrad else None,
+            wgrad_q.t_inv_scale if fp8_wgrad else None,
             weight if not plan.dgrad_dy else None,
             cache[2],
             cache[3],
@@ -212,6 +268,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         # The history is mutated by every backward: held outside save_for_backward, whose
         # version check would refuse a module called twice before its backwards run.
         ctx.grad_history = grad_history
+        ctx.graphs = graphs
+        # Saved graph memory (x^T, the weight cache) stays valid until this backward ran.
+        backward_due = any(ctx.needs_input_grad[:3])  # grad mode is off inside forward
+        ctx.pending = graphs.hold() if graphs is not None and backward_due else None
         ctx.save_for_backward(*saved)
         return y
 
@@ -219,11 +279,14 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        graphs = ctx.graphs
+        if graphs is not None:
+            graphs.check_current(ctx.pending)
         dx, dw = linear_backward(
             ctx.plan, dy, SavedForBackward(*ctx.saved_tensors), ctx.shape, ctx.compute_dtype,
-            ctx.grad_history, need_dx, need_dw,
+            ctx.grad_history, need_dx, need_dw, graphs,
         )  # fmt: skip
         dx = None if dx is None else cast(dx, x_dtype)
         dw = None if dw is None else cast(dw, w_dtype)
         db = cast(bias_gradient(dy, ctx.plan.bias_grad), b_dtype) if need_db else None
-        return dx, dw, db, None, None, None, None, None, *([None] * 4)
+        return dx, dw, db, None, None, None, None, None, None, *([None] * 4)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from loka.kernels import Fp8Tensor, fp8_mm, grouped_mm, norm_backward, norm_quantize
 from loka.kernels.quantization import quantize_with
 from loka.kernels.transpose_quantization import quantize_transpose_with
+from loka.mods.eager_graphs import EagerGraphs
 from loka.mods.weight_stamp import weight_stamp
 from loka.schema import QuantConfig
 from loka.schema.fp8 import finite_abs
@@ -280,13 +281,20 @@ def refresh_weight_eager(
     cache: list[torch.Tensor],
     history: torch.Tensor,
     *layouts: str | bool | int,
+    graphs: EagerGraphs | None = None,
 ) -> None:
     """`refresh_weight_impl` (the same arguments) outside a compiled graph: the new FP8 copies
     replace the cache's entries instead of being copied into them. No copy kernels (eight
     launches and two weight-sized copies per refresh), and a backward still pending from
-    before the refresh keeps the W^T it saved."""
-    for offset, made in _requantized_layouts(weight, history, *layouts):
-        cache[offset : offset + len(made)] = list(made)
+    before the refresh keeps the W^T it saved. With `graphs` the quantization replays a CUDA
+    graph (`loka.mods.eager_graphs`; its outputs become the cache, and a pending backward
+    keeps the module from replaying it)."""
+    if graphs is not None and graphs.usable(weight):
+        made = graphs.run("weight", _requantized_layouts, (weight, history), layouts)
+    else:
+        made = _requantized_layouts(weight, history, *layouts)
+    for offset, tensors in made:
+        cache[offset : offset + len(tensors)] = list(tensors)
     key[0], key[1], key[2] = weight_stamp(weight)
 
 
