@@ -118,11 +118,17 @@ def test_a_new_address_runs_eagerly_then_is_captured():
             assert torch.equal(a, b)
     graphs = module.eager_graphs
     assert graphs.stats.eager["first sight"] >= 2 and graphs.stats.replays >= 2
+    # Past max_graphs a layout that comes twice replaces the least recently replayed one.
     full = graphed(Fp8Linear.from_linear(nn.Linear(64, 32)), max_graphs=1)
-    for x in (xs[0], xs[0], xs[1], xs[1]):
+    for x in (xs[0], xs[0], xs[0], xs[1], xs[1], xs[1]):
         with torch.no_grad():
-            full(x)
-    assert full.eager_graphs.stats.eager["graphs full"] == 1
+            want = Fp8Linear.from_linear(full.to_linear(), Fp8LinearConfig(eager_graphs=False))
+            assert torch.equal(full(x), want(x))
+    stats = full.eager_graphs.stats
+    # x0 captured at its 2nd call, replayed at its 3rd; x1 the same, evicting x0 (the weight
+    # never changed: quantized once, eagerly).
+    assert (stats.captures, stats.evictions, stats.replays) == (2, 1, 2)
+    assert len(full.eager_graphs) == 1
 
 
 def test_a_module_called_twice_before_its_backward_does_not_overwrite_saved_memory():

@@ -19,7 +19,7 @@ inputs at the same addresses, with the same shapes, strides and dtypes, on the s
 In a training loop the caching allocator hands out the same addresses step after step, so
 nothing is copied into a graph. An input layout is captured the second time it is seen
 (the one-off addresses of the first steps run eagerly), at most `max_graphs` per role and
-module; past that a new layout runs eagerly.
+module; past that a new layout that comes twice replaces the least recently replayed one.
 
 Safety:
 - each graph has its own memory pool: whatever order graphs replay in, one never writes
@@ -47,7 +47,7 @@ import torch
 
 __all__ = ["EagerGraphs", "GraphStats"]
 
-MAX_GRAPHS = 4  # per role and module: layouts beyond these run eagerly
+MAX_GRAPHS = 4  # per role and module: past these the least recently replayed is dropped
 # Roles whose outputs outlive the call (x^T saved for the backward, the weight cache).
 SAVED_ROLES = frozenset({"input", "weight"})
 _SEEN = 16  # layouts remembered (seen once, not captured) per module
@@ -59,6 +59,7 @@ class GraphStats:
 
     replays: int = 0
     captures: int = 0
+    evictions: int = 0  # graphs dropped for a newer layout (max_graphs per role)
     eager: Counter = field(default_factory=Counter)  # reason -> calls
 
     @property
@@ -129,7 +130,7 @@ class EagerGraphs:
         self.stats = GraphStats()
         self._capture = capture or cuda_capture
         self._cuda_only = cuda_only
-        self._graphs: dict[tuple, tuple[object, object]] = {}
+        self._graphs: OrderedDict[tuple, tuple[object, object]] = OrderedDict()  # LRU last
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._per_role: Counter = Counter()
         self._failed: set[str] = set()
@@ -188,6 +189,7 @@ class EagerGraphs:
             found = None  # its replay would overwrite what a pending backward reads
         if found is not None:
             graph, outputs = found
+            self._graphs.move_to_end(key)
             graph.replay()
             self.stats.replays += 1
             self._generation += role in SAVED_ROLES
@@ -208,8 +210,13 @@ class EagerGraphs:
             )
             self.stats.eager["capture failed"] += 1
             return fn(*tensors, *consts)
+        if self._per_role[role] >= self.max_graphs:
+            oldest = next(k for k in self._graphs if k[0] == role)
+            del self._graphs[oldest]  # its memory goes once no saved tensor holds it
+            self.stats.evictions += 1
+        else:
+            self._per_role[role] += 1
         self._graphs[key] = (graph, outputs)
-        self._per_role[role] += 1
         self.stats.captures += 1
         graph.replay()
         self._generation += role in SAVED_ROLES
@@ -226,6 +233,4 @@ class EagerGraphs:
             if len(self._seen) > _SEEN:
                 self._seen.popitem(last=False)
             return "first sight"
-        if self._per_role[role] >= self.max_graphs:
-            return "graphs full"
         return None
