@@ -129,6 +129,14 @@ def test_a_new_address_runs_eagerly_then_is_captured():
     # never changed: quantized once, eagerly).
     assert (stats.captures, stats.evictions, stats.replays) == (2, 1, 2)
     assert len(full.eager_graphs) == 1
+    # Layouts that never settle: after max_graphs evictions the role captures nothing new.
+    churn = graphed(Fp8Linear.from_linear(nn.Linear(64, 32)), max_graphs=1)
+    for x in [torch.randn(24, 64) for _ in range(5)]:
+        with torch.no_grad():
+            churn(x), churn(x)
+    stats = churn.eager_graphs.stats
+    assert (stats.captures, stats.evictions) == (2, 1)
+    assert stats.eager["layouts unsettled"] == 3
 
 
 def test_a_module_called_twice_before_its_backward_does_not_overwrite_saved_memory():

@@ -19,7 +19,9 @@ inputs at the same addresses, with the same shapes, strides and dtypes, on the s
 In a training loop the caching allocator hands out the same addresses step after step, so
 nothing is copied into a graph. An input layout is captured the second time it is seen
 (the one-off addresses of the first steps run eagerly), at most `max_graphs` per role and
-module; past that a new layout that comes twice replaces the least recently replayed one.
+module; past that a new layout that comes twice replaces the least recently replayed one,
+`max_graphs` times per role, after which the role captures nothing new (its layouts do not
+settle, and a capture costs more host time than a replay saves).
 
 Safety:
 - each graph has its own memory pool: whatever order graphs replay in, one never writes
@@ -133,6 +135,7 @@ class EagerGraphs:
         self._graphs: OrderedDict[tuple, tuple[object, object]] = OrderedDict()  # LRU last
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._per_role: Counter = Counter()
+        self._evicted: Counter = Counter()
         self._failed: set[str] = set()
         self._pending: weakref.WeakSet[PendingBackward] = weakref.WeakSet()
         self._generation = 0  # bumped by every replay of a SAVED_ROLES graph
@@ -211,6 +214,7 @@ class EagerGraphs:
             self.stats.eager["capture failed"] += 1
             return fn(*tensors, *consts)
         if self._per_role[role] >= self.max_graphs:
+            self._evicted[role] += 1
             oldest = next(k for k in self._graphs if k[0] == role)
             del self._graphs[oldest]  # its memory goes once no saved tensor holds it
             self.stats.evictions += 1
@@ -233,4 +237,6 @@ class EagerGraphs:
             if len(self._seen) > _SEEN:
                 self._seen.popitem(last=False)
             return "first sight"
+        if self._per_role[role] >= self.max_graphs and self._evicted[role] >= self.max_graphs:
+            return "layouts unsettled"
         return None

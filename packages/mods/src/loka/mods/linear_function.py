@@ -178,7 +178,8 @@ def linear_backward(
     Mp, _, Np = plan.multiples.pad(M, K, N)
     dx = dw = None
     consts = (plan, Mp, Np, need_dx, need_dw)
-    if graphs is not None and (plan.dgrad_dy or plan.wgrad_dyt) and graphs.usable(dy):
+    fp8_work = (need_dx and plan.dgrad_dy) or (need_dw and plan.wgrad_dyt)
+    if graphs is not None and fp8_work and graphs.usable(dy):  # an empty graph warns
         dgrad_q, wgrad_q = graphs.run("grad", quantize_grad_output, (dy, grad_history), consts)
     else:
         dgrad_q, wgrad_q = quantize_grad_output(dy, grad_history, *consts)
