@@ -49,7 +49,7 @@ import torch
 
 __all__ = ["EagerGraphs", "GraphStats"]
 
-MAX_GRAPHS = 4  # per role and module: past these the least recently replayed is dropped
+MAX_GRAPHS = 2  # per role and module: past these the least recently replayed is dropped
 # Roles whose outputs outlive the call (x^T saved for the backward, the weight cache).
 SAVED_ROLES = frozenset({"input", "weight"})
 _SEEN = 16  # layouts remembered (seen once, not captured) per module
