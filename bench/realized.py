@@ -482,7 +482,8 @@ def run_mode(
         include_fast_accum=any(o.get("allow_fast_accum") for o in options.values()),
     )  # fmt: skip
     log(f"{name}/{mode}: bench {bench.measured} measured, {bench.reused} cached "
-        f"({bench.retimed} bf16 baselines re-timed), {bench.estimated} estimated")  # fmt: skip
+        f"({bench.retimed} bf16 baselines and {bench.retimed_fp8} FP8 GEMMs re-timed), "
+        f"{bench.estimated} estimated")  # fmt: skip
     for note in bench.notes:
         log(f"{name}/{mode}: bench: {note}")
     loka_plans, loka_apply = {}, {}

@@ -200,27 +200,58 @@ def test_cached_baselines_are_timed_again_and_the_faster_kept(tmp_path, monkeypa
         ms = now[c.pass_]
         return runner.PassTiming(ms, ms, 0.0, "wall_clock")
 
+    # Each cached FP8 row's GEMM is timed again too (its quantization kept): here the
+    # first FP8 row reads 20% faster, every other one 10% slower.
+    fp8_first = first.table.filter(pl.col("recipe") != "bf16").row(0, named=True)
+    gemm_calls = []
+
+    def fake_gemm(timer, c):
+        gemm_calls.append(c)
+        cached = first.table.filter(
+            (pl.col("backend") == c.backend) & (pl.col("recipe") == c.recipe)
+            & (pl.col("pass") == c.pass_)
+        ).row(0, named=True)["gemm_ms"]  # fmt: skip
+        same = (c.backend, c.recipe, c.pass_) == tuple(
+            fp8_first[k] for k in ("backend", "recipe", "pass")
+        )
+        return cached * (0.8 if same else 1.1)
+
     monkeypatch.setattr(runner, "_time", fake_time)
+    monkeypatch.setattr(runner, "_time_gemm", fake_gemm)
     second = benchmark([Shape(32, 128, 64)], retime_baselines=True, **kw)
     assert {c.pass_ for c in calls} == {"fwd", "dgrad", "wgrad"} and all(c.is_bf16 for c in calls)
     assert second.measured == 0 and second.retimed == 3 and second.reused == first.measured
+    n_fp8 = first.table.filter(pl.col("recipe") != "bf16").height
+    assert second.retimed_fp8 == n_fp8 == len(gemm_calls) and not any(c.is_bf16 for c in gemm_calls)
     got = {r["pass"]: r["median_ms"] for r in second.table.filter(pl.col("recipe") == "bf16")
            .rows(named=True)}  # fmt: skip
     # The faster of the two readings: the forward's new one, the others' cached ones.
     assert got == {"fwd": now["fwd"], "dgrad": baseline["dgrad"], "wgrad": baseline["wgrad"]}
-    (note,) = [n for n in second.notes if "re-timed" in n]
+    (note,) = [n for n in second.notes if "bf16 baseline(s) re-timed" in n]
     assert note.startswith("2 of 3 cached bf16 baseline(s)") and "1 faster now" in note
     assert "1 slower" in note and "the largest: 32x128x64 fwd" in note
     # The cache keeps the faster reading; FP8 rows are reused as they were.
     stored = read_table(cache.path(DeviceInfo.current("cpu")), "kernel_bench")
     fwd = stored.filter((pl.col("recipe") == "bf16") & (pl.col("pass") == "fwd"))
     assert fwd["median_ms"].to_list() == [now["fwd"]] and stored.height == first.measured
-    fp8 = second.table.filter(pl.col("recipe") != "bf16").sort("backend")
-    assert fp8.equals(first.table.filter(pl.col("recipe") != "bf16").sort("backend"))
+    # The FP8 row read faster keeps its new GEMM time plus its cached quantization time;
+    # the others are reused as they were.
+    keys = ["backend", "recipe", "pass"]
+    fp8 = second.table.filter(pl.col("recipe") != "bf16").sort(keys)
+    was = first.table.filter(pl.col("recipe") != "bf16").sort(keys)
+    changed = [(a, b) for a, b in zip(fp8.rows(named=True), was.rows(named=True), strict=True)
+               if a != b]  # fmt: skip
+    ((new, old),) = changed
+    assert new["gemm_ms"] == pytest.approx(0.8 * old["gemm_ms"])
+    assert new["median_ms"] == pytest.approx(new["gemm_ms"] + old["quant_ms"])
+    (fp8_note,) = [n for n in second.notes if "FP8 GEMM(s)" in n]
+    assert fp8_note.startswith(f"{n_fp8} of {n_fp8} cached FP8 GEMM(s)")
+    assert "1 faster now" in fp8_note
     # Off (the CPU's default: wall clocks there check machinery) nothing is timed again.
     calls.clear()
+    gemm_calls.clear()
     third = benchmark([Shape(32, 128, 64)], **kw)
-    assert calls == [] and third.retimed == 0
+    assert calls == gemm_calls == [] and third.retimed == third.retimed_fp8 == 0
 
 
 def test_cached_host_times_are_measured_again(tmp_path, monkeypatch) -> None:
