@@ -17,7 +17,7 @@ from torch import nn
 
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.eager_graphs import EagerGraphs
-from loka.mods.fp8_linear import Fp8Linear
+from loka.mods.fp8_linear import Fp8Linear, release_eager_graphs
 
 DELAYED = Fp8LinearConfig.from_recipes(
     "e4m3:e4m3/tensor/delayed3", "e5m2:e4m3/tensor/delayed3", "e5m2:e4m3/tensor/delayed3"
@@ -196,6 +196,8 @@ def test_copies_start_without_graphs_and_config_switches_them_off():
     assert len(module.eager_graphs) == 3
     clone = copy.deepcopy(module)
     assert isinstance(clone.eager_graphs, EagerGraphs) and len(clone.eager_graphs) == 0
+    model = nn.Sequential(module, nn.ReLU(), clone)
+    assert release_eager_graphs(model) == 3 and len(module.eager_graphs) == 0
     off = Fp8Linear(64, 32, config=Fp8LinearConfig(eager_graphs=False))
     assert off.eager_graphs is None
     assert "no eager graphs" in str(off.fp8_config)

@@ -39,6 +39,7 @@ Safety:
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections import Counter, OrderedDict
@@ -139,6 +140,7 @@ class EagerGraphs:
         self._failed: set[str] = set()
         self._pending: weakref.WeakSet[PendingBackward] = weakref.WeakSet()
         self._generation = 0  # bumped by every replay of a SAVED_ROLES graph
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -187,32 +189,38 @@ class EagerGraphs:
     ):
         stream = torch.cuda.current_stream().cuda_stream if tensors[0].is_cuda else 0
         key = (role, consts, stream, *(_layout(t) for t in tensors))
-        found = self._graphs.get(key)
-        if found is not None and role in SAVED_ROLES and self.pending:
-            found = None  # its replay would overwrite what a pending backward reads
-        if found is not None:
-            graph, outputs = found
-            self._graphs.move_to_end(key)
-            graph.replay()
-            self.stats.replays += 1
-            self._generation += role in SAVED_ROLES
-            return outputs
-        reason = self._why_not(role, key)
-        if reason is not None:
+        # nn.DataParallel's replicas share this object (a shallow copy of the module's
+        # __dict__) and call it from one thread per GPU: the bookkeeping is locked.
+        with self._lock:
+            found = self._graphs.get(key)
+            if found is not None and role in SAVED_ROLES and self.pending:
+                found = None  # its replay would overwrite what a pending backward reads
+            if found is not None:
+                graph, outputs = found
+                self._graphs.move_to_end(key)
+                graph.replay()
+                self.stats.replays += 1
+                self._generation += role in SAVED_ROLES
+                return outputs
+            reason = self._why_not(role, key)
+            if reason is None:
+                return self._capture_and_replay(role, key, fn, (*tensors, *consts))
             self.stats.eager[reason] += 1
-            return fn(*tensors, *consts)
+        return fn(*tensors, *consts)
+
+    def _capture_and_replay(self, role: str, key: tuple, fn: Callable, args: tuple):
         try:
-            graph, outputs = self._capture(fn, (*tensors, *consts))
+            graph, outputs = self._capture(fn, args)
         except Exception as exc:  # any capture failure falls back to eager
             self._failed.add(role)
             warnings.warn(
                 f"loka.mods: the {role} quantization of an Fp8Linear could not be captured as "
                 f"a CUDA graph ({type(exc).__name__}: {exc}); it runs eagerly",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             self.stats.eager["capture failed"] += 1
-            return fn(*tensors, *consts)
+            return fn(*args)
         if self._per_role[role] >= self.max_graphs:
             self._evicted[role] += 1
             oldest = next(k for k in self._graphs if k[0] == role)

@@ -41,6 +41,7 @@ __all__ = [
     "convert_to_fp8_linear",
     "convert_to_linear",
     "prequantize_weights",
+    "release_eager_graphs",
     "release_prequantized_weights",
 ]
 
@@ -425,3 +426,16 @@ def release_prequantized_weights(model: nn.Module) -> list[str]:
             module.release_prequantized_weight()
             released.append(name)
     return released
+
+
+def release_eager_graphs(model: nn.Module) -> int:
+    """Drop the eager CUDA graphs of every `Fp8Linear` in `model` (`loka.mods.eager_graphs`)
+    and the GPU memory they hold; later eager calls capture again as needed. Returns how
+    many graphs were dropped."""
+    dropped = 0
+    for module in model.modules():
+        graphs = module.eager_graphs if isinstance(module, Fp8Linear) else None
+        if graphs is not None:
+            dropped += len(graphs)
+            module.eager_graphs = EagerGraphs(graphs.max_graphs)
+    return dropped
