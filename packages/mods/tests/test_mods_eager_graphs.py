@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from loka.mods import eager_graphs
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.eager_graphs import EagerGraphs
 from loka.mods.fp8_linear import Fp8Linear, release_eager_graphs
@@ -131,12 +132,20 @@ def test_a_new_address_runs_eagerly_then_is_captured():
     assert len(full.eager_graphs) == 1
     # Layouts that never settle: after max_graphs evictions the role captures nothing new.
     churn = graphed(Fp8Linear.from_linear(nn.Linear(64, 32)), max_graphs=1)
-    for x in [torch.randn(24, 64) for _ in range(5)]:
+    layouts = [torch.randn(24, 64) for _ in range(5)]
+    for x in layouts:
         with torch.no_grad():
             churn(x), churn(x)
     stats = churn.eager_graphs.stats
     assert (stats.captures, stats.evictions) == (2, 1)
     assert stats.eager["layouts unsettled"] == 3
+    # Once its graph has replayed SETTLED_REPLAYS times, the role may capture again.
+    settled = torch.randn(24, 64)
+    with torch.no_grad():
+        for _ in range(eager_graphs.SETTLED_REPLAYS):
+            churn(layouts[1])  # the layout captured last: replays
+        churn(settled), churn(settled)
+    assert (stats.captures, stats.evictions) == (3, 2)
 
 
 def test_a_module_called_twice_before_its_backward_does_not_overwrite_saved_memory():

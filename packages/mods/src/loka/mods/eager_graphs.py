@@ -21,7 +21,9 @@ nothing is copied into a graph. An input layout is captured the second time it i
 (the one-off addresses of the first steps run eagerly), at most `max_graphs` per role and
 module; past that a new layout that comes twice replaces the least recently replayed one,
 `max_graphs` times per role, after which the role captures nothing new (its layouts do not
-settle, and a capture costs more host time than a replay saves).
+settle, and a capture costs more host time than a replay saves) until its graphs have been
+replayed `SETTLED_REPLAYS` times since its last capture (a loop that settled after an
+unsettled phase, an evaluation say, gets its graphs back).
 
 Safety:
 - each graph has its own memory pool: whatever order graphs replay in, one never writes
@@ -54,6 +56,7 @@ MAX_GRAPHS = 2  # per role and module: past these the least recently replayed is
 # Roles whose outputs outlive the call (x^T saved for the backward, the weight cache).
 SAVED_ROLES = frozenset({"input", "weight"})
 _SEEN = 16  # layouts remembered (seen once, not captured) per module
+SETTLED_REPLAYS = 64  # replays of a role after which it may capture again past its evictions
 
 
 @dataclass
@@ -137,6 +140,7 @@ class EagerGraphs:
         self._seen: OrderedDict[tuple, None] = OrderedDict()
         self._per_role: Counter = Counter()
         self._evicted: Counter = Counter()
+        self._replays_since_capture: Counter = Counter()
         self._failed: set[str] = set()
         self._pending: weakref.WeakSet[PendingBackward] = weakref.WeakSet()
         self._generation = 0  # bumped by every replay of a SAVED_ROLES graph
@@ -200,6 +204,7 @@ class EagerGraphs:
                 self._graphs.move_to_end(key)
                 graph.replay()
                 self.stats.replays += 1
+                self._replays_since_capture[role] += 1
                 self._generation += role in SAVED_ROLES
                 return outputs
             reason = self._why_not(role, key)
@@ -230,6 +235,7 @@ class EagerGraphs:
             self._per_role[role] += 1
         self._graphs[key] = (graph, outputs)
         self.stats.captures += 1
+        self._replays_since_capture[role] = 0
         graph.replay()
         self._generation += role in SAVED_ROLES
         return outputs
@@ -246,5 +252,7 @@ class EagerGraphs:
                 self._seen.popitem(last=False)
             return "first sight"
         if self._per_role[role] >= self.max_graphs and self._evicted[role] >= self.max_graphs:
-            return "layouts unsettled"
+            if self._replays_since_capture[role] < SETTLED_REPLAYS:
+                return "layouts unsettled"
+            self._evicted[role] = 0
         return None
