@@ -821,9 +821,17 @@ def step_ceilings(summary, bf16_step_ms: float) -> dict:
 
 
 def plan_record(plan) -> dict:
-    """A plan as the run's JSON keeps it: summary, FP8 sites and table rows."""
-    return {"summary": plan.summary.__dict__, "fp8_sites": plan.fp8_sites(),
-            "table": plan.table.to_dicts()}  # fmt: skip
+    """A plan as the run's JSON keeps it: summary, FP8 sites and table rows, each row's
+    rejected candidates grouped by reason (`{reason: ["backend recipe", ...]}`): listed one
+    by one they were 80% of a run's JSON (a DHEN xl eager plan 390 KB), and the results
+    travel with every GPU call, whose carry is limited to 64 MiB."""
+    rows = plan.table.to_dicts()
+    for row in rows:
+        grouped: dict[str, list[str]] = {}
+        for r in row.get("rejected") or []:
+            grouped.setdefault(r["reason"], []).append(f"{r['backend']} {r['recipe']}")
+        row["rejected"] = grouped
+    return {"summary": plan.summary.__dict__, "fp8_sites": plan.fp8_sites(), "table": rows}
 
 
 def serving_gemm_share(plan, forward_ms: float) -> float | None:

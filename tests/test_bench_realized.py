@@ -120,8 +120,14 @@ def test_quality_only_trains_and_evaluates_without_timing(tmp_path, capsys, monk
                    "bf16,loka", "--quality-only", "--quality-steps", "2", "--no-grad-check",
                    "--out", str(tmp_path)])  # fmt: skip
     (path,) = tmp_path.glob("realized_*.json")
-    runs = json.loads(path.read_text())["runs"]
+    record = json.loads(path.read_text())
+    runs = record["runs"]
     assert [r["variant"] for r in runs] == ["bf16", "loka", "bf16-seed1", "bf16-seed2"]
+    # The plan's rejected candidates are kept grouped by reason (the JSON's size).
+    rows = [row for plan in record["plans"].values() for row in plan["table"]]
+    assert rows and all(isinstance(row["rejected"], dict) for row in rows)
+    named = [c for row in rows for cs in row["rejected"].values() for c in cs]
+    assert named and all(len(c.split(" ")) == 2 for c in named)
     assert all(r["timed"] is False and "step_ms" not in r and r["quality_steps"] == 2
                for r in runs)  # fmt: skip
     seeds = [r["quality"] for r in runs if r["variant"].startswith("bf16")]
