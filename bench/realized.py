@@ -875,6 +875,8 @@ def loka_options(variant: str) -> dict:
     (`exclude`: a site glob, or ``site-glob/pass``; repeatable),
     ``force=GLOB`` (`PlanConfig.force`: FP8 where safe, faster than bf16 or not; repeatable),
     ``bias=gemm`` (`ApplyConfig.bias_grad`: the FP8 sites' bias gradient as a GEMM),
+    ``nographs`` (`ApplyConfig.eager_graphs=False`: eager quantization op by op, no CUDA
+    graphs; an A/B of `loka.mods.eager_graphs` in the step),
     ``static=MARGIN`` (serving only: `loka.mods.calibrate_input_scales` on training
     batches other than the served ones, static input scales at their amax times MARGIN),
     ``mk`` (this variant compiled with `compile_options(multi_kernel=True)`, the others as
@@ -906,6 +908,8 @@ def loka_options(variant: str) -> dict:
             out["bias_grad"] = opt[5:]
         elif opt == "mk":
             out["multi_kernel"] = True
+        elif opt == "nographs":
+            out["eager_graphs"] = False
         elif opt.startswith("static="):
             try:
                 out["static_input_margin"] = float(opt[7:])
@@ -914,13 +918,13 @@ def loka_options(variant: str) -> dict:
         else:
             raise ValueError(
                 f"{variant!r}: unknown LoKA option {opt!r} (fast, nohost, min=X, wq=F, x=GLOB, "
-                "force=GLOB, bias=sum|gemm, static=MARGIN, mk)"
+                "force=GLOB, bias=sum|gemm, nographs, static=MARGIN, mk)"
             )
     return out
 
 
 # LoKA variant options that are `ApplyConfig` fields (how the plan runs), not `PlanConfig`.
-APPLY_OPTIONS = ("bias_grad",)
+APPLY_OPTIONS = ("bias_grad", "eager_graphs")
 
 
 # Options of serving variants only, applied after `apply` (`static=`).

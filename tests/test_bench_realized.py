@@ -186,6 +186,8 @@ def test_loka_variants_name_their_plan_options():
     assert realized.split_options(forced) == ({"force": ("seq.*/fwd", "head")}, {})
     opts = realized.loka_options("loka+min=1.1+bias=gemm")
     assert realized.split_options(opts) == ({"min_speedup": 1.1}, {"bias_grad": "gemm"})
+    opts = realized.loka_options("loka+nohost+nographs")
+    assert realized.split_options(opts) == ({"charge_host": False}, {"eager_graphs": False})
     with pytest.raises(ValueError, match="bias= takes one of sum, gemm"):
         realized.loka_options("loka+bias=dot")
     with pytest.raises(ValueError, match="unknown LoKA option 'quick'"):

@@ -450,3 +450,15 @@ def test_bias_gradient_form_is_an_apply_option_with_the_same_gradients(dhen) -> 
         torch.testing.assert_close(by_gemm[site], by_sum[site], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="bias_grad must be one of"):
         apply(dhen.model, plan, ApplyConfig(bias_grad="dot"))
+
+
+def test_eager_graphs_are_an_apply_option(dhen) -> None:
+    # ApplyConfig.eager_graphs=False: every FP8 site's config says no CUDA graphs in eager
+    # mode (`loka.mods.eager_graphs`); the default keeps them.
+    sites, errors = probe_like_tables(dhen.model)
+    plan = make_plan(sites, errors, synthetic_kernel_bench([(32, 32, 64)]))
+    for config, want in ((None, True), (ApplyConfig(eager_graphs=False), False)):
+        applied = apply(dhen.model, plan, config)
+        flags = {dhen.model.get_submodule(s).fp8_config.eager_graphs for s in applied.sites}
+        applied.undo()
+        assert flags == {want}

@@ -82,6 +82,9 @@ class ApplyConfig:
         weight raises until `Applied.release_prequantized()` is called.
     bias_grad: how every FP8 site's backward takes its bias gradient
         (`loka.mods.bias_grad`: "sum", "gemm"); None: the config's default ("sum").
+    eager_graphs: in eager mode on a GPU, the FP8 sites' quantizations replay from CUDA
+        graphs (`loka.mods.Fp8LinearConfig.eager_graphs`, `loka.mods.eager_graphs`); False
+        runs them op by op and holds no graph memory.
     """
 
     strict: bool = False
@@ -91,6 +94,7 @@ class ApplyConfig:
     emulate_on_cpu: bool = True
     prequantize_weights: bool | None = None
     bias_grad: str | None = None
+    eager_graphs: bool = True
 
 
 @dataclass
@@ -523,6 +527,7 @@ def apply(
             continue
         changes = {"bias_grad": config.bias_grad} if config.bias_grad is not None else {}
         changes |= {"tokens_vary": True} if name in tokens_vary else {}
+        changes |= {} if config.eager_graphs else {"eager_graphs": False}
         if changes and mods.fp8 is not None:
             mods = dataclasses.replace(mods, fp8=mods.fp8.replace(**changes))
         sites[name] = mods
