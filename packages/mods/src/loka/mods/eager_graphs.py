@@ -74,8 +74,9 @@ class GraphStats:
 
 
 class PendingBackward:
-    """Held by the autograd context of a forward that replayed graphs, until its backward
-    ran: while any is alive and not done, the module's forward and weight graphs stay idle."""
+    """Held by the autograd context of each forward of a module with graphs, until its
+    backward ran: while any is alive and not done, the module's forward and weight graphs
+    stay idle (what that backward reads may be their outputs)."""
 
     __slots__ = ("__weakref__", "done", "generation")
 
@@ -160,7 +161,7 @@ class EagerGraphs:
         return any(not token.done for token in self._pending)
 
     def hold(self) -> PendingBackward:
-        """A token for the autograd context of a forward that replayed graphs."""
+        """A token for the autograd context of a forward whose backward is due."""
         token = PendingBackward(self._generation)
         self._pending.add(token)
         return token
