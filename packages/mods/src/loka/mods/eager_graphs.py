@@ -139,7 +139,6 @@ class EagerGraphs:
         self._cuda_only = cuda_only
         self._graphs: OrderedDict[tuple, tuple[object, object]] = OrderedDict()  # LRU last
         self._seen: OrderedDict[tuple, None] = OrderedDict()
-        self._per_role: Counter = Counter()
         self._evicted: Counter = Counter()
         self._replays_since_capture: Counter = Counter()
         self._failed: set[str] = set()
@@ -197,9 +196,9 @@ class EagerGraphs:
         # nn.DataParallel's replicas share this object (a shallow copy of the module's
         # __dict__) and call it from one thread per GPU: the bookkeeping is locked.
         with self._lock:
-            found = self._graphs.get(key)
-            if found is not None and role in SAVED_ROLES and self.pending:
-                found = None  # its replay would overwrite what a pending backward reads
+            # A replay or capture would overwrite what a pending backward reads.
+            blocked = role in SAVED_ROLES and self.pending
+            found = None if blocked else self._graphs.get(key)
             if found is not None:
                 graph, outputs = found
                 self._graphs.move_to_end(key)
@@ -208,7 +207,7 @@ class EagerGraphs:
                 self._replays_since_capture[role] += 1
                 self._generation += role in SAVED_ROLES
                 return outputs
-            reason = self._why_not(role, key)
+            reason = "backward pending" if blocked else self._why_not(role, key)
             if reason is None:
                 return self._capture_and_replay(role, key, fn, (*tensors, *consts))
             self.stats.eager[reason] += 1
@@ -227,13 +226,11 @@ class EagerGraphs:
             )
             self.stats.eager["capture failed"] += 1
             return fn(*args)
-        if self._per_role[role] >= self.max_graphs:
+        if self._held(role) >= self.max_graphs:
             self._evicted[role] += 1
             oldest = next(k for k in self._graphs if k[0] == role)
             del self._graphs[oldest]  # its memory goes once no saved tensor holds it
             self.stats.evictions += 1
-        else:
-            self._per_role[role] += 1
         self._graphs[key] = (graph, outputs)
         self.stats.captures += 1
         self._replays_since_capture[role] = 0
@@ -241,10 +238,11 @@ class EagerGraphs:
         self._generation += role in SAVED_ROLES
         return outputs
 
+    def _held(self, role: str) -> int:
+        return sum(k[0] == role for k in self._graphs)
+
     def _why_not(self, role: str, key: tuple) -> str | None:
         """Why a layout without a graph runs eagerly now (None: capture it)."""
-        if role in SAVED_ROLES and self.pending:
-            return "backward pending"
         if role in self._failed:
             return "capture failed"
         if key not in self._seen:
@@ -252,7 +250,7 @@ class EagerGraphs:
             if len(self._seen) > _SEEN:
                 self._seen.popitem(last=False)
             return "first sight"
-        if self._per_role[role] >= self.max_graphs and self._evicted[role] >= self.max_graphs:
+        if self._held(role) >= self.max_graphs and self._evicted[role] >= self.max_graphs:
             if self._replays_since_capture[role] < SETTLED_REPLAYS:
                 return "layouts unsettled"
             self._evicted[role] = 0

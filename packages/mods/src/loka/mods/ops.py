@@ -286,10 +286,10 @@ def refresh_weight_eager(
     """`refresh_weight_impl` (the same arguments) outside a compiled graph: the new FP8 copies
     replace the cache's entries instead of being copied into them. No copy kernels (eight
     launches and two weight-sized copies per refresh), and a backward still pending from
-    before the refresh keeps the W^T it saved. With `graphs` the quantization replays a CUDA
-    graph (`loka.mods.eager_graphs`; its outputs become the cache, and a pending backward
-    keeps the module from replaying it)."""
-    if graphs is not None and graphs.usable(weight):
+    before the refresh keeps the W^T it saved. With `graphs` (given where they are usable:
+    `Fp8Linear._graphs_for`) the quantization replays a CUDA graph (`loka.mods.eager_graphs`;
+    its outputs become the cache, and a pending backward keeps the module from replaying it)."""
+    if graphs is not None:
         made = graphs.run("weight", _requantized_layouts, (weight, history), layouts)
     else:
         made = _requantized_layouts(weight, history, *layouts)

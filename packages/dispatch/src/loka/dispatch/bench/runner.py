@@ -138,61 +138,54 @@ def _time_gemm(timer: PassTimer, c: Candidate) -> float:
     return timer.fp8_gemm_ms(c)
 
 
-def _retimed(row: dict, timer_for: Callable[[], PassTimer], c: Candidate, drifts: list) -> dict:
-    """`row` (a cached bf16 baseline) timed again: itself when the cache was faster, else a
-    copy with the new time. A failure to time keeps the cached row."""
+def _time_whole(timer: PassTimer, c: Candidate) -> float:
+    return _time(timer, c).median_ms
+
+
+def _retimed(
+    row: dict,
+    c: Candidate,
+    timer_for: Callable[[], PassTimer],
+    measure: Callable[[PassTimer, Candidate], float],
+    drifts: list,
+) -> dict:
+    """`row` (a cached row) with its GEMM timed again by `measure` (`_time_whole` for a bf16
+    baseline; `_time_gemm` for an FP8 row, its quantization time kept): itself when the cache was faster,
+    else a copy with the new time. A failure to time keeps the cached row.
+
+    Both sides of a pass's comparison are then this process's readings. With only the
+    baselines re-timed, DHEN xl's cached FP8 GEMMs read 15% above its profiled step (6.96
+    vs 6.05 ms) and the plan predicted 1.069x for a step measured at 1.142x."""
     try:
-        t = _time(timer_for(), c)
+        gemm_ms = measure(timer_for(), c)
     except Exception:  # the cached measurement stands; the bench is not the place to fail
         return row
-    if row["median_ms"] > 0 and abs(t.median_ms / row["median_ms"] - 1.0) > BASELINE_DRIFT:
-        drifts.append((row, t.median_ms))
-    if t.median_ms >= row["median_ms"]:
-        return row
-    m, k, n = gemm_dims(c.pass_, row["M_bucket"], row["K"], row["N"])
-    tflops = 2.0 * m * k * n * row["groups"] / (t.median_ms * 1e-3) / 1e12
-    return {**row, "median_ms": t.median_ms, "gemm_ms": t.gemm_ms, "tflops": tflops,
-            "method": t.method}  # fmt: skip
-
-
-def _retimed_gemm(
-    row: dict, timer_for: Callable[[], PassTimer], c: Candidate, drifts: list
-) -> dict:
-    """`row` (a cached FP8 row) with its GEMM timed again, its quantization time kept: itself
-    when the cache was faster, else a copy with the new GEMM time. Both sides of a pass's
-    comparison are then this process's readings: with only the baselines re-timed, DHEN xl's
-    cached FP8 GEMMs read 15% above its profiled step (6.96 vs 6.05 ms) and the plan
-    predicted 1.069x for a step measured at 1.142x."""
-    try:
-        gemm_ms = _time_gemm(timer_for(), c)
-    except Exception:  # the cached measurement stands
-        return row
-    cached = row["gemm_ms"]
+    cached = row["gemm_ms"] if row.get("gemm_ms") is not None else row["median_ms"]
     if cached > 0 and abs(gemm_ms / cached - 1.0) > BASELINE_DRIFT:
-        drifts.append(({**row, "median_ms": cached}, gemm_ms))
+        drifts.append((row, cached, gemm_ms))
     if gemm_ms >= cached:
         return row
-    median = gemm_ms + (row["quant_ms"] or 0.0)
+    median = gemm_ms + (row.get("quant_ms") or 0.0)
     m, k, n = gemm_dims(c.pass_, row["M_bucket"], row["K"], row["N"])
     tflops = 2.0 * m * k * n * row["groups"] / (median * 1e-3) / 1e12
     return {**row, "median_ms": median, "gemm_ms": gemm_ms, "tflops": tflops}
 
 
 def _drift_note(
-    drifts: list[tuple[dict, float]], retimed: int, what: str, faster_means: str
+    drifts: list[tuple[dict, float, float]], retimed: int, what: str, faster_means: str
 ) -> str:
     """One line on the cached rows that re-timed more than BASELINE_DRIFT away."""
-    faster = [(row, ms) for row, ms in drifts if ms < row["median_ms"]]
+    faster = [d for d in drifts if d[2] < d[1]]
     note = (
         f"{len(drifts)} of {retimed} cached {what} re-timed more than {BASELINE_DRIFT:.0%} away "
         f"from the cache: {len(faster)} faster now (kept: {faster_means}), "
         f"{len(drifts) - len(faster)} slower (the cache's kept)"
     )
     if faster:
-        row, ms = min(faster, key=lambda d: d[1] / d[0]["median_ms"])
+        row, cached, now = min(faster, key=lambda d: d[2] / d[1])
         note += (
             f"; the largest: {row['M_bucket']}x{row['K']}x{row['N']} {row['pass']} "
-            f"{row['median_ms']:.3f} ms cached, {ms:.3f} ms now"
+            f"{cached:.3f} ms cached, {now:.3f} ms now"
         )
     return note
 
@@ -372,8 +365,9 @@ def benchmark(
     plan = by_promise(plan, cost_model)
     rows, new_rows = [], []
     timers: dict[Shape, PassTimer] = {}
-    drifts: list[tuple[dict, float]] = []  # (cached row, re-timed ms) beyond BASELINE_DRIFT
-    fp8_drifts: list[tuple[dict, float]] = []  # the same for FP8 rows' GEMMs
+    # (cached row, cached ms, re-timed ms) beyond BASELINE_DRIFT: bf16 rows, FP8 rows' GEMMs
+    drifts: list[tuple[dict, float, float]] = []
+    fp8_drifts: list[tuple[dict, float, float]] = []
     rehosted: list[tuple[float, float]] = []  # (cached, re-measured) host ms of eager rows
     over_budget = 0
     for i, (shape, status) in enumerate(plan):
@@ -402,10 +396,10 @@ def benchmark(
             row = cached_keys[key]
             retime = retime_baselines and in_budget and c.backend in registry.names("mm")
             if retime and c.is_bf16:
-                row = _retimed(row, timer_for, c, drifts)
+                row = _retimed(row, c, timer_for, _time_whole, drifts)
                 result.retimed += 1
             elif retime and row.get("gemm_ms") is not None:
-                row = _retimed_gemm(row, timer_for, c, fp8_drifts)
+                row = _retimed(row, c, timer_for, _time_gemm, fp8_drifts)
                 result.retimed_fp8 += 1
             if row is not cached_keys[key]:
                 new_rows.append(row)
