@@ -150,8 +150,8 @@ def _retimed(
     drifts: list,
 ) -> dict:
     """`row` (a cached row) with its GEMM timed again by `measure` (`_time_whole` for a bf16
-    baseline; `_time_gemm` for an FP8 row, its quantization time kept): itself when the cache was faster,
-    else a copy with the new time. A failure to time keeps the cached row.
+    baseline; `_time_gemm` for an FP8 row, its quantization time kept): itself when the
+    cache was faster, else a copy with the new time. A failure to time keeps the cached row.
 
     Both sides of a pass's comparison are then this process's readings. With only the
     baselines re-timed, DHEN xl's cached FP8 GEMMs read 15% above its profiled step (6.96
