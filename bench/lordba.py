@@ -29,7 +29,8 @@ Sections (hidden 4096, rank 16 by default; bf16 activations and base weights):
            weights: hidden 4096, FFN 11008, 4 layers by default, no LM head) over frozen
            bases: plain bf16, torchao int8 and FP8 weight-only (and LoKA's
            Fp8WeightOnlyLinear); the base model alone, then every linear adapted by LoRDBA
-           rank 16 with the two kernels (unfused) and with the fused kernel, side by side at
+           rank 16 with the two kernels (unfused), with the fused kernel and as two cuBLAS
+           GEMMs on dense factors (`lordba_dense`, LoRDBAConfig.dense_inference), side by side at
            512/2048/8192 tokens: times, ratios to the base model, the path each adapter took
            and the fused output's error against the unfused one. Over the bases the
            GEMM-epilogue kernel covers (plain, loka_fp8) also the base model on that kernel's
@@ -698,7 +699,8 @@ def set_model_variant(model: nn.Module, adapters: dict[str, LoRDBALinear], varia
     """``base``: the bare bases back in place; ``base_epilogue``: the bases through the
     GEMM-epilogue kernel's base-only mode; ``lordba_unfused`` / ``lordba_fused`` /
     ``lordba_epilogue``: the adapters, with ``LoRDBAConfig.fused`` off / on / and
-    ``gemm_epilogue`` on."""
+    ``gemm_epilogue`` on; ``lordba_dense``: the adapters on ``dense_inference`` (two cuBLAS
+    GEMMs on dense factors)."""
     if variant in ("base", "base_epilogue"):
         wrap = EpilogueBase if variant == "base_epilogue" else (lambda base: base)
         replace_modules(model, {name: wrap(module.base) for name, module in adapters.items()})
@@ -708,6 +710,7 @@ def set_model_variant(model: nn.Module, adapters: dict[str, LoRDBALinear], varia
             module.config,
             fused=variant in ("lordba_fused", "lordba_epilogue"),
             gemm_epilogue=variant == "lordba_epilogue",
+            dense_inference=variant == "lordba_dense",
         )
     replace_modules(model, adapters)
 
@@ -749,7 +752,7 @@ def model_section() -> list[dict]:
                 return model(input_ids=ids, use_cache=False).last_hidden_state
 
             outputs, by_variant = {}, {}
-            variants = ["base", "lordba_unfused", "lordba_fused"]
+            variants = ["base", "lordba_unfused", "lordba_fused", "lordba_dense"]
             if kind in EPILOGUE_BASES:
                 variants += ["base_epilogue", "lordba_epilogue"]
             for variant in variants:
@@ -775,7 +778,7 @@ def model_section() -> list[dict]:
                     record["error"] = f"{type(error).__name__}: {error}"
                 records.append(record)
                 by_variant[variant] = record
-            for variant in ("lordba_fused", "lordba_epilogue"):
+            for variant in ("lordba_fused", "lordba_epilogue", "lordba_dense"):
                 if variant in outputs and "lordba_unfused" in outputs:
                     by_variant[variant]["rel_error_vs_unfused"] = relative_error(
                         outputs[variant], outputs["lordba_unfused"]
@@ -948,6 +951,7 @@ def summarize(results: dict) -> dict:
         own = key.replace("_base", "_own_base")
         for variant, ratio, label in [
             ("lordba_fused", key, "fused_vs_quantized_base"),
+            ("lordba_dense", key, "dense_vs_quantized_base"),
             ("lordba_epilogue", own, "epilogue_vs_own_quantized_base"),
         ]:
             name = variant.removeprefix("lordba_")

@@ -48,7 +48,7 @@ def test_smoke_measures_fused_and_unfused_over_quantized_bases(tmp_path):
 
     model = {(r["base_kind"], r["variant"]): r for r in results["model"]}
     # plain and loka_fp8 add the epilogue kernel's base-only mode and the epilogue variant.
-    assert len(model) == 13 and not any("error" in r or "skipped" in r for r in model.values())
+    assert len(model) == 16 and not any("error" in r or "skipped" in r for r in model.values())
     for kind, unfused, fused in [
         ("plain", "addmm", "addmm_fused"),
         ("int8", "base", "base_fused"),
@@ -61,6 +61,8 @@ def test_smoke_measures_fused_and_unfused_over_quantized_bases(tmp_path):
         assert model[kind, "lordba_fused"]["rel_error_vs_unfused"] < 1e-5
         assert model[kind, "lordba_fused"]["rel_change_vs_base"] > 0.01  # the adapters act
         assert model[kind, "lordba_fused"]["eager_vs_base"] > 0
+        assert model[kind, "lordba_dense"]["paths"] == {"dense": adapters}
+        assert model[kind, "lordba_dense"]["rel_error_vs_unfused"] < 1e-5
     for kind, fallback in [("plain", "addmm_fused"), ("loka_fp8", "base_fused")]:
         epilogue = model[kind, "lordba_epilogue"]
         # float32 on the CPU: the GEMM-epilogue path takes bf16/fp16 only, so it falls back.
@@ -73,7 +75,7 @@ def test_smoke_measures_fused_and_unfused_over_quantized_bases(tmp_path):
     assert set(summary["model_overhead"]) == {
         f"{kind} M=16 {variant}"
         for kind in ("plain", "int8", "loka_fp8")
-        for variant in ("lordba_unfused", "lordba_fused")
+        for variant in ("lordba_unfused", "lordba_fused", "lordba_dense")
     } | {
         f"{kind} M=16 {variant}"
         for kind in ("plain", "loka_fp8")

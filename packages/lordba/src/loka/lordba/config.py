@@ -49,6 +49,15 @@ class LoRDBAConfig:
         never written nor read back). Takes precedence over ``fused`` where it applies (no
         gradient needed, a Triton backend, rank <= ``EPILOGUE_MAX_RANK``, no autocast, FP8
         bases on sm_89+). Off by default until it is measured against cuBLAS on a GPU.
+    dense_inference: inference forwards (no gradient needed) over any base run the adapter
+        as two cuBLAS GEMMs on dense factors in the input's dtype, made from the signs and
+        scales once and kept until the adapter changes: ``t = x @ A'^T`` with
+        ``A' = sign(A) diag(q)``, then ``base(x) + t @ B'^T`` in one ``addmm`` with
+        ``B' = s diag(p) sign(B) diag(m)``. What ships stays bits; the device holds the
+        factors as a 16-bit LoRA would (``r (K + N)`` values a linear). ``t`` is rounded to
+        the input's dtype between the GEMMs (the sign kernels keep it in float32), as a
+        16-bit LoRA rounds ``x A^T``. Takes precedence over ``fused``; not with
+        ``gemm_epilogue``.
     """
 
     rank: int = 16
@@ -58,6 +67,7 @@ class LoRDBAConfig:
     backend: Backend = "auto"
     fused: bool = True
     gemm_epilogue: bool = False
+    dense_inference: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
@@ -73,6 +83,15 @@ class LoRDBAConfig:
         if not isinstance(self.gemm_epilogue, bool):
             raise ValueError(
                 f"LoRDBAConfig.gemm_epilogue must be a bool, got {self.gemm_epilogue!r}"
+            )
+        if not isinstance(self.dense_inference, bool):
+            raise ValueError(
+                f"LoRDBAConfig.dense_inference must be a bool, got {self.dense_inference!r}"
+            )
+        if self.dense_inference and self.gemm_epilogue:
+            raise ValueError(
+                "LoRDBAConfig: dense_inference and gemm_epilogue are two ways to run the "
+                "adapter at inference; choose one"
             )
         if self.backend not in ("auto", "triton", "torch"):
             raise ValueError(

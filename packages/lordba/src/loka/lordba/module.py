@@ -147,6 +147,7 @@ class LoRDBALinear(nn.Module):
         self.scale_out = nn.Parameter(torch.zeros(n, **f32))
         self.scaling = float(config.scaling)
         self._packed_cache: tuple[tuple, PackedSigns] | None = None
+        self._dense_cache: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # ---- construction -----------------------------------------------------------------
 
@@ -223,9 +224,36 @@ class LoRDBALinear(nn.Module):
             self._packed_cache = (key, pack_factor_signs(self.latent_a, self.latent_b))
         return self._packed_cache[1]
 
+    @torch.no_grad()
+    def dense_factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A', B')`` of the dense inference path in ``dtype``: ``A' = sign(A) diag(q)``
+        ``[r, K]`` and ``B' = s diag(p) sign(B) diag(m)`` ``[N, r]``, so that the update is
+        ``(x @ A'^T) @ B'^T``. Made in float32 and rounded once; kept until a latent, a scale,
+        ``s`` or the dtype changes."""
+        params = [self.latent_a, self.latent_b, self.scale_rank, self.scale_out]
+        if self.scale_in is not None:
+            params.append(self.scale_in)
+        key = (*(weight_stamp(p) for p in params), self.scaling, dtype, self.latent_a.device)
+        if self._dense_cache is None or self._dense_cache[0] != key:
+            right, left = self._float_factors()
+            self._dense_cache = (key, (right.to(dtype), left.to(dtype)))
+        return self._dense_cache[1]
+
+    def _float_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sign(A) diag(q), s diag(p) sign(B) diag(m))`` in float32: the update is their
+        product, right factor last."""
+        signs_a = torch.where(self.latent_a < 0, -1.0, 1.0)
+        signs_b = torch.where(self.latent_b < 0, -1.0, 1.0)
+        right = signs_a if self.scale_in is None else signs_a * self.scale_in.float()
+        left = self.scaling * self.scale_out.float()[:, None] * signs_b * self.scale_rank.float()
+        return right, left
+
     def forward_path(self, x: torch.Tensor) -> str:
         """The path :meth:`forward` takes for ``x`` in the current grad/autocast state:
 
+        - ``"dense"`` (``config.dense_inference``): inference over any base: the base's own
+          forward, then the adapter as two cuBLAS GEMMs on dense factors
+          (:meth:`dense_factors`), the second accumulating into the base's output;
         - ``"gemm_epilogue"`` (``config.gemm_epilogue``): inference over a plain ``nn.Linear``
           (weight of x's dtype) or an ``Fp8WeightOnlyLinear`` base, bf16/fp16 inputs:
           ``sign_down``, then one Triton GEMM of the base with the up-projection, scales and
@@ -244,6 +272,8 @@ class LoRDBALinear(nn.Module):
         have no fused op), with ``config.fused`` and ``rank <= FUSED_MAX_RANK``.
         """
         x2 = x.reshape(-1, self.in_features)
+        if self._dense_ok(x2):
+            return "dense"
         ops = select_ops(self.config.backend, x.device)
         if self._epilogue_ok(x2, ops) is not None:
             return "gemm_epilogue"
@@ -264,9 +294,11 @@ class LoRDBALinear(nn.Module):
                 f"LoRDBALinear: the input is on {x.device}, the adapter on "
                 f"{self.latent_a.device}; move the module with .to({str(x.device)!r})"
             )
+        x2 = x.reshape(-1, self.in_features)
+        if self._dense_ok(x2):
+            return self._dense_inference(x, x2)
         ops = select_ops(self.config.backend, x.device)
         packed = self.packed_signs()
-        x2 = x.reshape(-1, self.in_features)
         operands = self._epilogue_ok(x2, ops)
         if operands is not None:
             return self._epilogue_inference(x2, packed, ops, operands).reshape(
@@ -304,6 +336,21 @@ class LoRDBALinear(nn.Module):
         if not torch.is_grad_enabled():
             return True
         return not (x2.requires_grad or any(p.requires_grad for p in self.parameters()))
+
+    def _dense_ok(self, x2: torch.Tensor) -> bool:
+        """The dense inference path applies (see :meth:`forward_path`)."""
+        return self.config.dense_inference and self._inference(x2)
+
+    def _dense_inference(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """``base(x) + (x @ A'^T) @ B'^T``: two cuBLAS GEMMs, the second one's ``addmm``
+        reading the base's output as its accumulator (one pass over ``[M, N]``, as the sign
+        kernels' up-projection makes)."""
+        y = self.base(x)
+        y2 = y.reshape(-1, self.out_features)
+        # Under autocast the base runs in a lower precision than x: the adapter follows it.
+        a, b = self.dense_factors(y2.dtype)
+        rank_act = x2.to(y2.dtype) @ a.t()
+        return torch.addmm(y2, rank_act, b.t()).reshape(y.shape)
 
     def _fused_ok(self, x2: torch.Tensor, ops) -> bool:
         """The one-launch ``sign_adapter`` kernel applies (see :meth:`forward_path`)."""
@@ -412,10 +459,7 @@ class LoRDBALinear(nn.Module):
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """The dense update ``s * diag(p) sign(B) diag(m) sign(A) diag(q)``, float32 ``[N, K]``."""
-        signs_a = torch.where(self.latent_a < 0, -1.0, 1.0)
-        signs_b = torch.where(self.latent_b < 0, -1.0, 1.0)
-        right = signs_a if self.scale_in is None else signs_a * self.scale_in.float()
-        left = self.scaling * self.scale_out.float()[:, None] * signs_b * self.scale_rank.float()
+        right, left = self._float_factors()
         return left @ right
 
     def extra_repr(self) -> str:

@@ -1,0 +1,144 @@
+"""LoRDBALinear's dense inference path (``LoRDBAConfig.dense_inference``): the adapter as two
+GEMMs on dense factors made from the signs and scales, against the torch reference path, over
+plain and quantized bases; which path each case takes; the factors' cache.
+
+Stated tolerance (README, "The dense inference path"): float32 outputs agree with the
+reference path to 1e-5 relative to the output's scale; bf16 outputs to 2e-2 (the rank
+activations are rounded to bf16 between the two GEMMs)."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from loka.lordba import Fp8WeightOnlyLinear, LoRDBAConfig, LoRDBALinear
+from loka.lordba.testing import assert_close_scaled, trained_like
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _torchao(config_name):
+    def quantize(linear):
+        quant = pytest.importorskip("torchao.quantization")
+        quant.quantize_(linear, getattr(quant, config_name)())
+        return linear
+
+    return quantize
+
+
+BASES = {
+    "plain": lambda linear: linear,
+    "torchao_int8": _torchao("Int8WeightOnlyConfig"),
+    "torchao_fp8": _torchao("Float8WeightOnlyConfig"),
+    "loka_fp8": Fp8WeightOnlyLinear.from_linear,
+}
+
+
+def _module(kind, dtype, input_scale=False, bias=True, seed=0, k=45, n=38, rank=5):
+    torch.manual_seed(seed)
+    linear = nn.Linear(k, n, bias=bias).to(dtype).requires_grad_(False)
+    config = LoRDBAConfig(
+        rank=rank, input_scale=input_scale, scaling=0.7, backend="torch", dense_inference=True
+    )
+    return trained_like(LoRDBALinear(BASES[kind](linear), config), seed)
+
+
+def _reference(module: LoRDBALinear) -> LoRDBALinear:
+    """The same module (same base, same parameters) on the torch reference path."""
+    twin = copy.copy(module)
+    twin.config = dataclasses.replace(module.config, dense_inference=False)
+    return twin
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [
+        ("plain", torch.float32),
+        ("plain", torch.bfloat16),
+        ("loka_fp8", torch.float32),
+        ("loka_fp8", torch.bfloat16),
+        ("torchao_int8", torch.float32),
+        ("torchao_fp8", torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize(("input_scale", "bias"), [(False, True), (True, False)])
+def test_dense_matches_the_reference_path(kind, dtype, input_scale, bias):
+    module = _module(kind, dtype, input_scale=input_scale, bias=bias)
+    reference = _reference(module)
+    x = torch.randn(3, 13, 45, dtype=dtype)
+    with torch.no_grad():
+        assert module.forward_path(x) == "dense"
+        assert reference.forward_path(x) != "dense"
+        out, expected = module(x), reference(x)
+        base_only = module.base(x)
+    assert out.dtype == dtype and out.shape == (3, 13, 38)
+    assert_close_scaled(out, expected, TOLERANCE[dtype])
+    # The adapter is there: the output is not the base's.
+    assert (out.float() - base_only.float()).abs().max() > 10 * TOLERANCE[dtype] * out.abs().max()
+
+
+def test_dense_factors_give_the_delta_weight():
+    module = _module("plain", torch.float32, input_scale=True)
+    right, left = module.dense_factors(torch.float32)
+    assert right.shape == (5, 45) and left.shape == (38, 5)
+    torch.testing.assert_close(left @ right, module.delta_weight(), rtol=1e-6, atol=1e-6)
+
+
+def test_training_does_not_take_the_dense_path_and_trains():
+    module = _module("plain", torch.float32)
+    x = torch.randn(8, 45)
+    assert module.forward_path(x) != "dense"  # parameters require grad
+    module(x).square().sum().backward()
+    assert module.latent_a.grad is not None and module.scale_out.grad is not None
+    with torch.no_grad():
+        assert module.forward_path(x) == "dense"
+
+
+def test_dense_factors_follow_the_adapter():
+    module = _module("plain", torch.float32)
+    x = torch.randn(6, 45)
+    with torch.no_grad():
+        first = module(x)
+        a, _ = module.dense_factors(torch.float32)
+        assert module.dense_factors(torch.float32)[0] is a  # kept while nothing changed
+        module.scale_out.mul_(2.0)
+        module.latent_a[0].neg_()
+        second = module(x)
+        expected = _reference(module)(x)
+    assert module.dense_factors(torch.float32)[0] is not a
+    assert not torch.allclose(first, second)
+    assert_close_scaled(second, expected, TOLERANCE[torch.float32])
+
+
+def test_an_optimizer_step_remakes_the_factors():
+    module = _module("plain", torch.float32)
+    x = torch.randn(6, 45)
+    optimizer = torch.optim.AdamW(
+        [p for p in module.parameters() if p.requires_grad], lr=0.1, fused=False
+    )
+    with torch.no_grad():
+        module(x)
+    module(x).square().sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        out, expected = module(x), _reference(module)(x)
+    assert_close_scaled(out, expected, TOLERANCE[torch.float32])
+
+
+def test_dense_under_autocast_follows_the_base_dtype():
+    module = _module("plain", torch.float32)
+    x = torch.randn(4, 45)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert module.forward_path(x) == "dense"
+        out, expected = module(x), _reference(module)(x)
+    assert out.dtype == torch.bfloat16
+    assert_close_scaled(out, expected, TOLERANCE[torch.bfloat16])
+
+
+def test_config_refuses_dense_with_gemm_epilogue_and_non_bools():
+    with pytest.raises(ValueError, match="choose one"):
+        LoRDBAConfig(dense_inference=True, gemm_epilogue=True)
+    with pytest.raises(ValueError, match="dense_inference must be a bool"):
+        LoRDBAConfig(dense_inference=1)
