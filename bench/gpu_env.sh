@@ -14,7 +14,8 @@ for carried in "$LOKA_ROOT/.whl" "$LOKA_ROOT/.device-carry"; do
     fi
 done
 LOKA_SRC=""
-for pkg in packages/schema packages/zoo kernels packages/probe packages/mods packages/dispatch; do
+for pkg in packages/schema packages/zoo kernels packages/probe packages/mods packages/dispatch \
+    packages/lordba packages/plora packages/reprec; do
     LOKA_SRC="$LOKA_SRC:$LOKA_ROOT/$pkg/src"
 done
 export PYTHONPATH="/tmp/site${LOKA_SRC}${PYTHONPATH:+:$PYTHONPATH}"
