@@ -142,3 +142,37 @@ def test_config_refuses_dense_with_gemm_epilogue_and_non_bools():
         LoRDBAConfig(dense_inference=True, gemm_epilogue=True)
     with pytest.raises(ValueError, match="dense_inference must be a bool"):
         LoRDBAConfig(dense_inference=1)
+
+
+class _KeepsItsOutput(nn.Module):
+    """An opaque base that returns a buffer it keeps (as a static-output wrapper might)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear, self.in_features, self.out_features = linear, 45, 38
+        self.kept: torch.Tensor | None = None
+
+    def forward(self, x):
+        self.kept = self.linear(x)
+        return self.kept
+
+
+def test_a_base_output_that_may_be_kept_is_not_written():
+    torch.manual_seed(0)
+    config = LoRDBAConfig(rank=5, scaling=0.7, backend="torch", dense_inference=True)
+    opaque = trained_like(LoRDBALinear(_KeepsItsOutput(nn.Linear(45, 38)), config), 0)
+    x = torch.randn(6, 45)
+    with torch.no_grad():
+        out = opaque(x)
+        assert torch.equal(opaque.base.kept, opaque.base.linear(x))  # untouched
+        assert_close_scaled(out, _reference(opaque)(x), TOLERANCE[torch.float32])
+
+
+def test_the_dense_path_writes_into_a_linear_base_output_not_into_x():
+    module = _module("plain", torch.float32)
+    x = torch.randn(6, 45)
+    before = x.clone()
+    with torch.no_grad():
+        out, expected = module(x), _reference(module)(x)
+    assert torch.equal(x, before)
+    assert_close_scaled(out, expected, TOLERANCE[torch.float32])

@@ -37,7 +37,12 @@ from loka.lordba.function import (
     select_ops,
 )
 from loka.lordba.kernels import linear_sign_up
-from loka.lordba.quantized import GemmOperands, gemm_operands, plain_weight
+from loka.lordba.quantized import (
+    Fp8WeightOnlyLinear,
+    GemmOperands,
+    gemm_operands,
+    plain_weight,
+)
 from loka.mods.weight_stamp import weight_stamp
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the sign kernels take
@@ -342,15 +347,30 @@ class LoRDBALinear(nn.Module):
         return self.config.dense_inference and self._inference(x2)
 
     def _dense_inference(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-        """``base(x) + (x @ A'^T) @ B'^T``: two cuBLAS GEMMs, the second one's ``addmm``
-        reading the base's output as its accumulator (one pass over ``[M, N]``, as the sign
-        kernels' up-projection makes)."""
+        """``base(x) + (x @ A'^T) @ B'^T``: two cuBLAS GEMMs, the second accumulating into
+        the base's output in place where that output is known to be fresh: an out-of-place
+        ``addmm`` first copies its accumulator into the result, two more passes over
+        ``[M, N]``."""
         y = self.base(x)
         y2 = y.reshape(-1, self.out_features)
         # Under autocast the base runs in a lower precision than x: the adapter follows it.
         a, b = self.dense_factors(y2.dtype)
         rank_act = x2.to(y2.dtype) @ a.t()
+        if self._fresh_output(y, x):
+            return y2.addmm_(rank_act, b.t()).reshape(y.shape)
         return torch.addmm(y2, rank_act, b.t()).reshape(y.shape)
+
+    def _fresh_output(self, y: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether ``y = base(x)`` may be written in place: a linear LoKA knows (``nn.Linear``
+        whatever its weight, ``Fp8Linear``, ``Fp8WeightOnlyLinear``) returned a tensor of its
+        own, not a view and not sharing ``x``'s memory. Other bases might return a buffer
+        they keep."""
+        return (
+            isinstance(self.base, (nn.Linear, Fp8WeightOnlyLinear))
+            and y._base is None
+            and y.is_contiguous()
+            and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        )
 
     def _fused_ok(self, x2: torch.Tensor, ops) -> bool:
         """The one-launch ``sign_adapter`` kernel applies (see :meth:`forward_path`)."""
@@ -438,9 +458,11 @@ class LoRDBALinear(nn.Module):
         its epilogue instead of a separate pass over ``y``; the bias rides in the adapter."""
         base: nn.Linear = self.base
         bias = None if base.bias is None else base.bias.expand(x2.shape[0], -1)
+        # The update is this call's own tensor: accumulate into it in place (an out-of-place
+        # addmm would first copy it into the result).
         if fused:
             update = self._fused_update(x2, packed, ops, addend=bias, out_dtype=x2.dtype)
-            return torch.addmm(update, x2, base.weight.t())
+            return update.addmm_(x2, base.weight.t())
         t = ops.down(x2, packed.a, self.scale_in)
         update = ops.up(
             t,
@@ -452,7 +474,7 @@ class LoRDBALinear(nn.Module):
             addend=bias,
             out_dtype=x2.dtype,
         )
-        return torch.addmm(update, x2, base.weight.t())
+        return update.addmm_(x2, base.weight.t())
 
     # ---- inspection ---------------------------------------------------------------------
 
