@@ -176,3 +176,36 @@ def test_the_dense_path_writes_into_a_linear_base_output_not_into_x():
         out, expected = module(x), _reference(module)(x)
     assert torch.equal(x, before)
     assert_close_scaled(out, expected, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("kind", ["torchao_int8", "loka_fp8", "plain"])
+def test_the_dense_path_accumulates_in_place_into_a_known_base_output(kind):
+    """torchao's int8 linear returns a reshaped view of its GEMM's output: a view spanning
+    its whole allocation is still fresh, so the adapter adds into it instead of copying."""
+    module = _module(kind, torch.float32 if kind != "torchao_int8" else torch.bfloat16)
+    x = torch.randn(2, 3, 45, dtype=torch.bfloat16 if kind == "torchao_int8" else torch.float32)
+    with torch.no_grad():
+        base_out = module.base(x)
+        fresh = module._fresh_output(base_out, x)
+        out = module(x)
+        expected = _reference(module)(x)
+    assert fresh
+    assert_close_scaled(out, expected, TOLERANCE[out.dtype])
+
+    def ops(fn):
+        with torch.profiler.profile() as prof, torch.no_grad():
+            fn(x)
+        return [e.name for e in prof.events()]
+
+    with_adapter, base_alone = ops(module), ops(module.base)
+    assert with_adapter.count("aten::addmm_") == 1
+    assert with_adapter.count("aten::addmm") == base_alone.count("aten::addmm")  # the base's own
+
+
+def test_a_view_into_part_of_a_larger_buffer_is_not_written():
+    module = _module("plain", torch.float32)
+    x = torch.randn(6, 45)
+    larger = torch.zeros(7, 38)
+    assert not module._fresh_output(larger[1:], x)
+    assert not module._fresh_output(larger[:, :38].t().contiguous().t(), x)
+    assert module._fresh_output(larger.reshape(7, 2, 19), x)
