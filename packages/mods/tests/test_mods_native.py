@@ -363,18 +363,57 @@ def test_bias_gradient_as_a_gemm_is_the_sum(shape):
     want = dy.sum(dy.dim() - 2)
     torch.testing.assert_close(bias_gradient(dy, "sum"), want)
     torch.testing.assert_close(bias_gradient(dy, "gemm"), want)
+    torch.testing.assert_close(bias_gradient(dy, "split"), want)  # eager: the plain sum
     with pytest.raises(ValueError, match="bias_grad must be one of"):
         bias_gradient(dy, "mean")
     with pytest.raises(ValueError, match="bias_grad must be one of"):
         Fp8LinearConfig(bias_grad="mean")
 
 
+@pytest.mark.parametrize("shape", [(300, 8), (512, 8), (7, 8), (3, 600, 8)])
+def test_bias_gradient_split_in_blocks_is_the_sum_compiled(shape):
+    from loka.mods.bias_grad import SPLIT_ROWS, bias_gradient
+
+    torch._dynamo.reset()  # static shapes: another M seen before would make this one symbolic
+    dy = torch.randn(*shape, dtype=torch.float64)
+    seen = []
+
+    def capture(gm, inputs):
+        seen.append({str(n.target) for n in gm.graph.nodes})
+        return gm
+
+    split = torch.compile(lambda t: bias_gradient(t, "split"), backend=capture, fullgraph=True)
+    got = split(dy)
+    torch.testing.assert_close(got, dy.sum(dy.dim() - 2))
+    assert got.dtype == dy.dtype
+    # Two sums (blocks, then over them); a pad only where M is not a multiple of the block.
+    assert sum("sum" in t for t in seen[0]) >= 1 and any("pad" in t for t in seen[0]) == bool(
+        shape[-2] % SPLIT_ROWS
+    )
+
+
+def test_bias_gradient_split_traces_a_symbolic_token_count_without_guards():
+    from loka.mods.bias_grad import bias_gradient
+
+    frames = []
+
+    def capture(gm, inputs):
+        frames.append(gm)
+        return gm
+
+    split = torch.compile(lambda t: bias_gradient(t, "split"), backend=capture, dynamic=True)
+    for m in (300, 513, 256, 40):  # padded, padded, exact, shorter than a block
+        dy = torch.randn(m, 8, dtype=torch.float64)
+        torch.testing.assert_close(split(dy), dy.sum(0))
+    assert len(frames) == 1  # one graph for every M
+
+
 @pytest.mark.parametrize("recipes", RECIPES[:2])
 def test_native_linear_takes_its_bias_gradient_either_way_compiled(recipes):
-    # Jagged batches compile with M symbolic; the GEMM form must trace there too.
+    # Jagged batches compile with M symbolic; the GEMM and split forms must trace there too.
     config = native_config(*recipes)
     grads = {}
-    for form in ("sum", "gemm"):
+    for form in ("sum", "gemm", "split"):
         torch.manual_seed(0)
         module = Fp8Linear(32, 16, config=config.replace(bias_grad=form))
         compiled = torch.compile(module, backend="aot_eager", dynamic=True)
@@ -384,6 +423,7 @@ def test_native_linear_takes_its_bias_gradient_either_way_compiled(recipes):
             compiled(x).square().sum().backward()
         grads[form] = module.bias.grad
     torch.testing.assert_close(grads["gemm"], grads["sum"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads["split"], grads["sum"], rtol=1e-5, atol=1e-5)
 
 
 def test_a_linear_whose_tokens_vary_takes_two_stage_tensor_amaxes_of_its_activations():
