@@ -81,7 +81,7 @@ class ApplyConfig:
         inference plan (`PlanConfig(inference=True)`). A forward that would train such a
         weight raises until `Applied.release_prequantized()` is called.
     bias_grad: how every FP8 site's backward takes its bias gradient
-        (`loka.mods.bias_grad`: "sum", "gemm"); None: the config's default ("sum").
+        (`loka.mods.bias_grad`: "sum", "gemm", "split"); None: the config's default ("sum").
     eager_graphs: in eager mode on a GPU, the FP8 sites' quantizations replay from CUDA
         graphs (`loka.mods.Fp8LinearConfig.eager_graphs`, `loka.mods.eager_graphs`); False
         runs them op by op and holds no graph memory.

@@ -78,7 +78,10 @@ class Fp8LinearConfig:
     a 479-wide linear. Without it such shapes fail validation.
 
     bias_grad: how the backward sums dY over the tokens for the bias (`loka.mods.bias_grad`):
-    "sum" (a reduction, as `nn.Linear`) or "gemm" (``ones @ dY`` on the tensor cores).
+    "sum" (a reduction, as `nn.Linear`), "gemm" (``ones @ dY`` on the tensor cores) or
+    "split" (under torch.compile, float32 partial sums over blocks of 256 tokens, then over
+    the blocks: parallel whatever M is, where inductor leaves a reduction over a symbolic M
+    serial).
 
     tokens_vary: the linear's token count M varies between calls (jagged batches), so a
     compiled graph holds it symbolic; the native backend then takes the tensor amax of
