@@ -20,6 +20,11 @@ its two linears as:
 - ``fp8w+<form>``: the same with uvqk's wgrad in FP8 too (e5m2:e4m3 tensor), as the plan
   has it for three of the eight layers.
 
+A variant may end in inductor options: ``@mk`` compiles with multi-kernel reductions
+(`triton.multi_kernel=1`, what `loka.dispatch.compile_options()` gives and the realized runs
+use), ``@bf`` with `benchmark_fusion=True` (inductor times a fusion against its unfused
+kernels and keeps the faster), e.g. ``fp8+sum@mk@bf``.
+
 Blocks of `--steps` fwd+bwd calls per variant, interleaved over `--blocks` rounds, CUDA
 events; the median block's ms per call, and each variant's kernels (torch.profiler, one
 call) with the largest device time. The gradients of every ``bf16+<form>`` are checked
@@ -122,6 +127,22 @@ def bias_form_linear(linear, form: str):
     return Wrapped()
 
 
+INDUCTOR_SUFFIXES = {"mk": {"triton.multi_kernel": 1}, "bf": {"benchmark_fusion": True}}
+
+
+def split_variant(variant: str) -> tuple[str, dict]:
+    """(the linears' variant, the inductor options its suffixes ask for)."""
+    name, *suffixes = variant.split("@")
+    unknown = [s for s in suffixes if s not in INDUCTOR_SUFFIXES]
+    if name not in VARIANTS or unknown:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, "
+                         f"each optionally with @{', @'.join(INDUCTOR_SUFFIXES)}")  # fmt: skip
+    options: dict = {}
+    for suffix in suffixes:
+        options.update(INDUCTOR_SUFFIXES[suffix])
+    return name, options
+
+
 def build(variant: str, base, device):
     """A copy of the layer `base` with its linears as `variant` says."""
     from torch import nn
@@ -171,14 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     base = HSTULayer(config).to(device)
     data = batches(sizes, device)
     variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        print(f"bias_grad_layer: unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    try:
+        parsed = {v: split_variant(v) for v in variants}
+    except ValueError as exc:
+        print(f"bias_grad_layer: {exc}")
         return 2
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
-    def step_fn(layer):
-        compiled = torch.compile(layer, dynamic=None)
+    def step_fn(layer, options):
+        compiled = torch.compile(layer, dynamic=None, options=options or None)
 
         def step(i: int):
             x, grid = data[i % len(data)]
@@ -195,14 +217,17 @@ def main(argv: list[str] | None = None) -> int:
         if budget.over(60):
             rows.append({"variant": variant, "skipped": "budget"})
             continue
-        layers[variant] = build(variant, base, device)
-        steps[variant] = step_fn(layers[variant])
+        name, options = parsed[variant]
+        if options and not gpu:
+            options = {k: v for k, v in options.items() if not k.startswith("triton.")}
+        layers[variant] = build(name, base, device)
+        steps[variant] = step_fn(layers[variant], options)
         for i in range(3):  # compile: the first M static, then a dynamic graph
             steps[variant](i)
         # One more call whose gradients stay, for the check against bf16's.
         x, grid = data[0]
         with autocast:
-            out = torch.compile(layers[variant], dynamic=None)(x, grid)
+            out = torch.compile(layers[variant], dynamic=None, options=options or None)(x, grid)
         out.float().square().mean().backward()
         grads[variant] = {n: p.grad.float().clone() for n, p in layers[variant].named_parameters()
                           if p.grad is not None}  # fmt: skip
@@ -241,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             "kernels": [{"name": e.key[:200], "ms": e.self_device_time_total / 1e3,
                          "calls": e.count} for e in top],
         }  # fmt: skip
-        if variant not in ("bf16", "bf16+nobias") and "bf16" in grads:
+        if parsed[variant][0] != "bf16+nobias" and variant != "bf16" and "bf16" in grads:
             ref = grads["bf16"]
             row["grad_rel_err"] = max(
                 ((grads[variant][n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)).item()
