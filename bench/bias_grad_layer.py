@@ -20,10 +20,13 @@ its two linears as:
 - ``fp8w+<form>``: the same with uvqk's wgrad in FP8 too (e5m2:e4m3 tensor), as the plan
   has it for three of the eight layers.
 
-A variant may end in inductor options: ``@mk`` compiles with multi-kernel reductions
+A variant may end in options: ``@mk`` compiles with multi-kernel reductions
 (`triton.multi_kernel=1`, what `loka.dispatch.compile_options()` gives and the realized runs
 use), ``@bf`` with `benchmark_fusion=True` (inductor times a fusion against its unfused
-kernels and keeps the faster), e.g. ``fp8+sum@mk@bf``.
+kernels and keeps the faster; with this layer's symbolic M inductor 2.11 raised
+"unexpected group" while fusing, a377b48's run), ``@rc<N>`` sets the FP8 linears'
+`row_amax_chunk` to N (0: a token row's amax in one reduction; default: 1024 where tokens
+vary), e.g. ``fp8+sum@mk@rc0``.
 
 Blocks of `--steps` fwd+bwd calls per variant, interleaved over `--blocks` rounds, CUDA
 events; the median block's ms per call, and each variant's kernels (torch.profiler, one
@@ -130,20 +133,22 @@ def bias_form_linear(linear, form: str):
 INDUCTOR_SUFFIXES = {"mk": {"triton.multi_kernel": 1}, "bf": {"benchmark_fusion": True}}
 
 
-def split_variant(variant: str) -> tuple[str, dict]:
-    """(the linears' variant, the inductor options its suffixes ask for)."""
+def split_variant(variant: str) -> tuple[str, dict, int | None]:
+    """(the linears' variant, the inductor options its suffixes ask for, the row-amax chunk
+    its ``@rc<N>`` sets or None)."""
     name, *suffixes = variant.split("@")
-    unknown = [s for s in suffixes if s not in INDUCTOR_SUFFIXES]
-    if name not in VARIANTS or unknown:
-        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, "
-                         f"each optionally with @{', @'.join(INDUCTOR_SUFFIXES)}")  # fmt: skip
+    chunks = [s for s in suffixes if s.startswith("rc") and s[2:].isdigit()]
+    unknown = [s for s in suffixes if s not in INDUCTOR_SUFFIXES and s not in chunks]
+    if name not in VARIANTS or unknown or len(chunks) > 1:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, each "
+                         f"optionally with @{', @'.join(INDUCTOR_SUFFIXES)}, @rc<N>")  # fmt: skip
     options: dict = {}
     for suffix in suffixes:
-        options.update(INDUCTOR_SUFFIXES[suffix])
-    return name, options
+        options.update(INDUCTOR_SUFFIXES.get(suffix, {}))
+    return name, options, int(chunks[0][2:]) if chunks else None
 
 
-def build(variant: str, base, device):
+def build(variant: str, base, device, row_amax_chunk: int | None = None):
     """A copy of the layer `base` with its linears as `variant` says."""
     from torch import nn
 
@@ -166,7 +171,7 @@ def build(variant: str, base, device):
             wgrad = "e5m2:e4m3/tensor/dynamic" if kind == "fp8w" and name == "uvqk" else "bf16"
             config = Fp8LinearConfig.from_recipes(
                 "e4m3:e4m3/tensor/dynamic", "e4m3:e4m3/row/dynamic", wgrad, backend=backend
-            ).replace(bias_grad=form, tokens_vary=True)
+            ).replace(bias_grad=form, tokens_vary=True, row_amax_chunk=row_amax_chunk)
             setattr(layer, name, Fp8Linear.from_linear(getattr(layer, name), config))
     return layer
 
@@ -217,10 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         if budget.over(60):
             rows.append({"variant": variant, "skipped": "budget"})
             continue
-        name, options = parsed[variant]
+        name, options, chunk = parsed[variant]
         if options and not gpu:
             options = {k: v for k, v in options.items() if not k.startswith("triton.")}
-        layers[variant] = build(name, base, device)
+        layers[variant] = build(name, base, device, chunk)
         steps[variant] = step_fn(layers[variant], options)
         for i in range(3):  # compile: the first M static, then a dynamic graph
             steps[variant](i)

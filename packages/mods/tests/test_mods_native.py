@@ -113,6 +113,72 @@ def test_token_rows_take_the_tensor_amax_in_two_stages_under_compile_same_bits()
     assert torch.equal(eager[1], quantize_native(x, "e4m3", "tensor")[1])
 
 
+@pytest.mark.parametrize(
+    ("cols", "chunk", "chunked"),
+    [(96, 16, True), (80, 32, False), (32, 32, False)],  # six chunks; no multiple; one chunk
+)
+def test_a_long_token_row_takes_its_amax_over_chunks_under_compile_same_bits(cols, chunk, chunked):
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    fn = torch.compile(quantize_native, backend=capture, dynamic=True)
+    g = torch.Generator().manual_seed(8)
+    for m in (48, 37):
+        x = (torch.randn(m, cols, generator=g) * torch.logspace(-3, 3, cols)).bfloat16()
+        x[5, 7], x[9, 1], x[11] = float("inf"), float("nan"), 0.0
+        for fmt in ("e4m3", "e5m2"):
+            data, inv = fn(x, fmt, "row", rows_vary=True, row_chunk=chunk)
+            ref = quantize_reference(x, QuantConfig(fmt, "row"))
+            assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8))
+            assert torch.equal(inv.reshape(-1), ref.inv_scale.reshape(-1))
+    views = [n for gm in graphs for n in gm.graph.nodes if n.target in ("view", "reshape")]
+    three_d = [n for n in views if len(n.args) > 1 and len(n.args[1:]) == 3]
+    assert bool(three_d) == chunked, (cols, views)
+    # eager and the transposed (column) scales ignore it
+    eager = quantize_native(x, "e4m3", "row", row_chunk=chunk)
+    assert torch.equal(eager[1], quantize_native(x, "e4m3", "row")[1])
+
+
+def test_row_amax_chunk_is_on_where_tokens_vary_unless_set():
+    from loka.mods.config import ROW_AMAX_CHUNK
+
+    base = native_config("e4m3:e4m3/row/dynamic", "e4m3:e4m3/row/dynamic", "bf16")
+    assert base.row_chunk == 0
+    assert base.replace(tokens_vary=True).row_chunk == ROW_AMAX_CHUNK
+    assert base.replace(tokens_vary=True, row_amax_chunk=0).row_chunk == 0
+    assert base.replace(row_amax_chunk=512).row_chunk == 512
+    assert "row_amax_chunk=512" in str(base.replace(row_amax_chunk=512))
+    for bad in (-1, 1.5, True, "1024"):
+        with pytest.raises(ValueError, match="row_amax_chunk must be"):
+            base.replace(row_amax_chunk=bad)
+    plan = NativePlan.of(base.replace(tokens_vary=True, row_amax_chunk=16))
+    assert plan.fwd.row_chunk == plan.dgrad.row_chunk == 16
+
+
+@pytest.mark.parametrize("row_amax_chunk", [None, 0, 16])
+def test_a_linear_whose_tokens_vary_trains_alike_with_its_row_amax_chunked(row_amax_chunk):
+    recipe = "e4m3:e4m3/row/dynamic"
+    config = native_config(recipe, recipe, "bf16").replace(
+        tokens_vary=True, row_amax_chunk=row_amax_chunk
+    )
+    grads = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        module = Fp8Linear(64, 48, config=config)
+        run = torch.compile(module, backend="aot_eager", dynamic=True) if compiled else module
+        for m in (16, 21):
+            x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+            module.zero_grad()
+            run(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in module.parameters()])
+    for eager, traced in zip(*grads, strict=True):
+        torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+
+
 def test_eager_quantization_creates_no_tensor_from_host_data_and_stays_short():
     # Eager FP8 passes pay host time per op (an FP8 linear's fwd + bwd cost 0.6-1.0 ms of
     # host on the H200 against nn.Linear's 0.31): a scale from torch.tensor(v, device=...)
