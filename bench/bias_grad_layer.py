@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     # Every variant compiles the same HSTULayer.forward (a static graph, then a dynamic one):
     # dynamo counts them all against one code object's limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # Variants share graphs (a forward the row-amax chunk does not touch): a cache hit of a
+    # multi-kernel graph crashed inductor 2.11 on reload (`bias_grad_layer_rc.log`).
+    torch._inductor.config.fx_graph_cache = False
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     sizes = layer_sizes(gpu)
