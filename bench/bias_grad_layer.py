@@ -24,9 +24,14 @@ A variant may end in options: ``@mk`` compiles with multi-kernel reductions
 (`triton.multi_kernel=1`, what `loka.dispatch.compile_options()` gives and the realized runs
 use), ``@bf`` with `benchmark_fusion=True` (inductor times a fusion against its unfused
 kernels and keeps the faster; with this layer's symbolic M inductor 2.11 raised
-"unexpected group" while fusing, a377b48's run), ``@rc<N>`` sets the FP8 linears'
-`row_amax_chunk` to N (0: a token row's amax in one reduction; default: 1024 where tokens
-vary), e.g. ``fp8+sum@mk@rc0``.
+"unexpected group" while fusing, a377b48's run), e.g. ``fp8+sum@mk``.
+
+Measured with a row-amax chunk (453e83e: a token row's amax over 1024-column chunks first,
+``@rc<N>``; `bias_grad_layer_20261203T233414Z.json`): the FP8 layer ran 1.054x bf16 with it
+and 1.076x without (multi-kernel), 1.049x / 1.069x without multi-kernel, 1.101x / 1.122x with
+uvqk's wgrad in FP8: the chunked amax kernel (2.6 ms, the producer fused in) and a cast kernel
+that recomputes the producer (1.2 ms) cost more than the one looped reduction (3.2 ms). The
+option was removed again.
 
 Blocks of `--steps` fwd+bwd calls per variant, interleaved over `--blocks` rounds, CUDA
 events; the median block's ms per call, and each variant's kernels (torch.profiler, one
@@ -133,22 +138,20 @@ def bias_form_linear(linear, form: str):
 INDUCTOR_SUFFIXES = {"mk": {"triton.multi_kernel": 1}, "bf": {"benchmark_fusion": True}}
 
 
-def split_variant(variant: str) -> tuple[str, dict, int | None]:
-    """(the linears' variant, the inductor options its suffixes ask for, the row-amax chunk
-    its ``@rc<N>`` sets or None)."""
+def split_variant(variant: str) -> tuple[str, dict]:
+    """(the linears' variant, the inductor options its suffixes ask for)."""
     name, *suffixes = variant.split("@")
-    chunks = [s for s in suffixes if s.startswith("rc") and s[2:].isdigit()]
-    unknown = [s for s in suffixes if s not in INDUCTOR_SUFFIXES and s not in chunks]
-    if name not in VARIANTS or unknown or len(chunks) > 1:
+    unknown = [s for s in suffixes if s not in INDUCTOR_SUFFIXES]
+    if name not in VARIANTS or unknown:
         raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}, each "
-                         f"optionally with @{', @'.join(INDUCTOR_SUFFIXES)}, @rc<N>")  # fmt: skip
+                         f"optionally with @{', @'.join(INDUCTOR_SUFFIXES)}")  # fmt: skip
     options: dict = {}
     for suffix in suffixes:
-        options.update(INDUCTOR_SUFFIXES.get(suffix, {}))
-    return name, options, int(chunks[0][2:]) if chunks else None
+        options.update(INDUCTOR_SUFFIXES[suffix])
+    return name, options
 
 
-def build(variant: str, base, device, row_amax_chunk: int | None = None):
+def build(variant: str, base, device):
     """A copy of the layer `base` with its linears as `variant` says."""
     from torch import nn
 
@@ -171,7 +174,7 @@ def build(variant: str, base, device, row_amax_chunk: int | None = None):
             wgrad = "e5m2:e4m3/tensor/dynamic" if kind == "fp8w" and name == "uvqk" else "bf16"
             config = Fp8LinearConfig.from_recipes(
                 "e4m3:e4m3/tensor/dynamic", "e4m3:e4m3/row/dynamic", wgrad, backend=backend
-            ).replace(bias_grad=form, tokens_vary=True, row_amax_chunk=row_amax_chunk)
+            ).replace(bias_grad=form, tokens_vary=True)
             setattr(layer, name, Fp8Linear.from_linear(getattr(layer, name), config))
     return layer
 
@@ -225,10 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         if budget.over(60):
             rows.append({"variant": variant, "skipped": "budget"})
             continue
-        name, options, chunk = parsed[variant]
+        name, options = parsed[variant]
         if options and not gpu:
             options = {k: v for k, v in options.items() if not k.startswith("triton.")}
-        layers[variant] = build(name, base, device, chunk)
+        layers[variant] = build(name, base, device)
         steps[variant] = step_fn(layers[variant], options)
         for i in range(3):  # compile: the first M static, then a dynamic graph
             steps[variant](i)

@@ -72,7 +72,6 @@ def quantize_native(
     scale_ub: float | None = None,
     transpose: bool = False,
     rows_vary: bool = False,
-    row_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, inv_scale)`` of a 2-D `t` ``[R, C]`` quantized as a GEMM's first operand.
 
@@ -85,21 +84,11 @@ def quantize_native(
     fixed C), then over the rows: the same value bit for bit, and inductor's reduction over
     a symbolic R ran 2-2.3x slower than over static C on the H200 (32320 x 12288: 1.14 ms
     one-stage vs 0.53 ms two-stage; `bench/results/native_dynamic_20261202T170340Z.json`).
-
-    `row_chunk` (> 0; row scales, not transposed, under torch.compile): each row's amax is
-    taken over chunks of `row_chunk` columns first, then over the chunks, where C is a
-    multiple of it and at least twice it: the same value bit for bit. A long row's amax is
-    otherwise a looped reduction into which inductor fuses the work that produced `t`, run
-    twice (amax, then cast) per row block: HSTU xl's uvqk gradient (12288 wide, its SiLU
-    backward and jagged gathers) took 3.1 ms that way where producing it alone took 1.2
-    (`bench/results/bias_grad_layer_20261203T224917Z.json`).
     """
     if granularity not in NATIVE_GRANULARITIES:
         raise ValueError(f"{NATIVE_BACKEND}: granularity {granularity!r} not supported")
     if torch.compiler.is_compiling():
-        data, scale = _quantize_traced(
-            t, fmt, granularity, pow2, scale_ub, transpose, rows_vary, row_chunk
-        )
+        data, scale = _quantize_traced(t, fmt, granularity, pow2, scale_ub, transpose, rows_vary)
     else:
         t32 = t.float()  # once for the amax and the cast: a launch fewer per call
         a = finite_abs(t32)
@@ -118,11 +107,6 @@ def quantize_native(
     return data, inv.contiguous()
 
 
-def _chunks(cols, chunk: int) -> bool:
-    """Whether a row of `cols` (static) splits into two or more chunks of `chunk`."""
-    return chunk > 0 and isinstance(cols, int) and cols % chunk == 0 and cols >= 2 * chunk
-
-
 def _quantize_traced(
     t: torch.Tensor,
     fmt: str,
@@ -131,7 +115,6 @@ def _quantize_traced(
     scale_ub: float | None,
     transpose: bool,
     rows_vary: bool,
-    row_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(data, scale)` as written for inductor: the same bits as the eager ops, in the
     formulation inductor fused well. The eager path was cut to fewer ops for host time
@@ -139,14 +122,15 @@ def _quantize_traced(
     constants); traced, that leaner graph let inductor fuse HSTU xl's quantization after
     the SiLU backward into a neighbouring looped reduction (1.33 -> 3.48 ms a call, 3 a
     step) and the planned step fell from 1.097x to 1.061-1.066x bf16
-    (`bench/results/realized_20261202T172455Z_profiles` against `..081536Z_profiles`)."""
+    (`bench/results/realized_20261202T172455Z_profiles` against `..081536Z_profiles`).
+    A long token row's amax taken over 1024-column chunks first did not help there either:
+    one HSTU xl layer ran 1.054x bf16 with it against 1.076x without (the chunk-amax kernel
+    and a cast that recomputes the producer cost more than the one looped reduction;
+    `bench/results/bias_grad_layer_20261203T233414Z.json`)."""
     a = t.float().abs()
     a = torch.where(a < float("inf"), a, torch.zeros_like(a))
-    rows, cols = a.shape
     if granularity == "tensor":
         amax = a.amax(dim=1).amax() if rows_vary else a.amax()
-    elif not transpose and _chunks(cols, row_chunk):
-        amax = a.view(rows, cols // row_chunk, row_chunk).amax(-1).amax(-1, keepdim=True)
     else:
         amax = a.amax(dim=0 if transpose else 1, keepdim=True)
     valid = (amax > 0) & (amax < float("inf"))

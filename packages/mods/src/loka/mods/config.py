@@ -8,9 +8,6 @@ from loka.kernels import registry
 from loka.mods.bias_grad import BIAS_GRADS
 from loka.schema import BF16, PASSES, Recipe
 
-# The row-amax chunk of linears whose tokens vary (`Fp8LinearConfig.row_amax_chunk`).
-ROW_AMAX_CHUNK = 1024
-
 __all__ = [
     "Fp8LinearConfig",
     "PassConfig",
@@ -92,13 +89,6 @@ class Fp8LinearConfig:
     `rows_vary`), 2x faster than one reduction over a symbolic M, a little slower over a
     static one. `loka.dispatch.apply` sets it for the sites whose M varied under Probe.
 
-    row_amax_chunk: under torch.compile, the native backend takes a token row's amax (row
-    scales of x or dY) over chunks of this many columns first, then over the chunks, where
-    the row is a multiple of it and at least twice as long (`quantize_native`'s
-    `row_chunk`): the same scales, without the looped reduction into which inductor fuses
-    the row's producer, run twice. None (default): `ROW_AMAX_CHUNK` (1024) where
-    `tokens_vary`, else off; 0: off.
-
     eager_graphs: in eager mode on a GPU, replay the quantizations of x, dY and the weight
     (the kernel backends', not the torch-native one's) from CUDA graphs captured per input
     layout (`loka.mods.eager_graphs`): one launch each instead of a dozen ops, for the host
@@ -113,7 +103,6 @@ class Fp8LinearConfig:
     bias_grad: str = "sum"
     tokens_vary: bool = False
     eager_graphs: bool = True
-    row_amax_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for pass_ in PASSES:
@@ -126,18 +115,6 @@ class Fp8LinearConfig:
             raise TypeError(f"eager_graphs must be a bool, got {self.eager_graphs!r}")
         if self.bias_grad not in BIAS_GRADS:
             raise ValueError(f"bias_grad must be one of {BIAS_GRADS}, got {self.bias_grad!r}")
-        chunk = self.row_amax_chunk
-        if chunk is not None and (
-            isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0
-        ):
-            raise ValueError(f"row_amax_chunk must be None or an int >= 0, got {chunk!r}")
-
-    @property
-    def row_chunk(self) -> int:
-        """The row-amax chunk in force (`row_amax_chunk`; 0: one reduction per row)."""
-        if self.row_amax_chunk is not None:
-            return self.row_amax_chunk
-        return ROW_AMAX_CHUNK if self.tokens_vary else 0
 
     @classmethod
     def bf16(cls) -> Fp8LinearConfig:
@@ -179,6 +156,4 @@ class Fp8LinearConfig:
         text += ", pad" if self.pad else ""
         text += f", bias_grad={self.bias_grad}" if self.bias_grad != "sum" else ""
         text += ", no eager graphs" if not self.eager_graphs else ""
-        chunk = self.row_amax_chunk
-        text += f", row_amax_chunk={chunk}" if chunk is not None else ""
         return text + (", tokens_vary" if self.tokens_vary else "")

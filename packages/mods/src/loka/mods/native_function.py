@@ -53,7 +53,6 @@ class NativePass:
     scale_ub: float | None
     fast_accum: bool = False  # torch.native.fast: the GEMM accumulates in reduced precision
     tokens_vary: bool = False  # Fp8LinearConfig.tokens_vary: M may be symbolic when compiled
-    row_chunk: int = 0  # Fp8LinearConfig.row_chunk: a token row's amax over chunks first
 
     def quantize(self, t: torch.Tensor, side: str, transpose: bool = False, tokens: bool = True):
         """`t` quantized as operand `side` of this pass; `tokens`: its rows are the batch's
@@ -62,7 +61,6 @@ class NativePass:
         return quantize_native(
             t, fmt, self.granularity, pow2=self.pow2, scale_ub=self.scale_ub,
             transpose=transpose, rows_vary=tokens and self.tokens_vary,
-            row_chunk=self.row_chunk if tokens else 0,
         )  # fmt: skip
 
 
@@ -76,7 +74,7 @@ def _native_pass(name: str, linear: Fp8LinearConfig) -> NativePass | None:
         raise ValueError(f"{name}: {reason}")
     fast = config.backend == NATIVE_FAST_BACKEND
     return NativePass(r.a_format, r.b_format, r.granularity, r.pow2, r.scale_ub, fast,
-                      linear.tokens_vary, linear.row_chunk)  # fmt: skip
+                      linear.tokens_vary)  # fmt: skip
 
 
 @dataclass(frozen=True)
