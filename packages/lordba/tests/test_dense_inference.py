@@ -209,3 +209,8 @@ def test_a_view_into_part_of_a_larger_buffer_is_not_written():
     assert not module._fresh_output(larger[1:], x)
     assert not module._fresh_output(larger[:, :38].t().contiguous().t(), x)
     assert module._fresh_output(larger.reshape(7, 2, 19), x)
+    assert not module._fresh_output(larger.as_subclass(_Subclass), x)  # no storage to judge
+
+
+class _Subclass(torch.Tensor):
+    pass

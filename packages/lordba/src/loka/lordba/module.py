@@ -366,11 +366,14 @@ class LoRDBALinear(nn.Module):
         allocation of its own, not sharing ``x``'s memory. A view is fine when it spans all
         of its storage: torchao's int8 weight-only linear returns its GEMM's output reshaped
         (out of place there, the adapter cost 1.09 ms where it cost 0.80 over the FP8 base,
-        `lordba_full_20261203T221402Z`). Other bases might return a buffer they keep."""
+        `lordba_full_20261203T221402Z`). Other bases might return a buffer they keep, and a
+        tensor subclass (a DTensor, say) has no storage of its own to judge by."""
+        plain = type(y) is torch.Tensor and type(x) is torch.Tensor
+        if not (plain and isinstance(self.base, (nn.Linear, Fp8WeightOnlyLinear))):
+            return False
         storage = y.untyped_storage()
         return (
-            isinstance(self.base, (nn.Linear, Fp8WeightOnlyLinear))
-            and y.is_contiguous()
+            y.is_contiguous()
             and y.storage_offset() == 0
             and storage.nbytes() == y.numel() * y.element_size()
             and storage.data_ptr() != x.untyped_storage().data_ptr()
