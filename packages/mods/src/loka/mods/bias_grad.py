@@ -5,9 +5,9 @@
 accumulates (float32 within a tile; a bf16 GEMM's split-K partials may be added in bf16
 while `torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction` is True, torch's
 default), rounded to dY's dtype as the reduction is.
-"split": the sum in two stages, float32 (or wider) partial sums over blocks of `SPLIT_ROWS` tokens (the
-last block zero-padded), then over the blocks, rounded once: the sum with another order of
-additions. Under torch.compile with jagged batches M is symbolic and inductor does not split
+"split": the sum in two stages, float32 (or wider) partial sums over blocks of `SPLIT_ROWS`
+tokens (the last block zero-padded), then over the blocks, rounded once: the sum with another
+order of additions. Under torch.compile with jagged batches M is symbolic and inductor does not split
 a reduction over it; fused with the elementwise work that produces dY it then runs as one
 serial loop over M per column block: HSTU xl's uvqk backward kernel read 0.8 GB in 2.6 ms
 (bf16) and 3.4 ms (beside an FP8 quantization) on the H200. Split by hand, the first stage
