@@ -4,24 +4,21 @@ an unknown variant is refused in one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[1] / "bench"
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+import harness
+
+script_module = harness.load("bias_grad_layer")  # importing it runs nothing
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def script():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bias_grad_layer", BENCH / "bias_grad_layer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(str(BENCH))
+    return script_module
 
 
 def test_a_row_per_variant_and_the_bias_forms_keep_the_gradients(script, tmp_path):
