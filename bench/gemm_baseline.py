@@ -18,6 +18,12 @@ pre-quantized: `torch._scaled_mm`) side by side:
 - ``graph+spacer``: the bench's CUDA-graph method with that elementwise work between the
   calls, less a graph of the elementwise work alone: a timing method the bench could use
   if ``in_step`` shows the back-to-back calls are what make ``bench`` slow;
+- ``fresh_a``: the GEMM right after the kernel that writes its first operand, as in a step
+  (bf16: a copy writes A; FP8: A's rowwise quantization writes its bytes and scales), less
+  that kernel alone, both as CUDA graphs without rotation: A is then partly in the L2 when
+  the GEMM reads it, FP8's half-size A more so. Whether that is why a planned step's FP8
+  GEMMs ran 6-11% faster than the bench times them (DHEN, Wukong, HSTU and InterFormer xl,
+  `prediction_parts` of `realized_20261203T174956Z` and `..220217Z`) while bf16's agreed;
 - ``after_idle`` (with ``--idle-s S``): ``bench`` again, each dtype's timing after S seconds
   of an idle GPU, as the kernel bench's first rows follow a model's probing and compiling
   (host work): whether a GPU coming out of idle clocks is what makes ``bench`` slow.
@@ -55,7 +61,7 @@ from harness import (
 # M x K x N of xl linears: DHEN's fc1 and fc2, Wukong's interaction MLP, HSTU's uvqk.
 SHAPES = ("16384x2048x4096", "16384x4096x2048", "16384x8192x4096", "32768x3072x12288")
 PASSES = ("fwd", "wgrad")
-METHODS = ("bench", "graph+bias", "do_bench", "in_step", "graph+spacer")
+METHODS = ("bench", "graph+bias", "do_bench", "in_step", "graph+spacer", "fresh_a")
 ROW = "e4m3:e4m3/row/dynamic"
 SPACER_BYTES = 128 * 2**20
 
@@ -183,6 +189,36 @@ def graph_spacer_ms(fn, device: str) -> float:
     return max(pair - graph_ms(spacer, device), 0.0)
 
 
+def fresh_a_ms(ops: dict, device: str) -> dict:
+    """bf16 and FP8 GEMM milliseconds right after the kernel that writes the GEMM's first
+    operand (`fresh_a`), less that kernel's own `graph_ms`."""
+    import torch.nn.functional as F
+
+    from loka.kernels.native import native_mm, quantize_native
+
+    a, b = ops["a"], ops["b"]
+    written = a.clone()  # a's layout (the wgrad's transposed view included)
+
+    def write_bf16():
+        written.copy_(a)
+
+    out = {"bf16": max(graph_ms(lambda: (write_bf16(), F.linear(written, b)), device)
+                       - graph_ms(write_bf16, device), 0.0)}  # fmt: skip
+    if ops["fp8"] is not None:
+        _, _, qb, ib = ops["fp8"]
+        source = a.contiguous()
+
+        def quantize():
+            return quantize_native(source, "e4m3", "row")
+
+        def pair():
+            qa, ia = quantize()
+            return native_mm(qa, ia, qb, ib)
+
+        out["fp8"] = max(graph_ms(pair, device) - graph_ms(quantize, device), 0.0)
+    return out
+
+
 def in_step_ms(fn, device: str, calls: int) -> float:
     """The GEMM's kernel time per call from torch.profiler, each call after ~128 MB of
     elementwise work (a step's duty cycle); on the CPU (no profiled kernels),
@@ -260,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             measured["do_bench"] = {k: time_ms(f, device) for k, f in plain.items()}
             measured["in_step"] = {k: in_step_ms(f, device, args.calls) for k, f in plain.items()}
             measured["graph+spacer"] = {k: graph_spacer_ms(f, device) for k, f in plain.items()}
+            measured["fresh_a"] = fresh_a_ms(ops, device)
             if args.idle_s > 0:
                 measured["after_idle"] = bench_ms(M, K, N, pass_, device, args.idle_s)
             for method in measured:
