@@ -23,7 +23,9 @@ pre-quantized: `torch._scaled_mm`) side by side:
   that kernel alone, both as CUDA graphs without rotation: A is then partly in the L2 when
   the GEMM reads it, FP8's half-size A more so. Whether that is why a planned step's FP8
   GEMMs ran 6-11% faster than the bench times them (DHEN, Wukong, HSTU and InterFormer xl,
-  `prediction_parts` of `realized_20261203T174956Z` and `..220217Z`) while bf16's agreed;
+  `prediction_parts` of `realized_20261203T174956Z` and `..220217Z`) while bf16's agreed.
+  It is not (`gemm_baseline_20261203T235917Z`: FP8 `fresh_a` within 0-4% of `bench` at
+  DHEN's and Wukong's shapes, e.g. 0.218 vs 0.218 ms, 0.191 vs 0.198, 0.772 vs 0.766);
 - ``after_idle`` (with ``--idle-s S``): ``bench`` again, each dtype's timing after S seconds
   of an idle GPU, as the kernel bench's first rows follow a model's probing and compiling
   (host work): whether a GPU coming out of idle clocks is what makes ``bench`` slow.
