@@ -214,3 +214,16 @@ def test_a_view_into_part_of_a_larger_buffer_is_not_written():
 
 class _Subclass(torch.Tensor):
     pass
+
+
+@pytest.mark.parametrize("kind", ["plain", "loka_fp8"])
+def test_the_dense_path_compiles_whole_with_a_varying_token_count(kind):
+    """Prefill is often compiled: no graph break (the factors' cache and the fresh-output
+    check are eager-only) and no failure when the token count turns symbolic."""
+    module = _module(kind, torch.float32)
+    module.requires_grad_(False)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for tokens in (10, 12, 15):
+            x = torch.randn(2, tokens, 45)
+            assert_close_scaled(compiled(x), module(x), TOLERANCE[torch.float32])

@@ -234,7 +234,11 @@ class LoRDBALinear(nn.Module):
         """``(A', B')`` of the dense inference path in ``dtype``: ``A' = sign(A) diag(q)``
         ``[r, K]`` and ``B' = s diag(p) sign(B) diag(m)`` ``[N, r]``, so that the update is
         ``(x @ A'^T) @ B'^T``. Made in float32 and rounded once; kept until a latent, a scale,
-        ``s`` or the dtype changes."""
+        ``s`` or the dtype changes. Under torch.compile they are made in the graph each call
+        (a few elementwise ops over ``r (K + N)`` values), without the cache's Python."""
+        if torch.compiler.is_compiling():
+            right, left = self._float_factors()
+            return right.to(dtype), left.to(dtype)
         params = [self.latent_a, self.latent_b, self.scale_rank, self.scale_out]
         if self.scale_in is not None:
             params.append(self.scale_in)
@@ -350,13 +354,14 @@ class LoRDBALinear(nn.Module):
         """``base(x) + (x @ A'^T) @ B'^T``: two cuBLAS GEMMs, the second accumulating into
         the base's output in place where that output is known to be fresh: an out-of-place
         ``addmm`` first copies its accumulator into the result, two more passes over
-        ``[M, N]``."""
+        ``[M, N]``. Under torch.compile the sum is written functionally (inductor reuses the
+        buffer itself; a traced tensor has no storage to judge)."""
         y = self.base(x)
         y2 = y.reshape(-1, self.out_features)
         # Under autocast the base runs in a lower precision than x: the adapter follows it.
         a, b = self.dense_factors(y2.dtype)
         rank_act = x2.to(y2.dtype) @ a.t()
-        if self._fresh_output(y, x):
+        if not torch.compiler.is_compiling() and self._fresh_output(y, x):
             return y2.addmm_(rank_act, b.t()).reshape(y.shape)
         return torch.addmm(y2, rank_act, b.t()).reshape(y.shape)
 

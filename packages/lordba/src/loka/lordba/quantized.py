@@ -78,6 +78,9 @@ class Fp8WeightOnlyLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.config = QuantConfig(fmt=fmt, granularity="row")
+        # Read here once: the config's cached dtype takes a lock that torch.compile cannot
+        # trace, so a compiled forward reads this attribute instead.
+        self.fp8_dtype = self.config.dtype
         # FP8 codes kept as uint8: ``module.to(dtype)`` casts floating buffers, and FP8 ones
         # are floating; the codes must survive it unchanged.
         self.register_buffer(
@@ -110,7 +113,7 @@ class Fp8WeightOnlyLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight the forward multiplies, ``[out, in]`` in ``dtype`` (default: the
         original weight's)."""
-        weight = self.weight_fp8.view(self.config.dtype).float() / self.weight_scale.float()
+        weight = self.weight_fp8.view(self.fp8_dtype).float() / self.weight_scale.float()
         return weight.to(dtype or self.weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
