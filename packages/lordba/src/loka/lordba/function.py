@@ -92,9 +92,11 @@ class LoRDBAFunction(torch.autograd.Function):
         scaling: float,
         clip_a: float,
         clip_b: float,
-        packed: PackedSigns,
+        packed_a: torch.Tensor,
+        packed_b: torch.Tensor,
         ops: SignOps,
     ) -> torch.Tensor:
+        packed = PackedSigns(packed_a, packed_b)
         t = ops.down(x, packed.a, scale_in)
         out = ops.up(
             t,
@@ -105,15 +107,17 @@ class LoRDBAFunction(torch.autograd.Function):
             alpha=scaling,
             addend=base_out,
         )
-        ctx.save_for_backward(x, t, latent_a, latent_b, scale_in, scale_rank, scale_out)
-        ctx.packed, ctx.ops = packed, ops
+        ctx.save_for_backward(
+            x, t, latent_a, latent_b, scale_in, scale_rank, scale_out, packed_a, packed_b
+        )
+        ctx.ops = ops
         ctx.scaling, ctx.clip_a, ctx.clip_b = scaling, clip_a, clip_b
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, t, latent_a, latent_b, scale_in, scale_rank, scale_out = ctx.saved_tensors
-        ops, packed, scaling = ctx.ops, ctx.packed, ctx.scaling
+        x, t, latent_a, latent_b, scale_in, scale_rank, scale_out, *signs = ctx.saved_tensors
+        ops, packed, scaling = ctx.ops, PackedSigns(*signs), ctx.scaling
         needs = ctx.needs_input_grad
         grad_u = ops.down(grad_out, packed.b, scale_out * scaling)
         grad_x = grad_a = grad_b = grad_in = grad_rank = grad_out_scale = None
@@ -150,6 +154,7 @@ class LoRDBAFunction(torch.autograd.Function):
             _cast(grad_in, scale_in) if needs[4] else None,
             _cast(grad_rank, scale_rank),
             _cast(grad_out_scale, scale_out) if needs[6] else None,
+            None,
             None,
             None,
             None,

@@ -223,7 +223,11 @@ class LoRDBALinear(nn.Module):
         return self.config.ste_clip * self.latent_rms_b
 
     def packed_signs(self) -> PackedSigns:
-        """Current signs, packed; reused while the latents are unchanged."""
+        """Current signs, packed; reused while the latents are unchanged. Under torch.compile
+        they are packed in the graph each call: a traced tensor kept in the cache would leak
+        one graph's symbols into the next trace."""
+        if torch.compiler.is_compiling():
+            return pack_factor_signs(self.latent_a, self.latent_b)
         key = (weight_stamp(self.latent_a), weight_stamp(self.latent_b), self.latent_a.device)
         if self._packed_cache is None or self._packed_cache[0] != key:
             self._packed_cache = (key, pack_factor_signs(self.latent_a, self.latent_b))
@@ -335,7 +339,8 @@ class LoRDBALinear(nn.Module):
             self.scaling,
             self.clip_a,
             self.clip_b,
-            packed,
+            packed.a,
+            packed.b,
             ops,
         )
         return out.reshape(y.shape)

@@ -180,4 +180,7 @@ def sign_up_reference(
         result = result * col_scale.float()
     if addend is not None:
         result = result + addend.float()
-    return result.to(out_dtype)
+    # Not `.to` when already there: under torch.compile (torch 2.11) an autograd.Function
+    # whose forward returns a no-op `.to` gets zero gradients for every input, silently
+    # (`loka.mods.dtypes.cast`; LoRDBAFunction's output is this tensor).
+    return result if result.dtype == out_dtype else result.to(out_dtype)
