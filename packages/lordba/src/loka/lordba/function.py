@@ -35,6 +35,7 @@ from loka.lordba.kernels import (
     sign_wgrad,
     sign_wgrad_reference,
 )
+from loka.mods.dtypes import cast
 
 
 class SignOps(NamedTuple):
@@ -73,7 +74,7 @@ def pack_factor_signs(latent_a: torch.Tensor, latent_b: torch.Tensor) -> PackedS
 
 
 def _cast(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-    return None if grad is None or like is None else grad.to(like.dtype)
+    return None if grad is None or like is None else cast(grad, like.dtype)
 
 
 class LoRDBAFunction(torch.autograd.Function):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loka.schema import QuantConfig
-from loka.schema.fp8 import quantize_reference
+from loka.schema.fp8 import fp8_dtype, quantize_reference
 
 _PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -78,9 +78,6 @@ class Fp8WeightOnlyLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.config = QuantConfig(fmt=fmt, granularity="row")
-        # Read here once: the config's cached dtype takes a lock that torch.compile cannot
-        # trace, so a compiled forward reads this attribute instead.
-        self.fp8_dtype = self.config.dtype
         # FP8 codes kept as uint8: ``module.to(dtype)`` casts floating buffers, and FP8 ones
         # are floating; the codes must survive it unchanged.
         self.register_buffer(
@@ -113,7 +110,10 @@ class Fp8WeightOnlyLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight the forward multiplies, ``[out, in]`` in ``dtype`` (default: the
         original weight's)."""
-        weight = self.weight_fp8.view(self.fp8_dtype).float() / self.weight_scale.float()
+        # fp8_dtype, not config.dtype: a cached property takes a lock torch.compile cannot trace.
+        weight = (
+            self.weight_fp8.view(fp8_dtype(self.config.fmt)).float() / self.weight_scale.float()
+        )
         return weight.to(dtype or self.weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from loka.kernels.runtime import cdiv
 from loka.lordba.kernels import _launch
 from loka.lordba.kernels._tiles import mma, unpack_sign_tile
 from loka.lordba.kernels.packing import unpack_signs
+from loka.mods.dtypes import cast
 
 
 @triton.jit
@@ -180,7 +181,6 @@ def sign_up_reference(
         result = result * col_scale.float()
     if addend is not None:
         result = result + addend.float()
-    # Not `.to` when already there: under torch.compile (torch 2.11) an autograd.Function
-    # whose forward returns a no-op `.to` gets zero gradients for every input, silently
-    # (`loka.mods.dtypes.cast`; LoRDBAFunction's output is this tensor).
-    return result if result.dtype == out_dtype else result.to(out_dtype)
+    # `cast`, not `.to`: LoRDBAFunction returns this tensor, and a no-op `.to` there zeroes
+    # every gradient under torch.compile (torch 2.11; `loka.mods.dtypes.cast`).
+    return cast(result, out_dtype)
