@@ -48,6 +48,7 @@ import argparse
 import copy
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from harness import Budget, device_kernels, metadata, parser, profile_events, stamp, write_json
@@ -213,13 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     def step_fn(layer, options):
         compiled = torch.compile(layer, dynamic=None, options=options or None)
 
-        def step(i: int):
+        def step(i: int, keep_grads: bool = False) -> dict | None:
             x, grid = data[i % len(data)]
             with autocast:
                 out = compiled(x, grid)
             out.float().square().mean().backward()
+            kept = None
+            if keep_grads:
+                kept = {n: p.grad.float().clone() for n, p in layer.named_parameters()
+                        if p.grad is not None}  # fmt: skip
             layer.zero_grad(set_to_none=True)
             x.grad = None
+            return kept
 
         return step
 
@@ -235,15 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         steps[variant] = step_fn(layers[variant], options)
         for i in range(3):  # compile: the first M static, then a dynamic graph
             steps[variant](i)
-        # One more call whose gradients stay, for the check against bf16's.
-        x, grid = data[0]
-        with autocast:
-            out = torch.compile(layers[variant], dynamic=None, options=options or None)(x, grid)
-        out.float().square().mean().backward()
-        grads[variant] = {n: p.grad.float().clone() for n, p in layers[variant].named_parameters()
-                          if p.grad is not None}  # fmt: skip
-        layers[variant].zero_grad(set_to_none=True)
-        x.grad = None
+        grads[variant] = steps[variant](0, keep_grads=True)  # checked against bf16's below
         print(f"{variant}: compiled ({budget.elapsed():.0f} s)", flush=True)
 
     timed = {v: [] for v in steps}
@@ -254,8 +252,6 @@ def main(argv: list[str] | None = None) -> int:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
                 start.record()
             else:
-                import time
-
                 t0 = time.perf_counter()
             for i in range(args.steps):
                 step(block * args.steps + i)
