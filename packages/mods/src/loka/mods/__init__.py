@@ -35,6 +35,7 @@ __all__: list[str] = [
 __public_modules__ = (
     "apply",
     "config",
+    "dtypes",
     "eager_graphs",
     "fp8_linear",
     "grouped",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["cast"]
+
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` in `dtype`, without a call when it already is.
