@@ -110,6 +110,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.compile backend of the compiled baseline (inductor; smoke: eager)")  # fmt: skip
     p.add_argument("--baseline-mode", default=None,
                    help="torch.compile mode with inductor (default; e.g. reduce-overhead, max-autotune)")  # fmt: skip
+    p.add_argument("--baseline-ranks", default=None,
+                   help="comma-separated: the baseline section rates only the jobs of these ranks "
+                        "(each compiled rate compiles for a minute or more)")  # fmt: skip
+    p.add_argument("--baseline-largest-only", action="store_true",
+                   help="baseline: rate only each rank's largest micro-batch (eager and compiled), "
+                        "not the compiled own batches")  # fmt: skip
+    p.add_argument("--packed", default="eager", choices=("eager", "compiled", "both"),
+                   help="how the makespan section runs packed steps: eager, with the forward "
+                        "and loss compiled (`loka.plora.runner.compiled_loss`; inductor, smoke: "
+                        "aot_eager), or both, one after the other per job count")  # fmt: skip
+    p.add_argument(
+        "--makespan-jobs",
+        default=None,
+        help="comma-separated job counts of the makespan section (8,32; smoke 2)",
+    )
+    p.add_argument(
+        "--no-sequential",
+        action="store_true",
+        help="makespan: skip the sequential eager peft runs (85 s for 32 jobs)",
+    )
     return p.parse_args(argv)
 
 
@@ -143,7 +163,7 @@ from loka.plora.plan import (  # noqa: E402
     profile_throughput,
 )
 from loka.plora.plan.baseline import POLICIES as BASELINE_POLICIES  # noqa: E402
-from loka.plora.runner import packed_train_step  # noqa: E402
+from loka.plora.runner import compiled_loss, packed_train_step, token_losses  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
@@ -168,6 +188,9 @@ def configure(args: argparse.Namespace) -> None:
                      num_attention_heads=12, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
         JOB_COUNTS, PACK_SIZES, STEPS = (8, 32), (1, 2, 4, 8, 16, 32), (12, 16, 20)
         TIMED, WARMUP = 5, 2
+    global MAKESPAN_JOBS
+    MAKESPAN_JOBS = (tuple(int(n) for n in args.makespan_jobs.split(","))
+                     if args.makespan_jobs else JOB_COUNTS)  # fmt: skip
 
 
 configure(parse_args([]))
@@ -647,7 +670,7 @@ def _guarded(fn, context: dict, label: str | None = None, need_s: float = 0.0) -
 # ---------------------------------------------------------------------------------------
 
 
-def train_pack(packed, opt, batch, left: list[int]) -> dict:
+def train_pack(packed, opt, batch, left: list[int], loss_fn=token_losses) -> dict:
     """Train a converted pack until every job's `left` steps are done, jobs leaving as they
     finish; each step timed (a sync after it). A pack of other jobs (another total rank)
     runs kernels the autotuner has not seen, so the first step of each composition carries
@@ -659,7 +682,7 @@ def train_pack(packed, opt, batch, left: list[int]) -> dict:
     while any(left):
         active = tuple(i for i, n in enumerate(left) if n > 0)
         t0 = time.perf_counter()
-        packed_train_step(packed, opt, [batch(i) for i in active])
+        packed_train_step(packed, opt, [batch(i) for i in active], loss_fn=loss_fn)
         sync()
         step_s.append(time.perf_counter() - t0)
         first.append(active not in seen)
@@ -686,11 +709,17 @@ def steady_split(step_s: list[float], first: list[bool], comps: list) -> dict:
     }
 
 
-def run_packed(model, jobs) -> dict:
-    """One pack (one GPU, everything fits): jobs leave the pack as they finish."""
+def run_packed(model, jobs, compiled: bool = False) -> dict:
+    """One pack (one GPU, everything fits): jobs leave the pack as they finish. `compiled`:
+    the forward and loss through `compiled_loss` (a cold compile: Dynamo reset first; the
+    compiles land in `first_use_s`, each new composition's first step)."""
     sync()
     begin = time.perf_counter()
     packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend="triton"))
+    loss_fn = token_losses
+    if compiled:
+        torch._dynamo.reset()
+        loss_fn = compiled_loss(backend="aot_eager" if ARGS.smoke else "inductor")
     try:
         opt = PerAdapterOptimizer(packed)
         gens = [torch.Generator().manual_seed(100 + i) for i in range(len(jobs))]
@@ -699,13 +728,16 @@ def run_packed(model, jobs) -> dict:
             shape = (jobs[i].batch_size, SEQ + 1)
             return i, torch.randint(0, MODEL["vocab_size"], shape, generator=gens[i])
 
-        timed = train_pack(packed, opt, batch, [j.steps for j in jobs])
+        timed = train_pack(packed, opt, batch, [j.steps for j in jobs], loss_fn)
         sync()
     finally:
         packed.remove()
+        if compiled:
+            torch._dynamo.reset()
     wall = time.perf_counter() - begin
     tokens = sum(j.steps * j.batch_size * SEQ for j in jobs)
-    return {"kind": "packed", "jobs": len(jobs), "tokens": tokens, "wall_s": wall,
+    kind = "packed_compiled" if compiled else "packed"
+    return {"kind": kind, "jobs": len(jobs), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, **timed,
             "steady_tokens_per_s": tokens / timed["steady_s"]}  # fmt: skip
 
@@ -731,10 +763,16 @@ def run_sequential(model, jobs) -> dict:
 def bench_makespan(model, jobs, rows: list | None = None) -> list[dict]:
     """Packed and sequential runs, appended to `rows` (main's: a partial write keeps them)."""
     rows = [] if rows is None else rows
-    for n in JOB_COUNTS:
+    variants = {"eager": (False,), "compiled": (True,), "both": (False, True)}[ARGS.packed]
+    for n in MAKESPAN_JOBS:
         steps = sum(j.steps for j in jobs[:n])
-        rows.append(_guarded(lambda n=n: run_packed(model, jobs[:n]), {"kind": "packed", "jobs": n},
-                             f"makespan: packed, {n} jobs ({steps} job steps)"))  # fmt: skip
+        for compiled in variants:
+            kind = "packed_compiled" if compiled else "packed"
+            rows.append(_guarded(lambda n=n, c=compiled: run_packed(model, jobs[:n], c),
+                                 {"kind": kind, "jobs": n},
+                                 f"makespan: {kind}, {n} jobs ({steps} job steps)"))  # fmt: skip
+        if ARGS.no_sequential:
+            continue
         rows.append(_guarded(lambda n=n: run_sequential(model, jobs[:n]),
                              {"kind": "sequential_peft", "jobs": n},
                              f"makespan: sequential peft, {n} jobs ({steps} steps)"))  # fmt: skip
@@ -862,7 +900,8 @@ def bench_baseline(model, jobs, rows: list | None = None) -> list[dict]:
     job's own batch (the old baseline), the largest micro-batch that fits per rank (probe),
     eager and compiled at it, then compiled at each own batch. Rows are appended to `rows`
     (main's: a partial write keeps those done)."""
-    pairs = sorted({(j.rank, j.batch_size) for j in jobs})
+    only = {int(r) for r in ARGS.baseline_ranks.split(",")} if ARGS.baseline_ranks else None
+    pairs = sorted({(j.rank, j.batch_size) for j in jobs if only is None or j.rank in only})
     ranks = sorted({r for r, _ in pairs})
     rows, done = [] if rows is None else rows, set()
     longest: dict[str, float] = {}  # variant -> the longest rate of it so far (seconds)
@@ -893,8 +932,9 @@ def bench_baseline(model, jobs, rows: list | None = None) -> list[dict]:
     for rank, batch in sorted(largest.items()):
         rate(rank, batch, "eager")
         rate(rank, batch, "compiled")
-    for rank, batch in pairs:
-        rate(rank, batch, "compiled")
+    if not ARGS.baseline_largest_only:
+        for rank, batch in pairs:
+            rate(rank, batch, "compiled")
     return rows
 
 
@@ -1077,6 +1117,7 @@ def summarize(kernels, steps, makespans, jobs, plan_rows=(), baseline=()) -> dic
                                                    "loop_step_s": loop["step_time_s"],
                                                    "ratio": loop["step_time_s"] / row["step_time_s"]})  # fmt: skip
     by = {(r["kind"], r["jobs"]): r for r in makespans if "error" not in r}
+    summary["packed_vs_compiled_peft"] = packed_vs_compiled_peft(by, rates)
     for n in JOB_COUNTS:
         p, s = by.get(("packed", n)), by.get(("sequential_peft", n))
         if p and s:
@@ -1104,6 +1145,30 @@ def summarize(kernels, steps, makespans, jobs, plan_rows=(), baseline=()) -> dic
         for r in plan_rows if r["kind"] == "plan"
     ]  # fmt: skip
     return summary
+
+
+def packed_vs_compiled_peft(by: dict, rates: list[dict]) -> list[dict]:
+    """Each packed makespan run's steady tokens/s (eager and compiled packing) against the
+    best compiled peft rate measured (one job alone, its largest micro-batch: what a
+    sequential trainer at its best runs at), and compiled packing against eager packing."""
+    compiled = [r for r in rates if r["variant"] == "compiled"]
+    best = max(compiled, key=lambda r: r["tokens_per_s"], default=None)
+    out = []
+    for (kind, n), row in sorted(by.items()):
+        tps = row.get("steady_tokens_per_s")
+        if not kind.startswith("packed") or not tps:
+            continue
+        entry = {"kind": kind, "jobs": n, "steady_tokens_per_s": tps,
+                 "first_use_s": row["first_use_s"], "steady_s": row["steady_s"]}  # fmt: skip
+        if best is not None:
+            entry |= {"compiled_peft_tokens_per_s": best["tokens_per_s"],
+                      "compiled_peft": f"r{best['rank']} micro-batch {best['micro_batch']}",
+                      "ratio_vs_compiled_peft": tps / best["tokens_per_s"]}  # fmt: skip
+        eager = by.get(("packed", n))
+        if kind == "packed_compiled" and eager:
+            entry["ratio_vs_eager_packing"] = tps / eager["steady_tokens_per_s"]
+        out.append(entry)
+    return out
 
 
 def against_baselines(rates, jobs, packed_s: float | None, num_gpus: int = 1) -> dict:
@@ -1210,6 +1275,13 @@ def print_summary(summary: dict) -> None:
                 if measured else "measured: incomplete (see errors)")  # fmt: skip
         print(f"  plan {r['jobs']:2d} jobs on {r['gpus']} GPU(s), {r['packs']} packs ({r['solver']}): "
               f"predicted {r['predicted_makespan_s']:7.2f} s  {tail}")  # fmt: skip
+    for r in summary.get("packed_vs_compiled_peft", []):
+        vs_peft = (f"  vs compiled peft ({r['compiled_peft']}) {_x(r['ratio_vs_compiled_peft'])}"
+                   if "ratio_vs_compiled_peft" in r else "")  # fmt: skip
+        vs_eager = (f"  vs eager packing {_x(r['ratio_vs_eager_packing'])}"
+                    if "ratio_vs_eager_packing" in r else "")  # fmt: skip
+        print(f"  {r['kind']:16s} {r['jobs']:2d} jobs: steady {r['steady_tokens_per_s']:9.0f} tok/s "
+              f"(first use {r['first_use_s']:6.2f} s){vs_peft}{vs_eager}")  # fmt: skip
     base = summary.get("baseline")
     if base:
         print_baseline(base, summary)

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from loka.plora import (
     LoraJobConfig,
@@ -22,7 +23,7 @@ from loka.plora import (
     train_packs,
 )
 from loka.plora.kernels import multi_lora_kernels_available
-from loka.plora.runner import packed_train_step, profile_pack
+from loka.plora.runner import compiled_loss, packed_train_step, profile_pack, token_losses
 
 VOCAB, SEQ = 61, 8
 needs_kernels = pytest.mark.skipif(
@@ -660,3 +661,67 @@ def test_train_packs_and_profile_pack_run_each_job_at_its_own_length(tmp_path, m
                            steps=1, warmup=0)  # fmt: skip
     # "short" puts 2 samples to a row of 8: 2 rows; the step processed 8 + 16 tokens.
     assert (profile.tokens, profile.rank_tokens) == (8 + 16, 4 * 8 + 2 * 16)
+
+
+# --- under torch.compile --------------------------------------------------------------------
+# Compiling a packed model used to fail: Dynamo traced into the Triton launchers of the
+# packed op (in the interpreter: "KeyError(torch.uint64)" from a fake-tensor call). The
+# packed linears now run eagerly between compiled regions, so a compiled step must train
+# exactly as the eager one and compile nothing new once the pack is steady.
+
+
+def _train(backend: str, loss_fn, steps: int = 3):
+    jobs = [job("a", rank=4, batch_size=2), job("b", rank=8, alpha=4, seed=1, lr=3e-3)]
+    packed = convert_to_packed_lora(tiny_llama(), jobs, PackedLoraConfig(backend=backend))
+    randomize_b(packed)  # B = 0 would leave dA zero, so its check could not fail
+    opt = PerAdapterOptimizer(packed)
+    losses = [packed_train_step(packed, opt, batches_for(jobs, seed=s), loss_fn=loss_fn)[0]
+              for s in range(steps)]  # fmt: skip
+    params = [params_of(packed, i) for i in range(len(jobs))]
+    packed.remove()
+    return losses, params
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_kernels), "loop"])
+def test_compiled_packed_steps_train_like_eager_ones(backend):
+    torch._dynamo.reset()
+    counters.clear()
+    eager_losses, eager_params = _train(backend, token_losses)
+    compiled_losses, compiled_params = _train(backend, compiled_loss(backend="aot_eager"))
+    for got, want in zip(compiled_losses, eager_losses, strict=True):
+        assert got == pytest.approx(want, rel=1e-5)
+    assert compiled_losses[-1] != pytest.approx(compiled_losses[0], rel=1e-6)  # it trained
+    for got_list, want_list in zip(compiled_params, eager_params, strict=True):
+        for got, want in zip(got_list, want_list, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] > 0  # the step did compile around the op
+
+
+def test_a_steady_compiled_pack_compiles_nothing_new():
+    torch._dynamo.reset()
+    jobs = [job("a", rank=4, batch_size=2), job("b", rank=8, seed=1)]
+    packed = convert_to_packed_lora(tiny_llama(), jobs, PackedLoraConfig(backend="loop"))
+    opt = PerAdapterOptimizer(packed)
+    loss_fn = compiled_loss(backend="aot_eager")
+    for seed in range(2):  # the first steps compile (and recompile once for requires_grad)
+        packed_train_step(packed, opt, batches_for(jobs, seed=seed), loss_fn=loss_fn)
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(2, 5):
+            packed_train_step(packed, opt, batches_for(jobs, seed=seed), loss_fn=loss_fn)
+    assert counters["stats"]["unique_graphs"] == 0
+    packed.remove()
+
+
+def test_profile_pack_times_compiled_steps():
+    torch._dynamo.reset()
+    jobs = [job("a", rank=4, batch_size=2), job("b", rank=8, seed=1)]
+    model = tiny_llama()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    profile = profile_pack(model, jobs, 8, config=PackedLoraConfig(backend="loop"), steps=1,
+                           warmup=0, compile=True)  # fmt: skip
+    assert profile.step_time_s > 0 and profile.n_adapters == 2 and profile.tokens == 3 * 8
+    after = dict(model.named_parameters())
+    assert set(after) == set(before)  # the packed layers were taken out again
+    for name, value in before.items():
+        assert torch.equal(after[name].detach(), value)

@@ -126,3 +126,29 @@ def test_smoke_profile_splits_a_packed_step_into_its_phases(tmp_path):
         phases = row["host_ms_per_phase"]
         assert set(phases) == set(bench.PHASES) and all(v > 0 for v in phases.values())
         assert phases["plora.forward"] < row["wall_ms_per_step"] * 1.5
+
+
+def test_smoke_makespan_runs_compiled_packing_beside_eager(tmp_path):
+    """`--packed both`: each job count trains packed eagerly and with the forward and loss
+    compiled (one after the other, the same jobs and batches), and the summary sets both
+    against the best compiled peft rate and compiled packing against eager packing."""
+    argv = ["--smoke", "--sections", "baseline,makespan", "--packed", "both", "--baseline-ranks",
+            "8", "--no-sequential", "--budget-s", "600", "--out", str(tmp_path)]  # fmt: skip
+    assert bench.main(argv) == 0
+    (result,) = tmp_path.glob("plora_smoke_*.json")
+    record = json.loads(result.read_text())
+    runs = {r["kind"]: r for r in record["makespan"]}
+    assert set(runs) == {"packed", "packed_compiled"}  # no sequential runs
+    assert runs["packed"]["tokens"] == runs["packed_compiled"]["tokens"] > 0
+    rates = [r for r in record["baseline"] if r["kind"] == "baseline_rate"]
+    assert rates and {r["rank"] for r in rates} == {8}
+    best = max((r for r in rates if r["variant"] == "compiled"), key=lambda r: r["tokens_per_s"])
+    rows = {r["kind"]: r for r in record["summary"]["packed_vs_compiled_peft"]}
+    for kind, run in runs.items():
+        assert rows[kind]["steady_tokens_per_s"] == pytest.approx(run["steady_tokens_per_s"])
+        assert rows[kind]["ratio_vs_compiled_peft"] == pytest.approx(
+            run["steady_tokens_per_s"] / best["tokens_per_s"]
+        )
+    assert rows["packed_compiled"]["ratio_vs_eager_packing"] == pytest.approx(
+        runs["packed_compiled"]["steady_tokens_per_s"] / runs["packed"]["steady_tokens_per_s"]
+    )

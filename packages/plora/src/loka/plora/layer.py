@@ -171,6 +171,11 @@ class PackedLoraLinear(nn.Module):
         self.aliases_A.sync()
         self.aliases_Bt.sync()
 
+    # Under torch.compile the packed op runs eagerly between compiled regions (one graph
+    # break per packed linear): the base model's norms, activations, attention and loss
+    # compile and fuse around it, while Dynamo never traces the kernels' launchers (it
+    # failed inside them) nor guards on the batch layout, which changes with every pack.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         use_triton = self._use_triton(x.device)

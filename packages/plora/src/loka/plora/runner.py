@@ -26,13 +26,16 @@ class RunnerConfig:
     """seq_len: tokens per sample (of jobs without their own `seq_len`; a job's own may only
     be shorter: the data is cut into blocks of this length); dtype: the base model's dtype
     when loaded from a path; device: where to train (default: CUDA when available);
-    save_optimizer: also write each job's AdamW state next to its adapter, to resume."""
+    save_optimizer: also write each job's AdamW state next to its adapter, to resume;
+    compile: run each step's forward and token loss through `torch.compile` (`compiled_loss`:
+    the packed linears run eagerly between compiled regions)."""
 
     seq_len: int = 512
     packed: PackedLoraConfig = field(default_factory=PackedLoraConfig)
     dtype: torch.dtype = torch.bfloat16
     device: str | None = None
     save_optimizer: bool = False
+    compile: bool = False
 
 
 @dataclass
@@ -70,10 +73,33 @@ class StepProfile:
         return asdict(self)
 
 
+# (model, input ids, labels, extra model inputs) -> per-token loss
+TokenLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def token_losses(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """The causal LM's cross-entropy per token (flattened; 0 at the pads, label -100)."""
+    logits = model(input_ids=input_ids, use_cache=False, **extra).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+
+
+def compiled_loss(**compile_kwargs: Any) -> TokenLoss:
+    """`token_losses` under `torch.compile` (keyword arguments passed on): the base model's
+    norms, activations, attention and the loss's float32 logits compile and fuse, while each
+    `PackedLoraLinear` runs eagerly between the compiled regions (a graph break per packed
+    linear; its layout changes with every pack, and Dynamo does not trace the kernels'
+    launchers). Each new pack composition (another token count) may compile once more."""
+    return torch.compile(token_losses, **compile_kwargs)
+
+
 def packed_train_step(
     packed: PackedLora,
     optimizer: PerAdapterOptimizer,
     batches: Sequence[tuple[int, torch.Tensor]],
+    *,
+    loss_fn: TokenLoss = token_losses,
 ) -> tuple[list[float], list[AdapterStep]]:
     """One forward/backward/step over the batches of several adapters at once.
 
@@ -81,7 +107,8 @@ def packed_train_step(
     differ between adapters (laid out as `loka.plora.config.pack_rows` says). Each
     adapter's loss is the mean token cross-entropy over its own samples, and the summed
     loss gives each adapter exactly the gradient of its own loss. Returns the per-adapter
-    losses (NaN for adapters not in the batch) and the optimizer's report.
+    losses (NaN for adapters not in the batch) and the optimizer's report. `loss_fn`:
+    `token_losses`, or `compiled_loss()`.
     """
     device = packed.device
     inputs, labels, positions, owners = _packed_rows(batches)
@@ -96,10 +123,7 @@ def packed_train_step(
             on_device = staged.to(device, non_blocking=True)
             inputs, labels = on_device[0], on_device[1]
             extra = {} if positions is None else {"position_ids": on_device[2]}
-            logits = packed.model(input_ids=inputs, use_cache=False, **extra).logits
-            token_loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(), reduction="none"
-            )  # 0 at the pads (label -100)
+            token_loss = loss_fn(packed.model, inputs, labels, extra)
             owner = torch.tensor(owners, device=device).repeat_interleave(row_len)
             n = packed.num_adapters
             sums = torch.zeros(n, device=device).index_add(0, owner, token_loss)
@@ -196,6 +220,7 @@ def train_packs(
 
 def _train_pack(model, jobs, pack, blocks, output_dir, config, source, on_step) -> list[JobResult]:
     packed = convert_to_packed_lora(model, jobs, config.packed)
+    loss_fn = compiled_loss() if config.compile else token_losses
     try:
         optimizer = PerAdapterOptimizer(packed)
         samplers = [JobSampler(blocks, job) for job in jobs]
@@ -211,7 +236,7 @@ def _train_pack(model, jobs, pack, blocks, output_dir, config, source, on_step) 
             if not active:
                 break
             batches = [(i, samplers[i].next_batch()[:, : lengths[i] + 1]) for i in active]
-            step_losses, reports = packed_train_step(packed, optimizer, batches)
+            step_losses, reports = packed_train_step(packed, optimizer, batches, loss_fn=loss_fn)
             now = time.perf_counter() - start
             for report in reports:
                 i, loss = report.index, step_losses[report.index]
@@ -263,9 +288,11 @@ def profile_pack(
     config: PackedLoraConfig | None = None,
     steps: int = 3,
     warmup: int = 1,
+    compile: bool = False,
 ) -> StepProfile:
     """Time packed training steps of `jobs` (all active, random tokens) on the model's
-    device; the model is left as it was. Feeds the planner's throughput model."""
+    device; the model is left as it was. Feeds the planner's throughput model. `compile`:
+    time the steps as `RunnerConfig(compile=True)` runs them (the warm-up compiles)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     device = next(model.parameters()).device
@@ -280,12 +307,13 @@ def profile_pack(
         ]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(warmup):
-            packed_train_step(packed, optimizer, batches)
+        loss_fn = compiled_loss() if compile else token_losses
+        for _ in range(max(warmup, 1 if compile else 0)):
+            packed_train_step(packed, optimizer, batches, loss_fn=loss_fn)
         _sync(device)
         begin = time.perf_counter()
         for _ in range(steps):
-            packed_train_step(packed, optimizer, batches)
+            packed_train_step(packed, optimizer, batches, loss_fn=loss_fn)
         _sync(device)
         elapsed = (time.perf_counter() - begin) / steps
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
