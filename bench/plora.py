@@ -574,22 +574,31 @@ def profile_steps(step, tag: str, out: Path, stamp: str) -> dict:
 
 
 def bench_profile(model, jobs, rows: list, out: Path, stamp: str) -> list[dict]:
-    """Packed steps of 1 job and of the largest pack, and one peft job alone, profiled."""
+    """Packed steps of 1 job and of the largest pack (eager, compiled or both: --packed), and
+    one peft job alone, profiled."""
     largest = jobs[: max(JOB_COUNTS)]
-    for pack in (jobs[:1], largest):
-        tag = f"packed{len(pack)}"
+    modes = {"eager": (False,), "compiled": (True,), "both": (False, True)}[ARGS.packed]
+    for pack, compiled in ((p, c) for p in (jobs[:1], largest) for c in modes):
+        tag = f"packed{len(pack)}{'_compiled' if compiled else ''}"
 
-        def run(pack=pack, tag=tag) -> dict:
+        def run(pack=pack, tag=tag, compiled=compiled) -> dict:
             packed = convert_to_packed_lora(model, pack, PackedLoraConfig(backend="triton"))
+            loss_fn = token_losses
+            if compiled:
+                torch._dynamo.reset()
+                loss_fn = compiled_loss(backend="aot_eager" if ARGS.smoke else "inductor")
             try:
                 opt = PerAdapterOptimizer(packed)
                 batches = token_batches(pack)
-                got = profile_steps(lambda: packed_train_step(packed, opt, batches), tag, out,
-                                    stamp)  # fmt: skip
+                got = profile_steps(
+                    lambda: packed_train_step(packed, opt, batches, loss_fn=loss_fn), tag, out,
+                    stamp,
+                )  # fmt: skip
             finally:
                 packed.remove()
-            return {"kind": "profile", "what": "packed", "n_adapters": len(pack),
-                    "tokens": sum(j.batch_size * SEQ for j in pack), **got}  # fmt: skip
+            return {"kind": "profile", "what": "packed", "compiled": compiled,
+                    "n_adapters": len(pack), "tokens": sum(j.batch_size * SEQ for j in pack),
+                    **got}  # fmt: skip
 
         rows.append(_guarded(run, {"kind": "profile", "what": tag}, f"profile: {tag}"))
     job = jobs[0]
@@ -614,7 +623,8 @@ def print_profiles(rows: list[dict]) -> None:
         if "error" in r:
             continue
         phases = "  ".join(f"{k.split('.')[1]} {v:.1f}" for k, v in r["host_ms_per_phase"].items())
-        print(f"  profile {r['what']:9s} {r['n_adapters']:2d} job(s) {r['tokens']:6d} tokens: "
+        what = r["what"] + (" compiled" if r.get("compiled") else "")
+        print(f"  profile {what:15s} {r['n_adapters']:2d} job(s) {r['tokens']:6d} tokens: "
               f"wall {r['wall_ms_per_step']:8.1f} ms  GPU busy {r['gpu_busy_ms_per_step']:8.1f} ms  "
               f"launches {r['launches_per_step']:6.0f}  host ms {phases or '-'}")  # fmt: skip
 

@@ -56,7 +56,12 @@ TORCH_OPS = SignOps(sign_down_reference, sign_up_reference, sign_wgrad_reference
 
 
 def select_ops(backend: str, device: torch.device) -> SignOps:
-    """``auto``: the Triton kernels on CUDA, the pure-torch references elsewhere."""
+    """``auto``: the Triton kernels on CUDA, the pure-torch references elsewhere. Under
+    torch.compile always the references, which trace whole and which inductor fuses: Dynamo
+    traced the sign-GEMM kernels as user Triton kernels and inductor's recompile of them
+    failed (H200: "CompilationError" at the kernel's ``mma``; `bench/lordba_compile.py`)."""
+    if torch.compiler.is_compiling():
+        return TORCH_OPS
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
         return TRITON_OPS
     return TORCH_OPS
