@@ -725,3 +725,65 @@ def test_profile_pack_times_compiled_steps():
     assert set(after) == set(before)  # the packed layers were taken out again
     for name, value in before.items():
         assert torch.equal(after[name].detach(), value)
+
+
+# --- the optimizer step as a CUDA graph -----------------------------------------------------
+
+
+class _StepGraph:
+    """A CPU stand-in for a captured CUDA graph of the optimizer step: capturing runs nothing
+    (as a CUDA capture executes no kernel), each replay runs the step and writes its norms
+    into the one output tensor the capture returned."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.out = fn, torch.empty(0)
+
+    def replay(self) -> None:
+        norms = self.fn()
+        self.out.resize_(norms.shape).copy_(norms)
+
+
+def _stand_in_capture(fn):
+    graph = _StepGraph(fn)
+    return graph, graph.out
+
+
+def test_graphed_optimizer_steps_equal_eager_ones_and_capture_per_active_set():
+    """Graphs on (a CPU stand-in for the CUDA capture) against off: the same parameters,
+    norms and reports over steps whose active jobs change (a job leaving the pack), with
+    clipping; the first step of each active set runs op by op, the second captures (and
+    replays once), later ones replay."""
+    jobs = [job("a", max_grad_norm=0.05), job("b", rank=8, seed=1, lr=3e-3), job("c", seed=2)]
+    runs = []
+    for graphs in (False, True):
+        packed = convert_to_packed_lora(tiny_llama(), jobs, PackedLoraConfig(backend="loop"))
+        randomize_b(packed)
+        opt = PerAdapterOptimizer(packed, graphs=graphs, capture=_stand_in_capture)
+        norms = []
+        for step in range(7):
+            active = (0, 1, 2) if step < 4 else (0, 2)
+            data = [b for b in batches_for(jobs, seed=step) if b[0] in active]
+            _, reports = packed_train_step(packed, opt, data)
+            norms.append([r.grad_norm for r in reports])
+        runs.append((norms, [params_of(packed, i) for i in range(3)], dict(opt.graph_stats)))
+        packed.remove()
+    (norms_off, params_off, _), (norms_on, params_on, stats) = runs
+    for got, want in zip(norms_on, norms_off, strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+    for got_list, want_list in zip(params_on, params_off, strict=True):
+        for got, want in zip(got_list, want_list, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Active set (0, 1, 2): eager, capture, replay, replay; (0, 2): eager, capture, replay.
+    assert stats == {"eager": 2, "captures": 2, "replays": 3}
+
+
+def test_loading_a_jobs_optimizer_state_drops_the_captured_steps():
+    jobs = [job("a"), job("b", rank=8, seed=1)]
+    packed = convert_to_packed_lora(tiny_llama(), jobs, PackedLoraConfig(backend="loop"))
+    opt = PerAdapterOptimizer(packed, graphs=True, capture=_stand_in_capture)
+    for seed in range(3):
+        packed_train_step(packed, opt, batches_for(jobs, seed=seed))
+    assert opt.graph_stats["captures"] == 1
+    opt.load_state_dict(0, opt.state_dict(0))
+    packed_train_step(packed, opt, batches_for(jobs, seed=3))
+    assert opt.graph_stats == {"eager": 2, "captures": 1, "replays": 1}  # eager again

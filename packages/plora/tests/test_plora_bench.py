@@ -152,3 +152,14 @@ def test_smoke_makespan_runs_compiled_packing_beside_eager(tmp_path):
     assert rows["packed_compiled"]["ratio_vs_eager_packing"] == pytest.approx(
         runs["packed_compiled"]["steady_tokens_per_s"] / runs["packed"]["steady_tokens_per_s"]
     )
+
+
+def test_optimizer_graphs_script_trains_identically_on_the_cpu(tmp_path):
+    """bench/plora_optimizer_graphs.py on the CPU (smoke model, stand-in capture): the
+    graphed and op-by-op packs must end with identical adapters and gradient norms."""
+    script = harness.load("plora_optimizer_graphs")
+    assert script.main(["--steps", "3", "--reps", "2", "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("plora_optimizer_graphs_*.json")
+    (row,) = json.loads(result.read_text())["rows"]
+    assert row["max_param_diff"] == 0.0 and row["max_grad_norm_diff"] == 0.0
+    assert row["graph_stats"]["captures"] == 1 and row["graph_stats"]["replays"] >= 3
