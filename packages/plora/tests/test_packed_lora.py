@@ -787,3 +787,19 @@ def test_loading_a_jobs_optimizer_state_drops_the_captured_steps():
     opt.load_state_dict(0, opt.state_dict(0))
     packed_train_step(packed, opt, batches_for(jobs, seed=3))
     assert opt.graph_stats == {"eager": 2, "captures": 1, "replays": 1}  # eager again
+
+
+def test_moved_packed_parameters_are_not_stepped_from_a_stale_graph():
+    """A graph writes the parameters where they were when captured: once the packed storage
+    moves (as `.to()` moves it), the next step runs op by op, and later ones capture anew."""
+    jobs = [job("a"), job("b", rank=8, seed=1)]
+    packed = convert_to_packed_lora(tiny_llama(), jobs, PackedLoraConfig(backend="loop"))
+    opt = PerAdapterOptimizer(packed, graphs=True, capture=_stand_in_capture)
+    for seed in range(3):
+        packed_train_step(packed, opt, batches_for(jobs, seed=seed))
+    assert opt.graph_stats == {"eager": 1, "captures": 1, "replays": 1}
+    with torch.no_grad():
+        for module in packed.modules.values():
+            module.lora_packed_A.data = module.lora_packed_A.data.clone()
+    packed_train_step(packed, opt, batches_for(jobs, seed=3))
+    assert opt.graph_stats == {"eager": 2, "captures": 1, "replays": 1}

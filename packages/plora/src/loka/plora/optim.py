@@ -12,6 +12,7 @@ import torch
 from loka.plora.model import PackedLora
 
 MAX_STEP_GRAPHS = 4  # captured optimizer steps kept (one per active set of jobs, LRU)
+_SEEN = 16  # step layouts remembered (seen once, not captured)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class PerAdapterOptimizer:
         self.graphs = device.type == "cuda" if graphs is None else graphs
         self._capture = capture or _cuda_capture
         self._step_graphs: OrderedDict[tuple, tuple[object, torch.Tensor]] = OrderedDict()
-        self._seen: set[tuple] = set()
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
         self.graph_stats = {"replays": 0, "captures": 0, "eager": 0}
         self.params = [packed.adapter_parameters(i) for i in range(packed.num_adapters)]
         # Fused on every device (torch has fused AdamW for the CPU too): its `found_inf`
@@ -107,7 +108,15 @@ class PerAdapterOptimizer:
         first = grads[present[0]][0]
         if not self.graphs or (first.is_cuda and torch.cuda.is_current_stream_capturing()):
             return run()
-        key = (tuple(present), tuple(g.data_ptr() for i in present for g in grads[i]))
+        # Where the gradients (hand-set ones too) and the packed parameters are: a graph
+        # reads and writes those addresses (a `.to()` moves the parameters).
+        packed_params = [t for m in self.packed.modules.values()
+                         for t in (m.lora_packed_A, m.lora_packed_Bt)]  # fmt: skip
+        key = (
+            tuple(present),
+            tuple(g.data_ptr() for i in present for g in grads[i]),
+            tuple(t.data_ptr() for t in packed_params),
+        )
         found = self._step_graphs.get(key)
         if found is not None:
             self._step_graphs.move_to_end(key)
@@ -116,7 +125,9 @@ class PerAdapterOptimizer:
             self.graph_stats["replays"] += 1
             return norms
         if key not in self._seen:
-            self._seen.add(key)
+            self._seen[key] = None
+            if len(self._seen) > _SEEN:  # gradients made anew each step never settle
+                self._seen.popitem(last=False)
             self.graph_stats["eager"] += 1
             return run()
         groups = [g for i in present for g in self.optimizers[i].param_groups]
