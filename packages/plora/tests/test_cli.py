@@ -101,6 +101,7 @@ def _lora(files, *extra, jobs="jobs.json", model=None):
         (("--headroom", "1.5"), "--headroom is a fraction"),
         (("--seq-len", "0"), "--seq-len must be in"),
         (("--out", "schedule.txt"), "written as .csv, .parquet or .json"),
+        (("--compile",), "--compile times compiled steps and needs --profile"),
     ],
 )
 def test_lora_plan_range_checks(files, capsys, extra, needle):

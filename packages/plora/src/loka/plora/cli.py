@@ -56,6 +56,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="load the model and profile a few packed steps on this machine's GPU",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --profile: time compiled steps, as RunnerConfig(compile=True) trains them",
+    )
     parser.add_argument("--solver", choices=("auto", "milp", "greedy"), default="auto")
     parser.add_argument("--time-limit", type=float, default=20.0, help="ILP time limit, s")
     parser.add_argument("--max-pack-size", type=int, default=None, help="most jobs in a pack")
@@ -99,6 +104,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--time-limit must be a positive number of seconds, got {args.time_limit}"
         )
+    if args.compile and not args.profile:
+        raise ValueError("--compile times compiled steps and needs --profile")
     if args.max_pack_size is not None and args.max_pack_size < 1:
         raise ValueError(f"--max-pack-size must be at least 1, got {args.max_pack_size}")
     if not (math.isfinite(args.headroom) and 0 < args.headroom <= 1):
@@ -209,6 +216,7 @@ def _profile(args, jobs, memory, console):
             model,
             jobs,
             args.seq_len,
+            compile=args.compile,
             on_profile=lambda p: status.update(
                 f"profiled {p.n_adapters} job(s), {p.tokens} tokens: {p.step_time_s * 1e3:.1f} ms"
             ),

@@ -41,8 +41,10 @@ def profile_throughput(
     max_jobs: int | None = None,
     steps: int = 3,
     on_profile: Callable[[StepProfile], None] | None = None,
+    compile: bool = False,
 ) -> tuple[ThroughputModel, list[StepProfile], list[list[LoraJobConfig]]]:
-    """Time the `profiling_packs` of `jobs` on `model` and fit a `ThroughputModel`.
+    """Time the `profiling_packs` of `jobs` on `model` and fit a `ThroughputModel`;
+    `compile`: the steps as `RunnerConfig(compile=True)` trains them (`profile_pack`).
 
     Packs that run out of GPU memory end the profiling (larger ones would too). Returns
     the model, the profiles and the job lists they measured (for `MemoryModel.calibrated`).
@@ -51,7 +53,9 @@ def profile_throughput(
     measured: list[list[LoraJobConfig]] = []
     for pack in profiling_packs(jobs, max_jobs):
         try:
-            profile = profile_pack(model, pack, seq_len, config=config, steps=steps)
+            profile = profile_pack(
+                model, pack, seq_len, config=config, steps=steps, compile=compile
+            )
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             break
