@@ -8,9 +8,12 @@ path under compile is a GPU question. For each base (plain bf16 linear, `Fp8Weig
 training and inference, the module with `backend="triton"` is compiled (inductor, dynamic
 token count) and run on three token counts beside an identical eager module; rows record the
 largest output and gradient differences (relative to the eager values' largest magnitude),
-graph breaks and graphs compiled, or the error. Results: lordba_compile_<utc>.json.
+graph breaks and graphs compiled, or the error. `--time`: also ms per training step
+(forward + backward) of one LoRDBA linear at a Llama-sized shape, eager (the Triton kernels)
+against compiled (the references, inductor), interleaved rounds, medians: whether compiling
+a LoRDBA model costs the kernels' speed. Results: lordba_compile_<utc>.json.
 
-    python3 bench/lordba_compile.py
+    python3 bench/lordba_compile.py [--time]
 On the CPU it runs in the interpreter with Dynamo's aot_eager backend (a check of the script:
 expect the interpreter failure described above).
 """
@@ -81,8 +84,50 @@ def check(kind: str, train: bool, device: str, backend: str) -> dict:
             "unique_graphs": counters["stats"]["unique_graphs"]}  # fmt: skip
 
 
+def timing(device: str, backend: str, tokens: int = 8192, width: int = 4096) -> dict:
+    """ms per forward + backward (adapter trained, base frozen), eager vs compiled."""
+    import statistics
+    import time
+
+    import torch
+    from torch import nn
+
+    from loka.lordba import LoRDBAConfig, LoRDBALinear
+    from loka.lordba.testing import trained_like
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = nn.Linear(width, width, device=device, dtype=torch.bfloat16).requires_grad_(False)
+    module = trained_like(LoRDBALinear(base, LoRDBAConfig(rank=16, backend="triton")), 0)
+    variants = {"eager": module, "compiled": torch.compile(module, backend=backend)}
+    x = torch.randn(tokens, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def step(fn) -> None:
+        fn(x).sum().backward()
+
+    for fn in variants.values():
+        for _ in range(3):
+            step(fn)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(5):
+        for name, fn in variants.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                step(fn)
+            sync()
+            times[name].append((time.perf_counter() - t0) * 100.0)  # ms per step
+    median = {name: statistics.median(v) for name, v in times.items()}
+    return {"tokens": tokens, "width": width, "rank": 16, "median_ms": median, "raw_ms": times,
+            "compiled_over_eager": median["compiled"] / median["eager"]}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser(__doc__).parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--time", action="store_true", help="also time eager vs compiled training")
+    p.add_argument("--no-checks", action="store_true", help="only the timing (with --time)")
+    args = p.parse_args(argv)
     import torch
 
     gpu = torch.cuda.is_available()
@@ -91,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if gpu else "cpu"
     backend = "inductor" if gpu else "aot_eager"
     rows = []
-    for kind in ("plain", "fp8"):
+    for kind in () if args.no_checks else ("plain", "fp8"):
         for train in (False, True):
             try:
                 row = check(kind, train, device, backend)
@@ -102,8 +147,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             brief = {k: v for k, v in row.items() if k not in ("trace", "break_reasons")}
             print(f"[lordba_compile] {brief}", flush=True)
+    timed = {}
+    if args.time:
+        timed = timing(device, backend, *((8192, 4096) if gpu else (64, 64)))
+        print(f"[lordba_compile] ms per training step: {timed['median_ms']} "
+              f"(compiled / eager {timed['compiled_over_eager']:.3f})", flush=True)  # fmt: skip
     path = Path(args.out) / f"lordba_compile_{stamp()}.json"
-    write_json(path, {"meta": metadata(device, compile_backend=backend), "rows": rows})
+    write_json(path, {"meta": metadata(device, compile_backend=backend), "rows": rows,
+                      "timing": timed})  # fmt: skip
     print(f"wrote {path}")
     return 0
 

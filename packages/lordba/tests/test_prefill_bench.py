@@ -81,3 +81,21 @@ def test_smoke_measures_fused_and_unfused_over_quantized_bases(tmp_path):
         for kind in ("plain", "loka_fp8")
         for variant in ("base_epilogue", "lordba_epilogue")
     }
+
+
+def test_compile_check_script_runs_every_case_on_the_cpu(tmp_path):
+    """bench/lordba_compile.py on the CPU (interpreted kernels eager, aot_eager compiled): each
+    base and mode compiles in one graph, agrees with eager, and trains no zero gradient."""
+    script = harness.load("lordba_compile")
+    assert script.main(["--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("lordba_compile_*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert {(r["base"], r["train"]) for r in rows} == {
+        (b, t) for b in ("plain", "fp8") for t in (False, True)
+    }
+    for row in rows:
+        assert "error" not in row, row.get("error")
+        assert row["graph_breaks"] == 0 and row["unique_graphs"] == 1
+        assert row["out_rel_err"] < 2e-2 and not row["zero_grads"]
+        if row["train"]:
+            assert row["grad_rel_err"] < 2e-2

@@ -191,7 +191,9 @@ def _cuda_capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph,
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.graph(graph, stream=side):
+    # thread_local: another thread's CUDA calls (a data loader's pinned copies) do not
+    # invalidate the capture.
+    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
         out = fn()
     torch.cuda.current_stream().wait_stream(side)
     return graph, out
