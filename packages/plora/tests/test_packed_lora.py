@@ -803,3 +803,33 @@ def test_moved_packed_parameters_are_not_stepped_from_a_stale_graph():
             module.lora_packed_A.data = module.lora_packed_A.data.clone()
     packed_train_step(packed, opt, batches_for(jobs, seed=3))
     assert opt.graph_stats == {"eager": 2, "captures": 1, "replays": 1}
+
+
+def test_the_runner_trains_compiled_as_eager_while_jobs_leave(tmp_path, monkeypatch):
+    """`RunnerConfig(compile=True)`: jobs of different lengths and step counts (the pack's
+    token count changes as they leave) end with the losses of the eager runner. Dynamo's
+    aot_eager backend stands in for inductor (minutes on a CPU)."""
+    from loka.plora import TokenBlocks, runner
+
+    monkeypatch.setattr(runner, "compiled_loss", lambda: compiled_loss(backend="aot_eager"))
+    torch._dynamo.reset()
+    jobs = [
+        LoraJobConfig("long", rank=4, alpha=8, lr=1e-2, batch_size=1, steps=3),
+        LoraJobConfig("short", rank=2, alpha=4, lr=1e-2, batch_size=3, steps=2, seq_len=4, seed=1),
+    ]
+    ids = torch.randint(0, VOCAB, (2000,), generator=torch.Generator().manual_seed(3)).tolist()
+    data = TokenBlocks.from_token_ids(ids, seq_len=SEQ)
+    losses, graphs = [], []
+    for compile_ in (False, True):
+        counters.clear()
+        config = RunnerConfig(seq_len=SEQ, dtype=torch.float32, device="cpu", compile=compile_,
+                              packed=PackedLoraConfig(backend="loop"))  # fmt: skip
+        results = train_packs(tiny_llama(), jobs, [[j.name for j in jobs]], data,
+                              tmp_path / str(compile_), config=config)  # fmt: skip
+        losses.append({r.name: r.losses for r in results})
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == 0 and graphs[1] > 0  # the compiled run did compile
+    eager, compiled = losses
+    assert {n: len(v) for n, v in compiled.items()} == {"long": 3, "short": 2}
+    for name, values in eager.items():
+        assert compiled[name] == pytest.approx(values, rel=1e-5)
