@@ -833,3 +833,26 @@ def test_the_runner_trains_compiled_as_eager_while_jobs_leave(tmp_path, monkeypa
     assert {n: len(v) for n, v in compiled.items()} == {"long": 3, "short": 2}
     for name, values in eager.items():
         assert compiled[name] == pytest.approx(values, rel=1e-5)
+
+
+def test_a_changed_learning_rate_is_not_stepped_from_a_stale_graph():
+    """A captured step holds the lr it was captured with: a scheduler's new lr must step op
+    by op (then capture anew), with the update eager training gives."""
+    jobs = [job("a"), job("b", rank=8, seed=1)]
+    finals = []
+    for graphs in (False, True):
+        packed = convert_to_packed_lora(tiny_llama(), jobs, PackedLoraConfig(backend="loop"))
+        randomize_b(packed)
+        opt = PerAdapterOptimizer(packed, graphs=graphs, capture=_stand_in_capture)
+        for seed in range(5):
+            if seed == 3:
+                opt.optimizers[0].param_groups[0]["lr"] = 1e-4
+            packed_train_step(packed, opt, batches_for(jobs, seed=seed))
+        finals.append(([params_of(packed, i) for i in range(2)], dict(opt.graph_stats)))
+        packed.remove()
+    (eager, _), (graphed, stats) = finals
+    for got_list, want_list in zip(graphed, eager, strict=True):
+        for got, want in zip(got_list, want_list, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # lr 1e-2: eager, capture, replay; lr 1e-4: eager, capture.
+    assert stats == {"eager": 2, "captures": 2, "replays": 1}

@@ -39,7 +39,8 @@ class PerAdapterOptimizer:
     of host time a step (`bench/plora.py` profile), with the GPU idle behind it once the
     backward drained: the packed step was host-bound. The graph reads the packed gradients,
     parameters and moments where they are (the gradients are zeroed in place, never
-    re-made), so nothing is copied in; a changed gradient tensor, another active set or
+    re-made), so nothing is copied in; a changed gradient tensor or parameter storage,
+    another active set, a changed lr, betas, eps or weight decay (a scheduler) or
     `load_state_dict` makes another graph. `capture` replaces the CUDA capture (tests).
     """
 
@@ -112,10 +113,15 @@ class PerAdapterOptimizer:
         # reads and writes those addresses (a `.to()` moves the parameters).
         packed_params = [t for m in self.packed.modules.values()
                          for t in (m.lora_packed_A, m.lora_packed_Bt)]  # fmt: skip
+        # The hyperparameters are baked into a captured step: a changed lr (a scheduler)
+        # must not replay an old one.
+        hyper = tuple((g["lr"], g["betas"], g["eps"], g["weight_decay"])
+                      for i in present for g in self.optimizers[i].param_groups)  # fmt: skip
         key = (
             tuple(present),
             tuple(g.data_ptr() for i in present for g in grads[i]),
             tuple(t.data_ptr() for t in packed_params),
+            hyper,
         )
         found = self._step_graphs.get(key)
         if found is not None:
