@@ -573,20 +573,30 @@ def profile_steps(step, tag: str, out: Path, stamp: str) -> dict:
     }
 
 
+def packing_modes() -> tuple[bool, ...]:
+    """Whether each packed run of --packed compiles (eager, compiled, or both in turn)."""
+    return {"eager": (False,), "compiled": (True,), "both": (False, True)}[ARGS.packed]
+
+
+def packed_loss(compiled: bool):
+    """The packed step's loss function: eager, or compiled cold (Dynamo reset first; inductor,
+    smoke: aot_eager)."""
+    if not compiled:
+        return token_losses
+    torch._dynamo.reset()
+    return compiled_loss(backend="aot_eager" if ARGS.smoke else "inductor")
+
+
 def bench_profile(model, jobs, rows: list, out: Path, stamp: str) -> list[dict]:
     """Packed steps of 1 job and of the largest pack (eager, compiled or both: --packed), and
     one peft job alone, profiled."""
     largest = jobs[: max(JOB_COUNTS)]
-    modes = {"eager": (False,), "compiled": (True,), "both": (False, True)}[ARGS.packed]
-    for pack, compiled in ((p, c) for p in (jobs[:1], largest) for c in modes):
+    for pack, compiled in ((p, c) for p in (jobs[:1], largest) for c in packing_modes()):
         tag = f"packed{len(pack)}{'_compiled' if compiled else ''}"
 
         def run(pack=pack, tag=tag, compiled=compiled) -> dict:
             packed = convert_to_packed_lora(model, pack, PackedLoraConfig(backend="triton"))
-            loss_fn = token_losses
-            if compiled:
-                torch._dynamo.reset()
-                loss_fn = compiled_loss(backend="aot_eager" if ARGS.smoke else "inductor")
+            loss_fn = packed_loss(compiled)
             try:
                 opt = PerAdapterOptimizer(packed)
                 batches = token_batches(pack)
@@ -726,10 +736,7 @@ def run_packed(model, jobs, compiled: bool = False) -> dict:
     sync()
     begin = time.perf_counter()
     packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend="triton"))
-    loss_fn = token_losses
-    if compiled:
-        torch._dynamo.reset()
-        loss_fn = compiled_loss(backend="aot_eager" if ARGS.smoke else "inductor")
+    loss_fn = packed_loss(compiled)
     try:
         opt = PerAdapterOptimizer(packed)
         gens = [torch.Generator().manual_seed(100 + i) for i in range(len(jobs))]
@@ -773,10 +780,9 @@ def run_sequential(model, jobs) -> dict:
 def bench_makespan(model, jobs, rows: list | None = None) -> list[dict]:
     """Packed and sequential runs, appended to `rows` (main's: a partial write keeps them)."""
     rows = [] if rows is None else rows
-    variants = {"eager": (False,), "compiled": (True,), "both": (False, True)}[ARGS.packed]
     for n in MAKESPAN_JOBS:
         steps = sum(j.steps for j in jobs[:n])
-        for compiled in variants:
+        for compiled in packing_modes():
             kind = "packed_compiled" if compiled else "packed"
             rows.append(_guarded(lambda n=n, c=compiled: run_packed(model, jobs[:n], c),
                                  {"kind": kind, "jobs": n},
