@@ -7,9 +7,14 @@ the step's device work replayed from a CUDA graph and one issued op by op; rows 
 largest difference of any adapter parameter and of the reported gradient norms between the
 two (exact equality expected: the same kernels run), then the host and wall milliseconds of
 `optimizer.step` alone (after a backward, gradients in place; median of `--reps`, graphs
-and eager interleaved). Results: plora_optimizer_graphs_<utc>.json.
+and eager interleaved). With `--ab-blocks B`, then whole packed training steps (forward,
+backward, optimizer) of one pack, the optimizer's graphs switched on and off between blocks
+of `--block-steps` steps (ABBA order, B blocks each), for the eager and the compiled loss
+(`--ab-loss`): per-block wall ms per step, medians, and each pair's ratio. Results:
+plora_optimizer_graphs_<utc>.json.
 
     python3 bench/plora_optimizer_graphs.py              # 32 jobs, on the GPU
+    python3 bench/plora_optimizer_graphs.py --ab-blocks 4  # + the real step, graphs on/off
 On the CPU it runs the smoke model through a stand-in capture (a check of the script).
 """
 
@@ -28,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=None, help="jobs packed (32; CPU 2)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--ab-blocks", type=int, default=0, help="blocks per mode (0: no A/B)")
+    p.add_argument("--block-steps", type=int, default=6)
+    p.add_argument("--ab-loss", choices=("eager", "compiled", "both"), default="both")
     args = p.parse_args(argv)
     import torch
 
@@ -66,10 +74,67 @@ def main(argv: list[str] | None = None) -> int:
            "step_host_ms": {"graphs": host[0], "eager": host[1]},
            "step_wall_ms": {"graphs": wall[0], "eager": wall[1]}}  # fmt: skip
     print(f"[plora_optimizer_graphs] {row}", flush=True)
+    result = {"meta": metadata("cuda" if gpu else "cpu"), "rows": [row]}
+    if args.ab_blocks:
+        losses = {"eager": (False,), "compiled": (True,), "both": (False, True)}[args.ab_loss]
+        result["ab"] = [
+            _ab_real_step(model, jobs, bench, args, capture, compiled) for compiled in losses
+        ]
     path = Path(args.out) / f"plora_optimizer_graphs_{stamp()}.json"
-    write_json(path, {"meta": metadata("cuda" if gpu else "cpu"), "rows": [row]})
+    write_json(path, result)
     print(f"wrote {path}")
     return 0
+
+
+def _ab_real_step(model, jobs, bench, args, capture, compiled: bool) -> dict:
+    """Whole packed training steps with the optimizer's graphs on and off, interleaved in
+    ABBA blocks on one pack (the same batches in both): wall ms per step of each block."""
+    import torch
+
+    from loka.plora import PackedLoraConfig, PerAdapterOptimizer, convert_to_packed_lora
+    from loka.plora.runner import compiled_loss, packed_train_step, token_losses
+
+    gpu = torch.cuda.is_available()
+    loss_fn = token_losses
+    if compiled:
+        torch._dynamo.reset()
+        loss_fn = compiled_loss(backend="inductor" if gpu else "aot_eager")
+    packed = convert_to_packed_lora(model, jobs, PackedLoraConfig(backend="triton"))
+    opt = PerAdapterOptimizer(packed, graphs=True, capture=capture)
+    batches = [bench.token_batches(jobs, seed=s) for s in range(args.block_steps)]
+
+    def block() -> float:
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for b in batches:
+            packed_train_step(packed, opt, b, loss_fn=loss_fn)
+        if gpu:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / len(batches)
+
+    # Warm-up: compile, the optimizer's first (op by op) step and its capture, both modes.
+    warm = []
+    for graphs in (True, False, True):
+        opt.graphs = graphs
+        warm.append(block())
+    times: dict[str, list[float]] = {"graphs": [], "eager": []}
+    order = [True, False, False, True] * ((args.ab_blocks + 1) // 2)
+    for graphs in order[: 2 * args.ab_blocks]:
+        opt.graphs = graphs
+        times["graphs" if graphs else "eager"].append(block())
+    stats = dict(opt.graph_stats)
+    packed.remove()
+    pairs = [e / g for g, e in zip(times["graphs"], times["eager"], strict=True)]
+    row = {
+        "loss": "compiled" if compiled else "eager", "jobs": len(jobs),
+        "block_steps": args.block_steps, "warmup_ms": warm, "step_ms": times,
+        "median_ms": {k: statistics.median(v) for k, v in times.items()},
+        "eager_over_graphs": pairs, "eager_over_graphs_median": statistics.median(pairs),
+        "graph_stats": stats,
+    }  # fmt: skip
+    print(f"[plora_optimizer_graphs ab] {row}", flush=True)
+    return row
 
 
 def _time_steps(packed, opt, jobs, bench, reps: int, gpu: bool) -> tuple[float, float]:

@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -182,7 +183,7 @@ def label(run_config: RepRecConfig) -> str:
         "smoke": "CPU smoke run on a generated tiny dataset: proves the pipeline runs, the "
         "numbers mean nothing",
         "cpu": f"CPU, REDUCED scale ({scale}): a real but small-scale result",
-        "gpu": f"GPU, Beauty ({scale})",
+        "gpu": f"GPU, {run_config.dataset} ({scale})",
     }[MODE]
 
 
@@ -215,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         report = run_reprec(run_config, progress)
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"reprec_{MODE}_{utc_stamp()}"
+    data_name = (
+        "" if MODE == "smoke" else "_" + re.sub(r"[^A-Za-z0-9]+", "", Path(run_config.dataset).stem)
+    )
+    stem = f"reprec_{MODE}{data_name}_{utc_stamp()}"
     report.notes.insert(0, label(run_config))
     json_path, csv_path = report.write(out, stem)
     payload = json.loads(json_path.read_text())

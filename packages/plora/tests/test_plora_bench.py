@@ -163,3 +163,20 @@ def test_optimizer_graphs_script_trains_identically_on_the_cpu(tmp_path):
     (row,) = json.loads(result.read_text())["rows"]
     assert row["max_param_diff"] == 0.0 and row["max_grad_norm_diff"] == 0.0
     assert row["graph_stats"]["captures"] == 1 and row["graph_stats"]["replays"] >= 3
+
+
+def test_optimizer_graphs_script_ab_interleaves_the_real_step_on_the_cpu(tmp_path):
+    """--ab-blocks: whole packed steps with the graphs switched on and off in ABBA blocks,
+    each mode timed as often, and the graphed blocks replaying captured steps."""
+    script = harness.load("plora_optimizer_graphs")
+    argv = ["--steps", "2", "--reps", "1", "--ab-blocks", "2", "--block-steps", "2",
+            "--ab-loss", "eager", "--out", str(tmp_path)]  # fmt: skip
+    assert script.main(argv) == 0
+    (result,) = tmp_path.glob("plora_optimizer_graphs_*.json")
+    (ab,) = json.loads(result.read_text())["ab"]
+    assert ab["loss"] == "eager" and len(ab["warmup_ms"]) == 3
+    assert len(ab["step_ms"]["graphs"]) == len(ab["step_ms"]["eager"]) == 2
+    assert len(ab["eager_over_graphs"]) == 2 and all(r > 0 for r in ab["eager_over_graphs"])
+    # Warm-up and A/B: 2 + 2 graphed blocks of 2 steps; the first step runs op by op and
+    # the second captures, so at least 4 replays follow.
+    assert ab["graph_stats"]["captures"] >= 1 and ab["graph_stats"]["replays"] >= 4
