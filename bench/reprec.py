@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=None, help="folder holding the 5-core files")
     p.add_argument("--backbone", default=None, help="a local Hugging Face causal LM folder")
     p.add_argument("--save-backbone", default=None, help="save the pretrained backbone here")
+    p.add_argument(
+        "--item-init",
+        default="random",
+        choices=("random", "sasrec"),
+        help="the small backbone's item tokens (RepRecConfig.item_init)",
+    )
     p.add_argument("--eval-users", type=int, default=None, help="users ranked (0: all)")
     p.add_argument("--epochs", type=int, default=None, help="REPREC and LoRA epochs")
     p.add_argument("--pretrain-epochs", type=int, default=None)
@@ -154,6 +160,7 @@ def config(data_dir: str | None) -> RepRecConfig:
         "seed": ARGS.seed,
         "backbone_path": ARGS.backbone,
         "save_backbone_to": ARGS.save_backbone,
+        "item_init": ARGS.item_init,
     }
     if ARGS.data is not None:
         overrides["dataset"] = ARGS.data
@@ -173,7 +180,7 @@ def label(run_config: RepRecConfig) -> str:
     b, users = run_config.backbone, run_config.eval_users or "all"
     scale = (
         f"backbone {b.hidden_size} wide x {b.num_layers} layers, "
-        f"{run_config.pretrain.epochs} pretraining epochs, "
+        f"{run_config.pretrain.epochs} pretraining epochs, item tokens {run_config.item_init}, "
         f"{run_config.reprec.epochs} training epochs over "
         f"{run_config.reprec.max_users or 'all'} users, {users} evaluated users"
     )

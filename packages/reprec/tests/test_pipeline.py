@@ -174,3 +174,43 @@ def test_any_5_core_file_by_path_or_by_name(tmp_path: Path) -> None:
     (folder / "Toys_extra.txt").write_text("1 1 2 3\n")
     with pytest.raises(ValueError, match="name one file"):
         resolve_dataset("toys", folder)
+
+
+def test_item_tokens_seeded_from_sasrec_keep_its_geometry() -> None:
+    """`seed_item_embeddings`: item i's token row is SASRec's item i through an orthonormal
+    map (Gram matrix kept up to one scale, at the table's RMS); other tokens untouched."""
+    from loka.reprec.backbone import build_backbone, seed_item_embeddings
+    from loka.reprec.prompts import PromptEncoder
+    from loka.reprec.tokenizer import build_item_tokenizer
+
+    tokenizer = build_item_tokenizer(12)
+    llm = build_backbone(TINY_BACKBONE, tokenizer)
+    prompts = PromptEncoder(tokenizer, 12, history_items=5)
+    table = llm.get_input_embeddings().weight
+    before = table.detach().clone()
+    items = torch.randn(13, 8)
+    assert seed_item_embeddings(llm, prompts, items) == 12
+    rows = prompts.item_ids[1:, 0]
+    seeded = table.detach()[rows].double()
+    gram, expected = seeded @ seeded.T, items[1:].double() @ items[1:].double().T
+    scale = gram.trace() / expected.trace()
+    assert torch.allclose(gram, scale * expected, atol=1e-4 * gram.abs().max().item())
+    assert seeded.pow(2).mean().sqrt().item() == pytest.approx(
+        before.double().pow(2).mean().sqrt().item(), rel=0.05
+    )
+    others = torch.ones(table.size(0), dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(table.detach()[others], before[others])
+    with pytest.raises(ValueError, match="num_items"):
+        seed_item_embeddings(llm, prompts, torch.randn(5, 8))
+    with pytest.raises(ValueError, match="NaN"):
+        seed_item_embeddings(llm, prompts, torch.full((13, 8), float("nan")))
+
+
+def test_pipeline_seeds_item_tokens_from_sasrec(tmp_path: Path) -> None:
+    report = run_reprec(_config(_write_data(tmp_path), item_init="sasrec", methods=("zero_shot",)))
+    assert any("seeded from SASRec" in note for note in report.notes)
+    with pytest.raises(ValueError, match="item_init"):
+        RepRecConfig(item_init="glove")
+    with pytest.raises(ValueError, match="backbone_path"):
+        RepRecConfig(item_init="sasrec", backbone_path="somewhere")

@@ -143,6 +143,47 @@ def build_backbone(config: BackboneConfig, tokenizer: Any, *, seed: int = 0) -> 
         return transformers.LlamaForCausalLM(llama)
 
 
+ITEM_INITS = ("random", "sasrec")
+
+
+def seed_item_embeddings(
+    llm: nn.Module, prompts: PromptEncoder, item_vectors: torch.Tensor, *, seed: int = 0
+) -> int:
+    """Give the small backbone's item tokens a sequential encoder's item geometry: row i of
+    `item_vectors` (`[num_items + 1, d]`, row 0 the padding item) becomes item i's token
+    embedding through a fixed random orthonormal map to the LLM's width (dot products kept
+    up to one scale; vectors wider than the LLM first keep their leading principal
+    directions), rescaled to the embedding table's RMS. With titles a pretrained LLM
+    knows its items; with ids only, this is the item knowledge the backbone can start from.
+    Every other token keeps its row. Returns the number of rows set."""
+    if prompts.item_ids.size(1) != 1:
+        raise ValueError("seed_item_embeddings needs one token per item (the small backbone's "
+                         "item tokenizer), got items of several tokens")  # fmt: skip
+    if item_vectors.dim() != 2 or item_vectors.size(0) != prompts.num_items + 1:
+        raise ValueError(
+            f"item_vectors must be [num_items + 1 = {prompts.num_items + 1}, dim], "
+            f"got {tuple(item_vectors.shape)}"
+        )
+    if not torch.isfinite(item_vectors).all():
+        raise ValueError("item_vectors hold NaN or inf")
+    table = llm.get_input_embeddings().weight
+    width = table.size(1)
+    vectors = item_vectors[1:].detach().double().cpu()
+    if vectors.size(1) > width:  # wider than the backbone: its leading principal directions
+        _, _, vh = torch.linalg.svd(vectors, full_matrices=False)
+        vectors = vectors @ vh[:width].T
+    generator = torch.Generator().manual_seed(seed)
+    shape = (width, vectors.size(1))
+    basis, _ = torch.linalg.qr(torch.randn(shape, generator=generator, dtype=torch.float64))
+    vectors = vectors @ basis.T  # [num_items, width]
+    with torch.no_grad():
+        rms = table.double().pow(2).mean().sqrt().item()
+        vectors *= rms / vectors.pow(2).mean().sqrt().clamp_min(1e-12).item()
+        rows = prompts.item_ids[1:, 0].to(table.device)
+        table[rows] = vectors.to(table.device, table.dtype)
+    return int(rows.numel())
+
+
 def training_texts(data: AmazonSequences) -> tuple[np.ndarray, np.ndarray]:
     """The users with training items and their training parts (all but the last two
     items), left-padded `[users, longest]`."""

@@ -68,6 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           help="a local Hugging Face causal LM folder (skips pretraining)")  # fmt: skip
     backbone.add_argument("--save-backbone", type=Path, default=None,
                           help="save the pretrained small backbone here")  # fmt: skip
+    backbone.add_argument("--item-init", default="random", choices=("random", "sasrec"),
+                          help="the small backbone's item tokens: random, or from SASRec's "
+                               "item table (seed_item_embeddings)")  # fmt: skip
     backbone.add_argument("--hidden-size", type=int, default=256)
     backbone.add_argument("--layers", type=int, default=4)
     backbone.add_argument("--heads", type=int, default=4)
@@ -134,6 +137,7 @@ def build_config(args: argparse.Namespace) -> RepRecConfig:
         ),
         pretrain=PretrainConfig(epochs=args.pretrain_epochs, seed=args.seed),
         save_backbone_to=str(args.save_backbone) if args.save_backbone else None,
+        item_init=args.item_init,
         prompt_history=args.prompt_history,
         num_soft_tokens=args.num_soft_tokens,
         soft_position=args.soft_position,

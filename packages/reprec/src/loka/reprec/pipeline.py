@@ -31,12 +31,14 @@ from torch import nn
 
 import loka.zoo as zoo
 from loka.reprec.backbone import (
+    ITEM_INITS,
     BackboneConfig,
     PretrainConfig,
     build_backbone,
     load_backbone,
     pretrain_backbone,
     save_backbone,
+    seed_item_embeddings,
 )
 from loka.reprec.data import load_dataset, sasrec_setup
 from loka.reprec.evaluate import grouped_metrics, score_eval_set
@@ -83,6 +85,9 @@ class RepRecConfig:
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     save_backbone_to: str | None = None
+    # The small backbone's item tokens: "random", or "sasrec" (the trained SASRec's item
+    # table through `seed_item_embeddings`, before pretraining).
+    item_init: str = "random"
     # Prompts, injector, training.
     prompt_history: int = 50
     num_soft_tokens: int = 6
@@ -116,6 +121,13 @@ class RepRecConfig:
                 raise ValueError(f"eval_sampling holds {EVAL_SAMPLING}, got {sampling!r}")
         if self.soft_position not in SOFT_POSITIONS:
             raise ValueError(f"soft_position must be one of {SOFT_POSITIONS}")
+        if self.item_init not in ITEM_INITS:
+            raise ValueError(f"item_init must be one of {ITEM_INITS}, got {self.item_init!r}")
+        if self.item_init != "random" and self.backbone_path is not None:
+            raise ValueError(
+                f"item_init={self.item_init!r} seeds the small backbone's item tokens; a "
+                "loaded backbone (backbone_path) keeps its own embeddings"
+            )
         if self.injector_mlp_dim is not None and self.injector_mlp_dim < 1:
             raise ValueError(f"injector_mlp_dim must be positive, got {self.injector_mlp_dim}")
 
@@ -288,6 +300,12 @@ def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> Rep
         tokenizer = build_item_tokenizer(data.num_items)
         llm = build_backbone(config.backbone, tokenizer, seed=config.seed).to(device)
     prompts = PromptEncoder(tokenizer, data.num_items, history_items=config.prompt_history)
+    if config.item_init == "sasrec":
+        items = torch.arange(data.num_items + 1, device=device)
+        seeded = seed_item_embeddings(llm, prompts, sasrec.item_vectors(items), seed=config.seed)
+        report.notes.append(
+            f"item tokens: {seeded:,} rows seeded from SASRec's item table (item_init='sasrec')"
+        )
     if config.backbone_path is None:
         answers: list[float] = []
         losses = pretrain_backbone(
