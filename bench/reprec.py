@@ -52,8 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-backbone", default=None, help="save the pretrained backbone here")
     p.add_argument(
         "--item-init",
-        default="random",
-        choices=("random", "sasrec"),
+        default="auto",
+        choices=("auto", "random", "sasrec"),
         help="the small backbone's item tokens (RepRecConfig.item_init)",
     )
     p.add_argument("--eval-users", type=int, default=None, help="users ranked (0: all)")

@@ -143,7 +143,8 @@ def build_backbone(config: BackboneConfig, tokenizer: Any, *, seed: int = 0) -> 
         return transformers.LlamaForCausalLM(llama)
 
 
-ITEM_INITS = ("random", "sasrec")
+# "auto": "sasrec" for the small backbone built here, a loaded backbone's own embeddings.
+ITEM_INITS = ("auto", "random", "sasrec")
 
 
 def seed_item_embeddings(

@@ -68,9 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           help="a local Hugging Face causal LM folder (skips pretraining)")  # fmt: skip
     backbone.add_argument("--save-backbone", type=Path, default=None,
                           help="save the pretrained small backbone here")  # fmt: skip
-    backbone.add_argument("--item-init", default="random", choices=("random", "sasrec"),
-                          help="the small backbone's item tokens: random, or from SASRec's "
-                               "item table (seed_item_embeddings)")  # fmt: skip
+    backbone.add_argument("--item-init", default="auto", choices=("auto", "random", "sasrec"),
+                          help="the small backbone's item tokens: from SASRec's item table "
+                               "(seed_item_embeddings; auto: unless --backbone), or random")  # fmt: skip
     backbone.add_argument("--hidden-size", type=int, default=256)
     backbone.add_argument("--layers", type=int, default=4)
     backbone.add_argument("--heads", type=int, default=4)

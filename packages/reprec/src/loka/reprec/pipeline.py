@@ -85,9 +85,10 @@ class RepRecConfig:
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     save_backbone_to: str | None = None
-    # The small backbone's item tokens: "random", or "sasrec" (the trained SASRec's item
-    # table through `seed_item_embeddings`, before pretraining).
-    item_init: str = "random"
+    # The small backbone's item tokens: "sasrec" (the trained SASRec's item table through
+    # `seed_item_embeddings`, before pretraining; on Beauty zero-shot HR@5 0.040 -> 0.162),
+    # or "random"; "auto" is "sasrec" unless `backbone_path` loads a model with its own.
+    item_init: str = "auto"
     # Prompts, injector, training.
     prompt_history: int = 50
     num_soft_tokens: int = 6
@@ -123,7 +124,7 @@ class RepRecConfig:
             raise ValueError(f"soft_position must be one of {SOFT_POSITIONS}")
         if self.item_init not in ITEM_INITS:
             raise ValueError(f"item_init must be one of {ITEM_INITS}, got {self.item_init!r}")
-        if self.item_init != "random" and self.backbone_path is not None:
+        if self.item_init not in ("auto", "random") and self.backbone_path is not None:
             raise ValueError(
                 f"item_init={self.item_init!r} seeds the small backbone's item tokens; a "
                 "loaded backbone (backbone_path) keeps its own embeddings"
@@ -300,11 +301,13 @@ def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> Rep
         tokenizer = build_item_tokenizer(data.num_items)
         llm = build_backbone(config.backbone, tokenizer, seed=config.seed).to(device)
     prompts = PromptEncoder(tokenizer, data.num_items, history_items=config.prompt_history)
-    if config.item_init == "sasrec":
+    if config.item_init == "sasrec" or (
+        config.item_init == "auto" and config.backbone_path is None
+    ):
         items = torch.arange(data.num_items + 1, device=device)
         seeded = seed_item_embeddings(llm, prompts, sasrec.item_vectors(items), seed=config.seed)
         report.notes.append(
-            f"item tokens: {seeded:,} rows seeded from SASRec's item table (item_init='sasrec')"
+            f"item tokens: {seeded:,} rows seeded from SASRec's item table (item_init={config.item_init!r})"
         )
     if config.backbone_path is None:
         answers: list[float] = []
