@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("auto", "random", "sasrec"),
         help="the small backbone's item tokens (RepRecConfig.item_init)",
     )
+    p.add_argument(
+        "--train-negatives",
+        default=None,
+        choices=("uniform", "popularity", "mixed"),
+        help="negatives of the REPREC and LoRA training examples (TrainConfig)",
+    )
     p.add_argument("--eval-users", type=int, default=None, help="users ranked (0: all)")
     p.add_argument("--epochs", type=int, default=None, help="REPREC and LoRA epochs")
     p.add_argument("--pretrain-epochs", type=int, default=None)
@@ -170,9 +176,14 @@ def config(data_dir: str | None) -> RepRecConfig:
         overrides["sasrec_steps"] = ARGS.sasrec_steps
     if ARGS.pretrain_epochs is not None:
         overrides["pretrain"] = dataclasses.replace(base.pretrain, epochs=ARGS.pretrain_epochs)
-    if ARGS.epochs is not None:
-        overrides["reprec"] = dataclasses.replace(base.reprec, epochs=ARGS.epochs)
-        overrides["lora"] = dataclasses.replace(base.lora, epochs=ARGS.epochs)
+    train_overrides = {
+        k: v
+        for k, v in (("epochs", ARGS.epochs), ("negative_sampling", ARGS.train_negatives))
+        if v is not None
+    }
+    if train_overrides:
+        overrides["reprec"] = dataclasses.replace(base.reprec, **train_overrides)
+        overrides["lora"] = dataclasses.replace(base.lora, **train_overrides)
     return dataclasses.replace(base, **overrides)
 
 

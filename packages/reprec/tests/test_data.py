@@ -152,3 +152,37 @@ def test_grouped_metrics_match_hand_computed_values() -> None:
     assert set(grouped_metrics(scores[:2], activity[:2])) == {"all", "cold"}
     with pytest.raises(ValueError, match="activity"):
         grouped_metrics(scores, activity[:3])
+
+
+def test_mixed_training_negatives_draw_half_by_popularity(tmp_path: Path) -> None:
+    """negative_sampling="mixed" (as the evaluation): popular items are drawn far more often
+    than uniformly, still never one of the user's training items; unknown modes are refused."""
+    from loka.reprec.train import TrainConfig
+
+    rng = np.random.default_rng(0)
+    weights = 1.0 / np.arange(1, 61) ** 1.5  # items 1..60, a few of them most bought
+    lines = [
+        " ".join(map(str, [user + 1, *rng.choice(60, 8, p=weights / weights.sum()) + 1]))
+        for user in range(80)
+    ]
+    (tmp_path / "Beauty.txt").write_text("\n".join(lines) + "\n")
+    data = parse_sequences(tmp_path / "Beauty.txt", name="beauty")
+    prefix = split_prefix(data, "train")
+    popular = set(range(1, 11))
+
+    def popular_share(mode: str) -> float:
+        examples = training_examples(data, width=6, num_negatives=4, negative_sampling=mode, seed=1)
+        negatives = examples.candidates[~examples.labels].tolist()
+        return sum(n in popular for n in negatives) / len(negatives)
+
+    assert popular_share("mixed") > popular_share("uniform") + 0.1
+    assert popular_share("popularity") > popular_share("mixed") + 0.1
+    examples = training_examples(data, width=6, num_negatives=4, negative_sampling="mixed")
+    assert len(examples) == 5 * int((prefix >= 2).sum())
+    for row in torch.nonzero(~examples.labels).flatten().tolist()[:50]:
+        history = set(examples.history[row].tolist()) - {0}
+        assert int(examples.candidates[row]) not in history
+    with pytest.raises(ValueError, match="negative_sampling"):
+        training_examples(data, width=6, negative_sampling="hard")
+    with pytest.raises(ValueError, match="negative_sampling"):
+        TrainConfig(negative_sampling="hard")

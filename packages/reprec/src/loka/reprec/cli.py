@@ -90,6 +90,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     training.add_argument("--lr", type=float, default=1e-3, help="the injector's learning rate")
     training.add_argument("--lora-lr", type=float, default=1e-3)
     training.add_argument("--train-users", type=int, default=None, help="subsample training users")
+    training.add_argument("--train-negatives", default="uniform",
+                          choices=("uniform", "popularity", "mixed"),
+                          help="negatives of the REPREC and LoRA training examples (mixed: "
+                               "half by popularity, as the evaluation draws them)")  # fmt: skip
     evaluation = parser.add_argument_group("evaluation")
     evaluation.add_argument("--eval-users", type=int, default=2000,
                             help="seeded sample of users to rank for (0: all)")  # fmt: skip
@@ -115,6 +119,7 @@ def build_config(args: argparse.Namespace) -> RepRecConfig:
         batch_size=args.batch_size,
         lr=args.lr,
         max_users=args.train_users,
+        negative_sampling=args.train_negatives,
         seed=args.seed,
     )
     return RepRecConfig(

@@ -33,6 +33,9 @@ from loka.zoo.data.seeding import stream_seed
 
 Cut = Literal["last", "random"]
 EvalSampling = Literal["uniform", "popularity", "mixed"]
+# Training negatives: "mixed" draws half by popularity (rounded down), half uniform.
+TrainSampling = Literal["uniform", "popularity", "mixed"]
+TRAIN_SAMPLING: tuple[str, ...] = ("uniform", "popularity", "mixed")
 EVAL_SAMPLING: tuple[str, ...] = ("uniform", "popularity", "mixed")
 # Interactions in the history a prediction sees; the upper bounds are inclusive.
 ACTIVITY_GROUPS: dict[str, tuple[int, float]] = {
@@ -101,7 +104,7 @@ def training_examples(
     *,
     width: int,
     num_negatives: int = 2,
-    negative_sampling: NegativeSampling = "uniform",
+    negative_sampling: TrainSampling = "uniform",
     cut: Cut = "last",
     history_items: int | None = None,
     users: np.ndarray | None = None,
@@ -136,7 +139,21 @@ def training_examples(
     history_length[users] = cuts
     history = left_padded(data, users, history_length, width)
     positives = data.values[data.offsets[users] + cuts]
-    negatives = training_negatives(data, users, num_negatives, rng, mode=negative_sampling)
+    if negative_sampling == "mixed":  # as the evaluation draws them: half by popularity
+        popular = num_negatives // 2
+        negatives = np.concatenate(
+            [
+                training_negatives(data, users, popular, rng, mode="popularity"),
+                training_negatives(data, users, num_negatives - popular, rng, mode="uniform"),
+            ],
+            1,
+        )
+    elif negative_sampling in ("uniform", "popularity"):
+        negatives = training_negatives(data, users, num_negatives, rng, mode=negative_sampling)
+    else:
+        raise ValueError(
+            f"negative_sampling must be one of {TRAIN_SAMPLING}, got {negative_sampling!r}"
+        )
     candidates = np.concatenate([positives[:, None], negatives], 1).reshape(-1)
     labels = np.zeros((len(users), 1 + num_negatives), dtype=bool)
     labels[:, 0] = True

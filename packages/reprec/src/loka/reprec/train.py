@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from loka.reprec.examples import Cut, training_examples
+from loka.reprec.examples import TRAIN_SAMPLING, Cut, TrainSampling, training_examples
 from loka.reprec.model import PromptScorer
-from loka.zoo.data.amazon import AmazonSequences, NegativeSampling
+from loka.zoo.data.amazon import AmazonSequences
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     num_negatives: int = 2
-    negative_sampling: NegativeSampling = "uniform"
+    negative_sampling: TrainSampling = "uniform"
     cut: Cut = "random"
     history_items: int | None = None
     max_users: int | None = None
@@ -39,6 +39,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.negative_sampling not in TRAIN_SAMPLING:
+            raise ValueError(
+                f"negative_sampling must be one of {TRAIN_SAMPLING}, got {self.negative_sampling!r}"
+            )
 
 
 @dataclass
