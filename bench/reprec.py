@@ -15,7 +15,7 @@ loka.reprec.backbone); give --backbone for a local Hugging Face checkpoint inste
 
     python bench/reprec.py --smoke   # CPU, a generated tiny dataset, < 1 min: proves it runs
     python bench/reprec.py --cpu     # CPU, Beauty at reduced scale (~15 min on 2 cores)
-    python bench/reprec.py           # one H200, full Beauty, about 3-4 min
+    python bench/reprec.py           # one H200, full Beauty, about 4 min (Sports about 5)
 Results in --out (default $OUT, else bench/results/): reprec_<mode>_<utc>.json (metadata,
 configuration, every row, training times, parameter counts, phase times) and
 reprec_<mode>_<utc>.csv (one row per method x negatives x activity group). The Amazon data
@@ -156,7 +156,9 @@ def config(data_dir: str | None) -> RepRecConfig:
             backbone=BackboneConfig(
                 hidden_size=256, num_layers=4, num_heads=4, intermediate_size=688
             ),
-            pretrain=PretrainConfig(epochs=20, batch_size=64, block=128),
+            # 12 epochs: with the item tokens from SASRec, Beauty's answer loss reached 0.10
+            # (20 epochs from random tokens: 0.18); 20 ran past a 290 s call on a slow host.
+            pretrain=PretrainConfig(epochs=12, batch_size=64, block=128),
             reprec=train,
             lora=dataclasses.replace(train, lr=1e-3),
             eval_users=5000,
