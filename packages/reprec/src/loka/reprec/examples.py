@@ -32,11 +32,12 @@ from loka.zoo.data.amazon import (
 from loka.zoo.data.seeding import stream_seed
 
 Cut = Literal["last", "random"]
+# Negatives, for training and evaluation alike: "mixed" draws half by popularity (rounded
+# down) and the rest uniform, side by side, as the original REPREC evaluation does.
 EvalSampling = Literal["uniform", "popularity", "mixed"]
-# Training negatives: "mixed" draws half by popularity (rounded down), half uniform.
-TrainSampling = Literal["uniform", "popularity", "mixed"]
-TRAIN_SAMPLING: tuple[str, ...] = ("uniform", "popularity", "mixed")
 EVAL_SAMPLING: tuple[str, ...] = ("uniform", "popularity", "mixed")
+TrainSampling = EvalSampling
+TRAIN_SAMPLING = EVAL_SAMPLING
 # Interactions in the history a prediction sees; the upper bounds are inclusive.
 ACTIVITY_GROUPS: dict[str, tuple[int, float]] = {
     "cold": (1, 5),
@@ -58,6 +59,16 @@ class PromptExamples:
         return PromptExamples(
             self.history.to(device), self.candidates.to(device), self.labels.to(device)
         )
+
+
+def sampling_parts(sampling: str, count: int) -> list[tuple[NegativeSampling, int]]:
+    """The draws a sampling makes: `(mode, count)` for one mode, popularity then uniform for
+    "mixed" (see EVAL_SAMPLING); one line naming an unknown sampling."""
+    if sampling == "mixed":
+        return [("popularity", count // 2), ("uniform", count - count // 2)]
+    if sampling in ("uniform", "popularity"):
+        return [(sampling, count)]  # type: ignore[list-item]
+    raise ValueError(f"negative_sampling must be one of {EVAL_SAMPLING}, got {sampling!r}")
 
 
 def _training_keys(data: AmazonSequences) -> tuple[np.ndarray, int]:
@@ -139,21 +150,13 @@ def training_examples(
     history_length[users] = cuts
     history = left_padded(data, users, history_length, width)
     positives = data.values[data.offsets[users] + cuts]
-    if negative_sampling == "mixed":  # as the evaluation draws them: half by popularity
-        popular = num_negatives // 2
-        negatives = np.concatenate(
-            [
-                training_negatives(data, users, popular, rng, mode="popularity"),
-                training_negatives(data, users, num_negatives - popular, rng, mode="uniform"),
-            ],
-            1,
-        )
-    elif negative_sampling in ("uniform", "popularity"):
-        negatives = training_negatives(data, users, num_negatives, rng, mode=negative_sampling)
-    else:
-        raise ValueError(
-            f"negative_sampling must be one of {TRAIN_SAMPLING}, got {negative_sampling!r}"
-        )
+    negatives = np.concatenate(
+        [
+            training_negatives(data, users, count, rng, mode=mode)
+            for mode, count in sampling_parts(negative_sampling, num_negatives)
+        ],
+        1,
+    )
     candidates = np.concatenate([positives[:, None], negatives], 1).reshape(-1)
     labels = np.zeros((len(users), 1 + num_negatives), dtype=bool)
     labels[:, 0] = True
@@ -245,25 +248,14 @@ def eval_set(
         raise ValueError(f"split must be 'valid' or 'test', got {split!r}")
     users = np.arange(data.num_users) if users is None else np.asarray(users, dtype=np.int64)
     prefix = split_prefix(data, split)
-    if negative_sampling not in EVAL_SAMPLING:
-        raise ValueError(
-            f"negative_sampling must be one of {EVAL_SAMPLING}, got {negative_sampling!r}"
-        )
     counts = item_counts(data)
-    if negative_sampling == "mixed":
-        # As the original REPREC evaluation: half by popularity, half uniform, side by side.
-        popular = num_negatives // 2
-        negatives = np.concatenate(
-            [
-                eval_negatives(data, popular, seed=seed, mode="popularity", counts=counts),
-                eval_negatives(data, num_negatives - popular, seed=seed, mode="uniform"),
-            ],
-            axis=1,
-        )
-    else:
-        negatives = eval_negatives(
-            data, num_negatives, seed=seed, mode=negative_sampling, counts=counts
-        )
+    negatives = np.concatenate(
+        [
+            eval_negatives(data, count, seed=seed, mode=mode, counts=counts)
+            for mode, count in sampling_parts(negative_sampling, num_negatives)
+        ],
+        axis=1,
+    )
     candidates = np.concatenate([split_targets(data, split)[:, None], negatives], 1)[users]
     return EvalSet(
         split,

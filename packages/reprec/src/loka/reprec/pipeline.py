@@ -301,9 +301,7 @@ def run_reprec(config: RepRecConfig, on_progress: Progress | None = None) -> Rep
         tokenizer = build_item_tokenizer(data.num_items)
         llm = build_backbone(config.backbone, tokenizer, seed=config.seed).to(device)
     prompts = PromptEncoder(tokenizer, data.num_items, history_items=config.prompt_history)
-    if config.item_init == "sasrec" or (
-        config.item_init == "auto" and config.backbone_path is None
-    ):
+    if config.item_init != "random" and config.backbone_path is None:  # sasrec or auto
         items = torch.arange(data.num_items + 1, device=device)
         seeded = seed_item_embeddings(llm, prompts, sasrec.item_vectors(items), seed=config.seed)
         report.notes.append(
