@@ -167,6 +167,41 @@ def test_gradient_check_flags_a_variant_that_trains_something_else():
     assert all(p.grad is None for p in base.parameters())  # left as found
 
 
+class _DoesNotCompile(torch.nn.Module):
+    """Fails in its first forward, as torchao's tensorwise recipe did in inductor on HSTU's
+    jagged token count."""
+
+    def forward(self, x):
+        raise RuntimeError("Expected self.size(1) to be divisible by 16, but got 32078")
+
+
+def test_a_variant_that_fails_is_an_error_row_and_the_others_are_still_checked():
+    import copy
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    loka = copy.deepcopy(base)
+    made = {
+        "bf16": {"setup": _Setup(base), "model": base, "row": {"seed": 0}},
+        "torchao": {"setup": _Setup(copy.deepcopy(base)), "model": _DoesNotCompile(),
+                    "row": {"seed": 0}},
+        "loka": {"setup": _Setup(loka), "model": loka, "row": {"seed": 0}},
+    }  # fmt: skip
+    realized.gradient_check(made, torch.randn(16, 8), None, cudagraphs=False)
+    failed = made["torchao"]["row"]
+    assert failed["error"].startswith("RuntimeError: Expected self.size(1) to be divisible")
+    assert "grad_ok" not in failed and "_DoesNotCompile" not in failed["error"]
+    assert "forward" in failed["traceback"]
+    assert made["loka"]["row"]["grad_ok"]
+
+
+def test_cuda_graph_warm_up_records_every_batch_shape_before_timing():
+    # warm-up, record, replay: three calls of each cycled batch
+    assert realized.warmup_steps(6, 4, cudagraphs=True) == 12
+    assert realized.warmup_steps(20, 4, cudagraphs=True) == 20
+    assert realized.warmup_steps(6, 4, cudagraphs=False) == 6
+
+
 def test_loka_variants_name_their_plan_options():
     assert realized.loka_options("loka") == {}
     assert realized.loka_options("loka+fast+min=1.15") == {

@@ -116,6 +116,53 @@ def run(fake: FakeStep, config: VerifyConfig = FAST, **kwargs) -> Verifier:
     return verifier
 
 
+class RecordingStep(FakeStep):
+    """CUDA graphs: a set's first `slow_steps` steps (warm-up and one recording per input
+    shape) cost `record_cost` more each, counted from its first switch-in whether or not
+    the verifier times them."""
+
+    def __init__(self, factors: dict[str, float], slow_steps: int, record_cost: float) -> None:
+        super().__init__(factors)
+        self.slow_steps, self.record_cost = slow_steps, record_cost
+        self.runs: dict[frozenset[str], int] = {}
+        self.last = 0.0
+
+    def step(self) -> None:
+        self.runs[self.active] = self.runs.get(self.active, 0) + 1
+        recording = self.runs[self.active] <= self.slow_steps
+        self.last = self.time() + (self.record_cost if recording else 0.0)
+
+    def mark(self) -> None:
+        self.times.append(self.last)
+
+
+@pytest.mark.parametrize("mode", ["cudagraphs", "compiled"])
+def test_a_new_set_under_cuda_graphs_settles_before_it_is_timed(mode: str) -> None:
+    config = VerifyConfig(steps_per_block=10, drop=2, blocks=3, max_rounds=3)
+    fake = RecordingStep({"a": 0.95, "b": 1.06}, slow_steps=8, record_cost=1.0)
+    verifier = Verifier(list(fake.factors), fake.switch, config, fake, mode=mode)
+    while not verifier.done:
+        fake.step()
+        verifier.step()
+    result = verifier.result
+    assert not result.rounds[0].accepted  # a and b together: 1.007x, slower
+    assert result.rounds[1].active == ("a",)
+    if mode == "cudagraphs":  # settle_steps: steps_per_block untimed for each new set
+        assert config.settle_for(mode) == 10
+        assert result.kept == ["a"] and result.speedup == pytest.approx(1 / 0.95)
+        settling = 10 * len(set(fake.switches))  # {a, b}, bf16, {a}, {b}
+        assert result.steps == len(result.rounds) * config.steps_per_round + settling
+    else:
+        # Untimed steps only where asked: here {a}'s first block times its recording, and
+        # one such pair of blocks leaves the interval nothing to say.
+        assert config.settle_for(mode) == 0
+        assert result.rounds[1].verdict == "not shown to be as fast as bf16"
+        assert result.rounds[1].low < 0.5 and result.kept == []
+    assert VerifyConfig(settle_steps=3).settle_for("cudagraphs") == 3
+    with pytest.raises(ValueError, match="settle_steps must be >= 0"):
+        VerifyConfig(settle_steps=-1)
+
+
 def test_a_faster_site_is_kept_and_a_slower_one_demoted_even_when_predicted_better() -> None:
     fake = FakeStep({"a": 0.9, "b": 1.2}, noise=0.01, switch_cost=1.0)
     verifier = run(fake, gains={"b": 2.0, "a": 1.0})  # b predicted to gain more
@@ -356,6 +403,21 @@ def test_verify_drives_training_steps_demotes_and_records_in_the_plan(tmp_path) 
     applied.plan.write(tmp_path / "plan.parquet")
     assert read_plan(tmp_path / "plan.parquet").summary.verify_demoted == summary.verify_demoted
     copy.deepcopy(summary)  # plain data
+
+
+def test_verify_settles_each_new_set_when_the_plan_runs_under_cuda_graphs() -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    applied = apply(model, tiny_plan(model))
+    fake = FakeStep({"fc1": 0.9, "fc2": 0.9})
+    fake.time = lambda: 0.1 * math.prod(fake.factors[s] for s in applied.active)
+    events: list[str] = []
+    result = verify(sgd_step(model), applied, SHORT, fake, on_event=events.append,
+                    mode="cudagraphs")  # fmt: skip
+    assert len(result.rounds) == 1 and result.kept == ["fc1", "fc2"]
+    # SHORT's blocks are 2 steps: 2 more, untimed, for the planned set and for bf16's.
+    assert result.steps == SHORT.steps_per_round + 2 * 2
+    assert any("2 untimed steps for each new set" in e for e in events)
 
 
 # -- Session ---------------------------------------------------------------------------------

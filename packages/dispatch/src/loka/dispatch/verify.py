@@ -8,7 +8,11 @@ have measured 0.82-1.05x bf16. So after `apply`, the step itself is measured:
 - A round times one set of FP8 sites: blocks of `steps_per_block` steps alternate between
   the planned variant (those sites in FP8) and the bf16 variant (the model's original
   modules put back, same Parameters), P, B, P, B...; the first `drop` steps of every block
-  are discarded (a switch may recompile or re-quantize). The speedup is median(bf16 block
+  are discarded (a switch may recompile or re-quantize). The first time a set is switched
+  in, `settle_steps` more steps run untimed: under CUDA graphs (`mode="cudagraphs"`) a newly
+  compiled set records a graph per input shape on its second call, so with k distinct
+  shapes its first ~2k steps are slow, and one such block made a t-interval of three pairs
+  useless (HSTU large: [0.26, 1.96] for a set measured at 1.008x). The speedup is median(bf16 block
   medians) / median(planned block medians), with a t-interval on the log ratios of the
   adjacent (P_i, B_i) pairs (`loka.dispatch.verify_stats`).
 - A set passes when it is not slower than bf16 with confidence (speedup >= 1 and the
@@ -73,6 +77,10 @@ class VerifyConfig:
         plan's prediction beyond noise (the interval's upper end under the prediction).
     on_cpu: a `Session` also verifies a model on the CPU (where FP8 runs emulated, so the
         step time says nothing of the GPU the plan is for); off by default.
+    settle_steps: untimed steps the first time each set is switched in (round 0's planned
+        and bf16 sets, each later round's planned set). None: `steps_per_block` when the
+        plan runs under CUDA graphs (mode "cudagraphs"), 0 otherwise (a compiled set
+        recompiles once, on its first step, which `drop` covers).
     unit: what the search switches and demotes: "site" (all FP8 passes of a site together)
         or "pass" (each FP8 pass of a linear site on its own, ``"site/pass"``; a site whose
         forward pays and whose backward does not keeps its forward in FP8). Each distinct
@@ -89,6 +97,7 @@ class VerifyConfig:
     check_prediction: bool = True
     on_cpu: bool = False
     unit: str = "site"
+    settle_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.blocks < 3:
@@ -107,6 +116,14 @@ class VerifyConfig:
             raise ValueError(f"max_rounds must be >= 1, got {self.max_rounds}")
         if self.unit not in ("site", "pass"):
             raise ValueError(f"unit must be 'site' or 'pass', got {self.unit!r}")
+        if self.settle_steps is not None and self.settle_steps < 0:
+            raise ValueError(f"settle_steps must be >= 0, got {self.settle_steps}")
+
+    def settle_for(self, mode: str | None) -> int:
+        """Untimed steps for a newly switched-in set when the plan runs in `mode`."""
+        if self.settle_steps is not None:
+            return self.settle_steps
+        return self.steps_per_block if mode == "cudagraphs" else 0
 
     @property
     def steps_per_round(self) -> int:
@@ -242,8 +259,12 @@ class Verifier:
         on_event: Callable[[str], None] | None = None,
         method: str | None = None,
         parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+        mode: str | None = None,
     ) -> None:
         self.config = config or VerifyConfig()
+        self._settle = self.config.settle_for(mode)
+        self._seen: set[frozenset[str]] = set()  # sets switched in so far
+        self._settling = 0  # untimed steps left in this block
         self._parameters = parameters
         self._trained: list[frozenset[str]] = []  # per block of the round, as the medians
         self.gains = dict(gains or {})
@@ -273,9 +294,10 @@ class Verifier:
             self._finish()
             return
         cfg = self.config
+        settle = f", {self._settle} untimed steps for each new set" if self._settle else ""
         self._event(
             f"verifying {len(self.sites)} FP8 {_what(self.sites)} on the real step ({self.method}): "
-            f"planned/bf16 blocks of {cfg.steps_per_block} steps ({cfg.drop} dropped), "
+            f"planned/bf16 blocks of {cfg.steps_per_block} steps ({cfg.drop} dropped{settle}), "
             f"{cfg.steps_per_round} steps a round, at most {cfg.max_rounds} round(s)"
         )
         self._start_round(tuple(self.sites), ())
@@ -303,6 +325,11 @@ class Verifier:
         if self.done:
             return
         self.steps += 1
+        if self._settling:
+            self._settling -= 1
+            if not self._settling:
+                self._timer.start()  # the block's timing starts after the settling steps
+            return
         self._timer.mark()
         self._in_block += 1
         if self._in_block < self.config.steps_per_block:
@@ -334,8 +361,11 @@ class Verifier:
 
     def _start_block(self) -> None:
         planned = len(self._medians) % 2 == 0
-        self._switch(frozenset(self._active) if planned else frozenset())
+        units = frozenset(self._active) if planned else frozenset()
+        self._switch(units)
         self._in_block = 0
+        self._settling = 0 if units in self._seen else self._settle
+        self._seen.add(units)
         self._timer.start()
 
     def _measure(self) -> Round:
@@ -465,7 +495,7 @@ def verifier_for(
     """A `Verifier` over the live FP8 sites of an `Applied` (`loka.dispatch.apply`'s result),
     switching them with `Applied.use`; predictions from its plan; the gradient check on the
     model's parameters. `timer` defaults to CUDA events on a GPU model, the wall clock
-    elsewhere."""
+    elsewhere. `mode=` (the plan's execution mode) sets the default `settle_steps`."""
     config = config or VerifyConfig()
     per_pass = config.unit == "pass"
     if per_pass:
@@ -526,11 +556,13 @@ def verify(
     timer: StepTimer | None = None,
     *,
     on_event: Callable[[str], None] | None = None,
+    mode: str | None = None,
 ) -> Verification:
     """Verify an applied plan on the real step: call `step_fn()` (one whole training step,
     optimizer included) until the `Verifier` is done, then `settle`. Uses at most
-    ``config.max_rounds * config.steps_per_round`` steps; none when no site is in FP8."""
-    verifier = verifier_for(applied, config, timer, on_event=on_event)
+    ``config.max_rounds * config.steps_per_round`` steps plus the settling steps of each new
+    set (`VerifyConfig.settle_steps`, by `mode`); none when no site is in FP8."""
+    verifier = verifier_for(applied, config, timer, on_event=on_event, mode=mode)
     while not verifier.done:
         step_fn()
         verifier.step()

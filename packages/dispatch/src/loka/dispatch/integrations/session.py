@@ -342,7 +342,7 @@ class Session:
         self._allow_recompiles(config)
         self.verifier = verifier_for(
             self.applied, config, self.timer, reduce=_max_over_ranks if is_distributed() else None,
-            on_event=self._event,
+            on_event=self._event, mode=self.config.plan.mode,
         )  # fmt: skip
         if self.verifier.done:
             self._settle()
