@@ -480,6 +480,8 @@ def run_mode(
         cost_model=CostModel.shipped(), budget_s=args.bench_budget_s,
         backends=mode_backends(mode), recipes=site_recipes(tables["site_errors"]),
         include_fast_accum=any(o.get("allow_fast_accum") for o in options.values()),
+        # Candidates whose host time alone loses are skipped only when every plan charges it.
+        charge_host=mode == "eager" and all(o.get("charge_host", True) for o in options.values()),
     )  # fmt: skip
     log(f"{name}/{mode}: bench {bench.measured} measured, {bench.reused} cached "
         f"({bench.retimed} bf16 baselines and {bench.retimed_fp8} FP8 GEMMs re-timed), "

@@ -25,6 +25,7 @@ from loka.dispatch.bench.runner import (
     Shape,
     benchmark,
     by_promise,
+    mode_backends,
     site_recipes,
     site_shapes,
     timed_shape,
@@ -273,6 +274,34 @@ def test_cached_host_times_are_measured_again(tmp_path, monkeypatch) -> None:
     assert "1.000 ms cached, 0.250 ms now" in note
     third = benchmark([Shape(32, 128, 64)], **kw)  # off: the cached host time stands
     assert set(third.table.filter(fp8)["host_ms"].to_list()) == {1.0}
+
+
+def test_an_eager_bench_that_charges_host_time_skips_candidates_it_cannot_pick(
+    tmp_path, monkeypatch
+) -> None:
+    """An FP8 pass whose extra host time alone is at least its bf16 pass's time loses in an
+    eager plan that charges host time, whatever its GEMM: not timed, not estimated."""
+    import loka.dispatch.bench.runner as runner
+
+    recipes = {"fwd": ["e4m3:e4m3/row/dynamic"], "dgrad": [], "wgrad": []}
+    kw = dict(recipes=recipes, time_on_cpu=True, backends=mode_backends("eager"))
+    plain = benchmark([Shape(32, 128, 64)], **kw)
+    bf16 = plain.table.filter(pl.col("recipe") == "bf16")
+    fp8 = plain.table.height - bf16.height
+    assert fp8 > 0 and plain.hopeless == 0
+
+    # (wall-clock timings on the CPU move between runs: host times far off either side)
+    monkeypatch.setattr(runner, "_host_ms", lambda c, shape, device: 1e3)  # loses
+    charged = benchmark([Shape(32, 128, 64)], charge_host=True, **kw)
+    assert charged.hopeless == fp8 and charged.estimated == 0
+    assert charged.table.filter(pl.col("recipe") != "bf16").height == 0
+    assert charged.measured == bf16.height  # the baselines are still timed
+    (note,) = [n for n in charged.notes if "not timed" in n]
+    assert note.startswith(f"{fp8} eager FP8 candidate(s) not timed: their host time alone")
+
+    monkeypatch.setattr(runner, "_host_ms", lambda c, shape, device: 0.0)  # may win
+    cheaper = benchmark([Shape(32, 128, 64)], charge_host=True, **kw)
+    assert cheaper.hopeless == 0 and cheaper.table.height == plain.table.height
 
 
 def test_measuring_order_gives_every_shape_its_most_promising_candidates_first() -> None:

@@ -56,6 +56,11 @@ def run(args: argparse.Namespace) -> int:
     from loka.schema import read_table
 
     try:
+        config = PlanConfig(
+            min_speedup=args.min_speedup, allow_fast_accum=args.allow_fast_accum,
+            allow_undecided=args.allow_undecided, error_budget_total=args.error_budget_total,
+            exclude=tuple(args.exclude),
+        )  # fmt: skip
         tables = load_probe_tables(args.tables)
         if args.kernel_bench is not None:
             bench = read_table(args.kernel_bench, "kernel_bench")
@@ -64,15 +69,11 @@ def run(args: argparse.Namespace) -> int:
             result = benchmark(site_shapes(sites), cache=BenchCache(),
                                cost_model=CostModel.shipped(), budget_s=args.budget_s,
                                norm_shapes=site_norm_shapes(sites),
-                               recipes=site_recipes(tables["site_errors"]))  # fmt: skip
+                               recipes=site_recipes(tables["site_errors"]),
+                               charge_host=config.mode == "eager" and config.charge_host)  # fmt: skip
             for note in result.notes:
                 console.print(f"bench: {note}")
             bench = result.table
-        config = PlanConfig(
-            min_speedup=args.min_speedup, allow_fast_accum=args.allow_fast_accum,
-            allow_undecided=args.allow_undecided, error_budget_total=args.error_budget_total,
-            exclude=tuple(args.exclude),
-        )  # fmt: skip
         plan = make_plan(tables["sites"], tables["site_errors"], bench, config,
                          gemm_share=args.gemm_share)  # fmt: skip
     except user_errors() as exc:

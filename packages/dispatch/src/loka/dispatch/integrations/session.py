@@ -405,6 +405,7 @@ class Session:
             site_shapes(sites), device=device, cache=BenchCache(self.config.cache_dir),
             cost_model=CostModel.shipped(), budget_s=self.config.bench_budget_s,
             norm_shapes=norm_shapes, backends=mode_backends(mode), recipes=site_recipes(errors),
+            charge_host=mode == "eager" and self.config.plan.charge_host,
         )  # fmt: skip
         for note in result.notes:
             self._event(f"bench: {note}")
