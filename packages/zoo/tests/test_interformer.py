@@ -72,3 +72,28 @@ def test_rejects_bad_sequences() -> None:
         zoo.create("interformer", num_recent=17)
     with pytest.raises(ValueError, match="divisible"):
         zoo.create("interformer", num_heads=3)
+
+
+def test_math_attention_computes_what_sdpa_does_and_compiles() -> None:
+    fused = zoo.create("interformer", batch_size=16, seed=3)
+    plain = zoo.create("interformer", batch_size=16, seed=3, attention="math")
+    assert plain.config.attention == "math" and fused.config.attention == "sdpa"
+    plain.model.load_state_dict(fused.model.state_dict())
+    batch = next(fused.train_batches())
+    assert (batch["sequence"] == 0).any()  # padded keys are masked out in both
+
+    def loss_and_grads(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(batch).square().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want, want_grads = loss_and_grads(fused.model)
+    got, got_grads = loss_and_grads(plain.model)
+    torch.testing.assert_close(got, want)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, msg=name)
+    compiled = torch.compile(plain.model, fullgraph=True)
+    torch.testing.assert_close(compiled(batch), plain.model(batch), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="attention must be 'sdpa' or 'math'"):
+        zoo.create("interformer", attention="flash")

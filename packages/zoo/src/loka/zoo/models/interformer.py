@@ -24,6 +24,7 @@ several), learned positions instead of rotary ones, a dot + MLP interaction modu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +54,17 @@ class InterFormerConfig(CTRStackConfig):
     num_pma: int = 2
     num_recent: int = 2
     activation: Activation = "gelu"
+    # "sdpa": F.scaled_dot_product_attention (on an H200, cuDNN's fused kernels); "math":
+    # softmax(q k^T / sqrt(d) + mask) v in plain ops, which inductor fuses around two small
+    # batched matmuls. The sequences here are short (CLS tokens + 16 items at xl), where a
+    # fused kernel's tiles are mostly padding: InterFormer xl's compiled bf16 step spent 25
+    # of its 124 ms in cuDNN attention (9 calls, `realized_20261203T220217Z_profiles`).
+    attention: Literal["sdpa", "math"] = "sdpa"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.attention not in ("sdpa", "math"):
+            raise ValueError(f"attention must be 'sdpa' or 'math', got {self.attention!r}")
         require_positive(
             self, "num_items", "max_seq_len", "num_heads", "interaction_hidden",
             "sequence_hidden", "num_summary", "num_cls", "num_pma", "num_recent",
@@ -89,11 +98,20 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, heads: int):
-    """Multi-head attention of `q [B, Tq, d]` over the valid keys of `k, v [B, T, d]`."""
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, heads: int,
+    how: str = "sdpa",
+) -> torch.Tensor:  # fmt: skip
+    """Multi-head attention of `q [B, Tq, d]` over the valid keys of `k, v [B, T, d]`
+    (`how`: `InterFormerConfig.attention`). Every row has a valid key (the CLS tokens)."""
     mask = valid.view(valid.size(0), 1, 1, -1)
-    out = F.scaled_dot_product_attention(_heads(q, heads), _heads(k, heads).to(q.dtype),
-                                         _heads(v, heads).to(q.dtype), attn_mask=mask)  # fmt: skip
+    qh, kh, vh = _heads(q, heads), _heads(k, heads).to(q.dtype), _heads(v, heads).to(q.dtype)
+    if how == "sdpa":
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+    else:
+        scores = (qh @ kh.transpose(-1, -2)) * qh.size(-1) ** -0.5
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vh.dtype) @ vh
     return out.transpose(1, 2).flatten(2)
 
 
@@ -127,7 +145,7 @@ class PoolingAttention(nn.Module):
     def __init__(self, config: InterFormerConfig) -> None:
         super().__init__()
         dim = config.embedding_dim
-        self.heads = config.num_heads
+        self.heads, self.attention = config.num_heads, config.attention
         self.norm = make_norm(config.norm, dim)
         self.kv = nn.Linear(dim, 2 * dim)
         self.queries = nn.Parameter(torch.randn(config.num_pma, dim) * dim**-0.5)
@@ -136,7 +154,7 @@ class PoolingAttention(nn.Module):
     def forward(self, seq: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         k, v = self.kv(self.norm(seq)).chunk(2, dim=-1)
         q = self.queries.to(k.dtype).expand(seq.size(0), -1, -1)
-        return self.out(_attend(q, k, v, valid, self.heads))
+        return self.out(_attend(q, k, v, valid, self.heads, self.attention))
 
 
 class SequenceSummary(nn.Module):
@@ -191,7 +209,7 @@ class SequenceBlock(nn.Module):
     def __init__(self, config: InterFormerConfig) -> None:
         super().__init__()
         dim, hidden = config.embedding_dim, config.sequence_hidden
-        self.heads = config.num_heads
+        self.heads, self.attention = config.num_heads, config.attention
         self.ffn_norm = make_norm(config.norm, dim)
         self.ffn_in = nn.Linear(dim, hidden)
         self.activation = make_activation(config.activation)
@@ -207,7 +225,7 @@ class SequenceBlock(nn.Module):
         gate = 2.0 * torch.sigmoid(self.personalize(x_sum.flatten(1)))
         seq = seq + self.ffn_out(hidden * gate.unsqueeze(1).to(hidden.dtype))
         q, k, v = self.qkv(self.attention_norm(seq)).chunk(3, dim=-1)
-        seq = seq + self.out(_attend(q, k, v, valid, self.heads))
+        seq = seq + self.out(_attend(q, k, v, valid, self.heads, self.attention))
         return seq * valid.unsqueeze(-1)  # padding stays zero
 
 
