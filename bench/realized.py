@@ -145,7 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="dhen")
     p.add_argument("--modes", default="compiled,eager")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma list; LoKA variants take options: loka+fast, loka+nohost, loka+min=1.15, loka+wq=1, loka+x=GLOB/pass, loka+bias=gemm")  # fmt: skip
+                   help="comma list; LoKA variants take options: loka+fast, loka+nohost, loka+min=1.15, loka+wq=1, loka+x=GLOB/pass, loka+bias=gemm; any variant takes model options of its own after @: bf16@attention=math")  # fmt: skip
     p.add_argument("--preset", default="large")
     p.add_argument("--model-options", default="", type=model_options,
                    help="model config fields for every variant, e.g. mixing=bmm (Wukong); "
@@ -274,7 +274,7 @@ def interleaved(fns: dict, blocks: int, calls: int, clock: Clock, left) -> dict[
 
 def quality_rows(rows: list[dict], key: str) -> None:
     """`quality` and `quality_ok` (not worse than the bf16 seeds' band) on each row."""
-    band = [r["quality"] for r in rows if r["variant"].startswith("bf16") and "quality" in r]
+    band = [r["quality"] for r in rows if is_band_seed(r["variant"]) and "quality" in r]
     for r in rows:
         if "quality" not in r or not band:
             continue
@@ -345,8 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     if meta["torchao"] is None:
         variants = [v for v in variants if not v.startswith("torchao")]
     for v in variants:
+        split_variant(v)  # a malformed ``@`` option stops the run here
         # A bad option fails here, before any GPU time is spent.
-        if v.startswith("loka") and any(k in SERVING_OPTIONS for k in loka_options(v)):
+        if v.startswith("loka") and any(
+            k in SERVING_OPTIONS for k in loka_options(split_variant(v)[0])
+        ):
             raise SystemExit(f"{v}: static= is a serving option (--infer-variants)")
 
     def left() -> float:
@@ -474,7 +477,7 @@ def run_mode(
     # version of the same forward code: above dynamo's default limit of 8.
     torch._dynamo.config.recompile_limit = 64
     sites = tables["sites"]
-    options = {v: loka_options(v) for v in variants if v.startswith("loka")}
+    options = {v: loka_options(split_variant(v)[0]) for v in variants if v.startswith("loka")}
     bench = benchmark(
         site_shapes(sites), device=device, cache=BenchCache(args.cache),
         cost_model=CostModel.shipped(), budget_s=args.bench_budget_s,
@@ -508,10 +511,14 @@ def run_mode(
         check_memory(name, args.preset, variants)
     made: dict[str, dict] = {}
     for variant in variants:
-        seed = {"bf16-seed1": 1, "bf16-seed2": 2}.get(variant, 0)
-        setup = zoo.create(name, args.preset, device=device, seed=seed, **args.model_options)
+        base, extra = split_variant(variant)
+        seed = QUALITY_SEEDS.get(base, 0)
+        setup = zoo.create(name, args.preset, device=device, seed=seed,
+                           **(args.model_options | extra))  # fmt: skip
         row = {"model": name, "mode": mode, "variant": variant, "seed": seed, "fp8_layers": 0,
                "embedding_update": zoo.embedding_update(setup.model)}  # fmt: skip
+        if extra:
+            row["variant_model_options"] = extra
         if variant.startswith("torchao"):
             if not gpu:
                 continue  # torchao's float8 training needs a CUDA GPU
@@ -645,7 +652,7 @@ def run_mode(
         # InterFormer xl models and a fresh one do not fit an H200.
         release_timed(made, keep="bf16")
         quality_phase(args, rows, name, mode, dynamic, loka_plans, loka_apply)
-    band = [r["speedup_vs_bf16"] for r in rows if r["variant"].startswith("bf16") and "speedup_vs_bf16" in r]  # fmt: skip
+    band = [r["speedup_vs_bf16"] for r in rows if is_band_seed(r["variant"]) and "speedup_vs_bf16" in r]  # fmt: skip
     for r in rows:
         r["bf16_band"] = (min(band), max(band)) if band else None
     if save is not None and args.inference:
@@ -846,6 +853,24 @@ def serving_gemm_share(plan, forward_ms: float) -> float | None:
     return gemm_ms / forward_ms
 
 
+def split_variant(variant: str) -> tuple[str, dict]:
+    """``NAME@key=value@...``: the variant's name and its own model options, on top of
+    `--model-options` (``bf16@attention=math`` is bf16 seed 0's model with InterFormer's
+    plain-ops attention, timed beside ``bf16`` in the same process). ``@`` separates them,
+    since ``,`` separates the variants."""
+    name, *options = variant.split("@")
+    out: dict = {}
+    for option in options:
+        out |= key_values(option, f"variant {variant!r}")
+    return name, out
+
+
+def is_band_seed(variant: str) -> bool:
+    """One of the bf16 seeds whose spread is the noise band (not a bf16 variant with model
+    options of its own)."""
+    return variant in QUALITY_SEEDS
+
+
 def model_options(text: str) -> dict:
     """`--model-options`: ``key=value,...`` (values as Python literals, else strings)."""
     return key_values(text, "--model-options")
@@ -1029,7 +1054,7 @@ def compile_kwargs(mode: str, dynamic: str, variant: str = "") -> dict:
     variant's compile options (a LoKA variant's ``mk``)."""
     torch_mode = "reduce-overhead" if mode == "cudagraphs" else "default"
     if variant.startswith(("loka", "infer-loka")) and "multi_kernel" in loka_options(
-        variant.removeprefix("infer-")
+        split_variant(variant.removeprefix("infer-"))[0]
     ):
         from loka.dispatch.compile_options import compile_options
 
@@ -1055,8 +1080,9 @@ def train_and_evaluate(
 
     gpu = args.device == "cuda"
     autocast = torch.bfloat16 if gpu else None
-    setup = zoo.create(name, args.preset, device=args.device, seed=QUALITY_SEEDS.get(variant, 0),
-                       **args.model_options)  # fmt: skip
+    base, extra = split_variant(variant)
+    setup = zoo.create(name, args.preset, device=args.device, seed=QUALITY_SEEDS.get(base, 0),
+                       **(args.model_options | extra))  # fmt: skip
     if plan is not None:
         applied = apply(setup.model, plan, apply_config)
         for site, reason in demoted.items():

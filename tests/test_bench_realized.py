@@ -202,6 +202,22 @@ def test_cuda_graph_warm_up_records_every_batch_shape_before_timing():
     assert realized.warmup_steps(6, 4, cudagraphs=False) == 6
 
 
+def test_variants_carry_model_options_of_their_own_after_an_at_sign():
+    assert realized.split_variant("bf16") == ("bf16", {})
+    assert realized.split_variant("bf16@attention=math") == ("bf16", {"attention": "math"})
+    assert realized.split_variant("loka+mk@attention=math@num_heads=4") == (
+        "loka+mk", {"attention": "math", "num_heads": 4})  # fmt: skip
+    with pytest.raises(argparse.ArgumentTypeError, match="'math' is not key=value"):
+        realized.split_variant("bf16@math")
+    # Only the bf16 seeds make the noise band: a bf16 model with options of its own is a
+    # variant to compare, not a seed.
+    assert realized.is_band_seed("bf16-seed2") and not realized.is_band_seed("bf16@attention=math")
+    rows = [{"variant": "bf16", "quality": 0.80}, {"variant": "bf16-seed1", "quality": 0.81},
+            {"variant": "bf16@attention=math", "quality": 0.70}]  # fmt: skip
+    realized.quality_rows(rows, "ne")
+    assert rows[0]["quality_band"] == (0.80, 0.81) and rows[2]["quality_ok"]
+
+
 def test_loka_variants_name_their_plan_options():
     assert realized.loka_options("loka") == {}
     assert realized.loka_options("loka+fast+min=1.15") == {
