@@ -56,7 +56,9 @@ class InterFormerConfig(CTRStackConfig):
     activation: Activation = "gelu"
     # "sdpa": F.scaled_dot_product_attention (on an H200, cuDNN's fused kernels); "math":
     # softmax(q k^T / sqrt(d) + mask) v in plain ops, which inductor fuses around two small
-    # batched matmuls. The sequences here are short (CLS tokens + 16 items at xl), where a
+    # batched matmuls (under bf16 autocast the scores come out of their matmul in bf16 and
+    # the softmax runs in float32, as Hugging Face's eager attention does; fused kernels
+    # keep the scores in float32). The sequences here are short (CLS tokens + 16 items at xl), where a
     # fused kernel's tiles are mostly padding: InterFormer xl's compiled bf16 step spent 25
     # of its 124 ms in cuDNN attention (9 calls, `realized_20261203T220217Z_profiles`).
     attention: Literal["sdpa", "math"] = "sdpa"
