@@ -1,10 +1,14 @@
 """Group the kernel rows of `bench/realized.py --profile` tables (torch.profiler's
 key_averages table, 160-character names) by kind, per step: FP8 GEMMs (cuBLAS `qq` kernels),
-bf16 GEMMs, Triton kernels that quantize (amax / _scaled_mm operands / pow2 bit masks),
-other Triton, the optimizers, the rest. Device-side rows only (self CPU 0), so a Triton
+bf16 GEMMs, fused attention (cuDNN, flash, memory-efficient), Triton kernels that quantize
+(amax / _scaled_mm operands / pow2 bit masks), other Triton, the optimizers, the rest. Device-side rows only (self CPU 0), so a Triton
 kernel is not counted twice with its launcher row.
 
     python bench/profile_summary.py bench/results/profiles_wukong_xl_20261202T0618Z/*.txt
+
+`--top N` lists each table's N largest kernel families per step under its kinds: where
+InterFormer xl's compiled step showed cuDNN's attention at 25 of 124 ms, which the kinds
+alone had left inside "other".
 
 `--diff BASE` prints, for each table against BASE (e.g. a plan's step against bf16's), the
 change per kind and the kernels whose time grew or shrank most, matched by name less
@@ -56,9 +60,15 @@ def kernel_rows(path: str, name_width: int = 160) -> list[tuple[str, float, int]
 # e4m3, `qrtst` / `rqtst` e4m3 x e5m2 (a gradient in e5m2). Matching only `qqtst` once
 # counted HSTU xl's e5m2 wgrad GEMMs as bf16 ones.
 FP8_GEMM = re.compile(r"nvjet_sm\d+_[qr]{2}t")
+# Fused attention kernels: cuDNN's (`cudnn_generated_fort_native_sdpa_...`), flash
+# attention's, the memory-efficient one's (`fmha_cutlass...`, named after cutlass: checked
+# before the GEMMs).
+ATTENTION = re.compile(r"sdpa|flash_(fwd|bwd)|fmha|attention", re.IGNORECASE)
 
 
 def kind(name: str) -> str:
+    if ATTENTION.search(name):
+        return "attention"
     if FP8_GEMM.search(name):
         return "fp8 gemm"
     if "nvjet" in name or "cutlass" in name or "gemm" in name.lower():
@@ -189,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="which plan of --plan's run: the last part of its key (loka+mk; the "
                         "plain loka plan's key ends in its --dynamic setting, auto)")  # fmt: skip
     p.add_argument("--kernel-bench", default=None, help="the timings the plan was made from")
+    p.add_argument("--top", type=int, default=0, help="also list the N largest kernel families")
     args = p.parse_args(argv)
     if args.plan and not (args.diff and args.kernel_bench):
         p.error("--plan needs --diff BASE (the bf16 profile) and --kernel-bench")
@@ -209,6 +220,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{path}: listed kernels {sum(ms.values()):.2f} ms/step")
         for k, v in ms.most_common():
             print(f"   {k:18s} {v:7.2f} ms/step  {launches[k]:6.0f} launches/step")
+        if args.top:
+            print(f"   largest {args.top} kernel families:")
+            families = per_step(path, args.steps, key=family)
+            for name in sorted(families, key=families.get, reverse=True)[: args.top]:
+                v = families[name]
+                print(f"   {v:7.2f} ms/step  {kind(name):16s} {name[:110]}")
 
 
 if __name__ == "__main__":

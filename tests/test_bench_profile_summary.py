@@ -99,3 +99,19 @@ def test_plan_rows_find_their_timing_by_speed_key():
     assert planned["fp8 gemm"] == pytest.approx(13.66, abs=0.01)
     with pytest.raises(SystemExit, match="3 plans match None"):
         _load().planned_parts(str(run), None, str(timings))
+
+
+def test_fused_attention_is_its_own_kind_and_top_lists_the_largest_families(capsys):
+    summary = _load()
+    for name in ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128",
+                 "fmha_cutlassB_bf16_aligned_64x64_k64_sm80",
+                 "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>"):  # fmt: skip
+        assert summary.kind(name) == "attention", name
+    assert summary.kind("cutlass_75_tensorop_bf16_s1688gemm_bf16_64x64_nt_align1") == "bf16 gemm"
+    table = ROOT / "bench/results/realized_20261203T220217Z_profiles/profile_interformer_compiled_bf16.txt"  # fmt: skip
+    summary.main([str(table), "--top", "3"])
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:3] == ["attention", "24.94", "ms/step"] for line in out)
+    listed = out[out.index("   largest 3 kernel families:") + 1 :]
+    assert len(listed) == 3 and "cudnn_generated_fort_native_sdpa" in listed[0]
+    assert listed[0].split()[0] == "15.33"  # the attention backward, the largest kernel
