@@ -1,8 +1,9 @@
 """Group the kernel rows of `bench/realized.py --profile` tables (torch.profiler's
 key_averages table, 160-character names) by kind, per step: FP8 GEMMs (cuBLAS `qq` kernels),
 bf16 GEMMs, fused attention (cuDNN, flash, memory-efficient), Triton kernels that quantize
-(amax / _scaled_mm operands / pow2 bit masks), other Triton, the optimizers, the rest. Device-side rows only (self CPU 0), so a Triton
-kernel is not counted twice with its launcher row.
+(amax / _scaled_mm operands / pow2 bit masks), other Triton, the optimizers, the rest.
+Device-side rows only (self CPU 0), so a Triton kernel is not counted twice with its
+launcher row.
 
     python bench/profile_summary.py bench/results/profiles_wukong_xl_20261202T0618Z/*.txt
 

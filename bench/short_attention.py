@@ -136,11 +136,10 @@ def main(argv: list[str] | None = None) -> None:
         if times.get(key):
             row["ms"] = statistics.median(times[key])
             row["rounds_ms"] = times[key]
-    for part in ("sequence", "pooling"):
-        base_ms = next((r.get("ms") for r in rows if r["module"] == part and r["variant"] == "sdpa"), None)  # fmt: skip
-        for r in rows:
-            if r["module"] == part and base_ms and r.get("ms"):
-                r["speedup_vs_sdpa"] = base_ms / r["ms"]
+    sdpa_ms = {r["module"]: r["ms"] for r in rows if r["variant"] == "sdpa" and "ms" in r}
+    for r in rows:
+        if r["module"] in sdpa_ms and "ms" in r:
+            r["speedup_vs_sdpa"] = sdpa_ms[r["module"]] / r["ms"]
     meta = metadata(device, preset=preset, command=" ".join([sys.executable, *sys.argv]),
                     timing="fwd+bwd under bf16 autocast (GPU), compiled (GPU); median of "
                            "interleaved rounds, each a do_bench median")  # fmt: skip

@@ -366,7 +366,8 @@ class Verifier:
         self._in_block = 0
         self._settling = 0 if units in self._seen else self._settle
         self._seen.add(units)
-        self._timer.start()
+        if not self._settling:  # else `step` starts the timer once the set has settled
+            self._timer.start()
 
     def _measure(self) -> Round:
         cfg = self.config

@@ -58,9 +58,10 @@ class InterFormerConfig(CTRStackConfig):
     # softmax(q k^T / sqrt(d) + mask) v in plain ops, which inductor fuses around two small
     # batched matmuls (under bf16 autocast the scores come out of their matmul in bf16 and
     # the softmax runs in float32, as Hugging Face's eager attention does; fused kernels
-    # keep the scores in float32). The sequences here are short (CLS tokens + 16 items at xl), where a
-    # fused kernel's tiles are mostly padding: InterFormer xl's compiled bf16 step spent 25
-    # of its 124 ms in cuDNN attention (9 calls, `realized_20261203T220217Z_profiles`).
+    # keep the scores in float32). The sequences here are short (CLS tokens + 16 items at
+    # xl), where a fused kernel's tiles are mostly padding: InterFormer xl's compiled bf16
+    # step spent 25 of its 124 ms in cuDNN attention (9 calls,
+    # `realized_20261203T220217Z_profiles`).
     attention: Literal["sdpa", "math"] = "sdpa"
 
     def __post_init__(self) -> None:
