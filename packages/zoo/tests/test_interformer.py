@@ -75,7 +75,7 @@ def test_rejects_bad_sequences() -> None:
 
 
 def test_math_attention_computes_what_sdpa_does_and_compiles() -> None:
-    fused = zoo.create("interformer", batch_size=16, seed=3)
+    fused = zoo.create("interformer", batch_size=16, seed=3, attention="sdpa")
     plain = zoo.create("interformer", batch_size=16, seed=3, attention="math")
     assert plain.config.attention == "math" and fused.config.attention == "sdpa"
     plain.model.load_state_dict(fused.model.state_dict())
@@ -95,5 +95,35 @@ def test_math_attention_computes_what_sdpa_does_and_compiles() -> None:
         torch.testing.assert_close(got_grads[name], grad, msg=name)
     compiled = torch.compile(plain.model, fullgraph=True)
     torch.testing.assert_close(compiled(batch), plain.model(batch), rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="attention must be 'sdpa' or 'math'"):
+    with pytest.raises(ValueError, match="attention must be 'auto', 'sdpa' or 'math'"):
         zoo.create("interformer", attention="flash")
+
+
+def test_auto_attention_is_sdpa_eagerly_and_plain_ops_when_compiled(monkeypatch) -> None:
+    from loka.zoo.models import interformer
+
+    setup = zoo.create("interformer", batch_size=8, seed=1)
+    assert setup.config.attention == "auto"
+    batch = next(setup.train_batches())
+    fused_calls = []
+    sdpa = interformer.F.scaled_dot_product_attention
+
+    def counting_sdpa(*args, **kwargs):
+        fused_calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(interformer.F, "scaled_dot_product_attention", counting_sdpa)
+    eager = setup.model(batch)
+    assert fused_calls, "eagerly, auto attention runs SDPA"
+
+    graph_targets: list[str] = []
+
+    def recording_backend(gm, example_inputs):
+        graph_targets.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(setup.model, backend=recording_backend, fullgraph=True)
+    torch.testing.assert_close(compiled(batch), eager, rtol=1e-4, atol=1e-5)
+    assert graph_targets and not any("scaled_dot_product" in t for t in graph_targets)
+    assert any("softmax" in t for t in graph_targets)
