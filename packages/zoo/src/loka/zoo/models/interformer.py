@@ -70,9 +70,7 @@ class InterFormerConfig(CTRStackConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.attention not in ("auto", "sdpa", "math"):
-            raise ValueError(
-                f"attention must be 'auto', 'sdpa' or 'math', got {self.attention!r}"
-            )
+            raise ValueError(f"attention must be 'auto', 'sdpa' or 'math', got {self.attention!r}")
         require_positive(
             self, "num_items", "max_seq_len", "num_heads", "interaction_hidden",
             "sequence_hidden", "num_summary", "num_cls", "num_pma", "num_recent",
