@@ -1,0 +1,168 @@
+"""Issue 14's end-to-end table, assembled from recorded `bench/realized.py` runs.
+
+A `realized.py` call on the H200 fits a model or two in three modes (its limit is 10
+minutes), so the table of every zoo model in every mode comes from several runs. This
+script reads their JSON (`.json` or `.json.xz`), keeps for each (model, mode, variant) the
+row of the latest run that has it, and writes `e2e_<utc>.json` whose `runs` rows carry
+what the issue asks for: `model`, `preset`, `mode`, `variant`, `step_ms` or `fwd_ms`,
+`speedup_vs_bf16` **against the median of the bf16 seeds timed in the same run and mode**
+(the run's own `speedup_vs_bf16`, against seed 0, stays as `speedup_vs_bf16_seed0`),
+`quality_ok` (None where the run trained no quality band), and for LoKA
+`predicted_speedup`, `ceiling` and `demoted`; each row names its `source` file and commit.
+`missing` lists the cells no run has recorded (a variant a run could not time is a row
+with its `error` or `skipped` line, not missing).
+
+    python3 bench/e2e_table.py bench/results/realized_20261204T1[6-9]*.json* --preset large
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from harness import parser, stamp, write_json
+
+MODELS = ("dlrm", "dhen", "wukong", "interformer", "hstu")
+MODES = ("compiled", "cudagraphs", "eager")
+TRAINING = ("bf16", "bf16-seed1", "bf16-seed2", "torchao-tensorwise-auto",
+            "torchao-rowwise-auto", "loka")  # fmt: skip
+SERVING = ("infer-bf16", "infer-torchao-rowwise", "infer-loka")
+LOKA_FIELDS = ("predicted_speedup", "predicted_from_step", "ceiling", "ceiling_step",
+               "demoted", "fp8_layers", "passes_fp8", "verify_lines")  # fmt: skip
+KEPT = ("step_ms", "fwd_ms", "blocks_ms", "ratio_min", "ratio_max", "quality", "quality_ok",
+        "grad_ok", "grad_min_cosine", "fp8_layers", "error", "skipped", "batch_size",
+        "embedding_update", "dynamic")  # fmt: skip
+_SEED = re.compile(r"^(infer-)?bf16(-seed\d+)?$")
+
+
+def parse_args(argv: list[str] | None = None):
+    p = parser(__doc__)
+    p.add_argument("files", nargs="+", help="realized_*.json or .json.xz")
+    p.add_argument("--preset", default="large")
+    p.add_argument("--models", default=",".join(MODELS))
+    return p.parse_args(argv)
+
+
+def read_run(path: str | Path) -> dict:
+    """One recorded run; one line naming the file if it is not a realized.py result."""
+    path = Path(path)
+    raw = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path.name}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise ValueError(f"{path.name}: no 'runs' list: not a bench/realized.py result")
+    return data
+
+
+def is_band_seed(variant: str) -> bool:
+    """bf16 seed 0 and the other plain bf16 seeds (training or serving), no model options."""
+    return bool(_SEED.match(variant))
+
+
+def seed_median(rows: list[dict], serving: bool, batch=None) -> float | None:
+    """Median step (or forward) time of the run's bf16 seeds in one mode."""
+    key = "fwd_ms" if serving else "step_ms"
+    times = [r[key] for r in rows
+             if is_band_seed(r["variant"]) and r["variant"].startswith("infer-") == serving
+             and r.get(key) is not None and r.get("batch_size") == batch]  # fmt: skip
+    return statistics.median(times) if times else None
+
+
+def table_rows(data: dict, source: str, preset: str) -> list[dict]:
+    """The run's rows of one preset, with the speedup against its own seeds' median."""
+    meta = data.get("meta", {})
+    rows = [r for r in data["runs"] if r.get("preset", meta.get("preset")) == preset
+            and all(k in r for k in ("model", "mode", "variant"))]  # fmt: skip
+    out = []
+    for r in rows:
+        serving = r["variant"].startswith("infer-")
+        same_mode = [x for x in rows if (x["model"], x["mode"]) == (r["model"], r["mode"])]
+        base = seed_median(same_mode, serving, r.get("batch_size"))
+        ms = r.get("fwd_ms" if serving else "step_ms")
+        row = {"model": r["model"], "preset": preset, "mode": r["mode"],
+               "variant": r["variant"],
+               "speedup_vs_bf16": base / ms if base and ms else None,
+               "speedup_vs_bf16_seed0": r.get("speedup_vs_bf16"),
+               "quality_ok": r.get("quality_ok"),
+               "source": source, "commit": (meta.get("git_commit") or "")[:7] or None}  # fmt: skip
+        row |= {k: r[k] for k in KEPT if r.get(k) is not None and k != "quality_ok"}
+        if r["variant"].startswith(("loka", "infer-loka")):
+            row |= {k: r.get(k) for k in LOKA_FIELDS}
+        out.append(row)
+    return out
+
+
+def assemble(runs: list[tuple[str, dict]], preset: str, models=MODELS) -> dict:
+    """Rows of the latest run per (model, mode, variant, batch); runs in recording order
+    (their file names carry the UTC stamp). A row with no timing (a budget-cut variant)
+    does not replace a timed one."""
+    cells: dict[tuple, dict] = {}
+    for source, data in sorted(runs, key=lambda item: item[0]):
+        for row in table_rows(data, source, preset):
+            if row["model"] not in models:
+                continue
+            key = (row["model"], row["mode"], row["variant"], row.get("batch_size"))
+            timed = row.get("step_ms") or row.get("fwd_ms")
+            outcome = timed or row.get("error") or row.get("skipped")
+            if outcome or key not in cells:
+                cells[key] = row
+    have = {(m, mode, v) for m, mode, v, _ in cells}
+    missing = [f"{m}/{mode}/{v}" for m in models for mode in MODES
+               for v in (*TRAINING, *SERVING) if (m, mode, v) not in have]  # fmt: skip
+    no_quality = sorted({f"{r['model']}/{r['mode']}" for r in cells.values()
+                         if r["variant"] == "loka" and r.get("quality_ok") is None})  # fmt: skip
+    return {"runs": sorted(cells.values(), key=order), "missing": missing,
+            "no_quality": no_quality}  # fmt: skip
+
+
+def order(row: dict) -> tuple:
+    model = MODELS.index(row["model"]) if row["model"] in MODELS else len(MODELS)
+    mode = MODES.index(row["mode"]) if row["mode"] in MODES else len(MODES)
+    return model, mode, row["variant"].startswith("infer-"), row["variant"]
+
+
+def report(table: dict) -> str:
+    lines = [f"{'model':<12}{'mode':<11}{'variant':<26}{'ms':>9}{'x seeds':>9}{'pred':>7}"
+             f"{'quality_ok':>11}  source"]  # fmt: skip
+    for r in table["runs"]:
+        ms = r.get("step_ms", r.get("fwd_ms"))
+        if ms is None:
+            what = (r.get("error") or r.get("skipped") or "not timed").splitlines()[0][:48]
+            lines.append(f"{r['model']:<12}{r['mode']:<11}{r['variant']:<26}  {what}")
+            continue
+        pred = r.get("predicted_from_step") or r.get("predicted_speedup")
+        lines.append(f"{r['model']:<12}{r['mode']:<11}{r['variant']:<26}{ms:>9.2f}"
+                     f"{r['speedup_vs_bf16']:>9.3f}{pred or float('nan'):>7.3f}"
+                     f"{r.get('quality_ok')!s:>11}  {r['source']}")  # fmt: skip
+    lines.append(f"missing: {len(table['missing'])} cells ({', '.join(table['missing'][:8])}"
+                 f"{', ...' if len(table['missing']) > 8 else ''})")  # fmt: skip
+    lines.append(f"LoKA rows without quality: {', '.join(table['no_quality']) or 'none'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        runs = [(Path(f).name, read_run(f)) for f in args.files]
+    except (OSError, ValueError) as e:
+        print(f"e2e_table: {e}", file=sys.stderr)
+        return 2
+    models = tuple(m for m in args.models.split(",") if m)
+    table = assemble(runs, args.preset, models)
+    print(report(table))
+    sources = sorted({r["source"] for r in table["runs"]})
+    meta = {"command": " ".join(sys.argv), "preset": args.preset, "sources": sources,
+            "from": "bench/realized.py runs on the H200, assembled by bench/e2e_table.py"}  # fmt: skip
+    path = write_json(Path(args.out) / f"e2e_{stamp()}.json", {"meta": meta, **table})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

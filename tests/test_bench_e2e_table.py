@@ -1,0 +1,104 @@
+"""bench/e2e_table.py: issue 14's end-to-end table assembled from recorded realized.py runs."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+import harness
+
+e2e_table = harness.load("e2e_table")
+
+
+def run(commit: str, rows: list[dict], preset: str = "large") -> dict:
+    return {"meta": {"git_commit": commit, "preset": preset}, "runs": rows}
+
+
+def row(model, mode, variant, ms=None, **extra) -> dict:
+    key = "fwd_ms" if variant.startswith("infer-") else "step_ms"
+    return {"model": model, "mode": mode, "variant": variant, "preset": "large",
+            **({key: ms} if ms is not None else {}), **extra}  # fmt: skip
+
+
+def test_speedup_is_against_the_median_of_the_runs_own_seeds():
+    data = run("a" * 40, [
+        row("dhen", "compiled", "bf16", 30.0, speedup_vs_bf16=1.0),
+        row("dhen", "compiled", "bf16-seed1", 33.0),
+        row("dhen", "compiled", "bf16-seed2", 31.0),
+        row("dhen", "compiled", "bf16@attention=math", 20.0),  # not a seed: options
+        row("dhen", "compiled", "loka", 25.0, speedup_vs_bf16=1.2, predicted_speedup=1.1,
+            ceiling=1.3, demoted={"fc": "slower"}, quality_ok=True),
+        row("dhen", "eager", "bf16", 40.0),
+        row("dhen", "eager", "loka", 50.0),
+        row("dhen", "compiled", "infer-bf16", 10.0, batch_size=16384),
+        row("dhen", "compiled", "infer-loka", 8.0, batch_size=16384),
+        row("dhen", "compiled", "infer-bf16", 40.0, batch_size=65536),
+        row("dhen", "compiled", "infer-loka", 20.0, batch_size=65536),
+    ])  # fmt: skip
+    table = e2e_table.assemble([("realized_1.json", data)], "large", ("dhen",))
+    got = {(r["mode"], r["variant"], r.get("batch_size")): r for r in table["runs"]}
+    loka = got[("compiled", "loka", None)]
+    assert loka["speedup_vs_bf16"] == pytest.approx(31.0 / 25.0)  # median of 30, 33, 31
+    assert loka["speedup_vs_bf16_seed0"] == 1.2 and loka["quality_ok"] is True
+    assert loka["predicted_speedup"] == 1.1 and loka["demoted"] == {"fc": "slower"}
+    assert loka["source"] == "realized_1.json" and loka["commit"] == "aaaaaaa"
+    assert got[("eager", "loka", None)]["speedup_vs_bf16"] == pytest.approx(0.8)
+    assert got[("compiled", "infer-loka", 16384)]["speedup_vs_bf16"] == pytest.approx(1.25)
+    assert got[("compiled", "infer-loka", 65536)]["speedup_vs_bf16"] == pytest.approx(2.0)
+    assert "quality_ok" in got[("compiled", "bf16", None)]  # None: no band trained
+    assert "dhen/cudagraphs/bf16" in table["missing"]
+    assert "dhen/compiled/loka" not in table["missing"]
+    assert table["no_quality"] == ["dhen/eager"]
+
+
+def test_the_latest_run_wins_but_an_untimed_row_keeps_a_timed_one():
+    early = run("1" * 40, [row("hstu", "compiled", "bf16", 24.0),
+                           row("hstu", "compiled", "loka", 23.0)])  # fmt: skip
+    late = run("2" * 40, [row("hstu", "compiled", "bf16", 23.0),
+                          row("hstu", "compiled", "loka", 22.0),
+                          row("hstu", "cudagraphs", "bf16"),  # budget-cut: no outcome
+                          row("hstu", "cudagraphs", "torchao-tensorwise-auto",
+                              error="RuntimeError: K not a multiple of 16")])  # fmt: skip
+    latest = run("3" * 40, [row("hstu", "compiled", "loka")])  # untimed, no outcome
+    table = e2e_table.assemble(
+        [("realized_3.json", latest), ("realized_1.json", early), ("realized_2.json", late)],
+        "large", ("hstu",))  # fmt: skip
+    got = {(r["mode"], r["variant"]): r for r in table["runs"]}
+    assert got[("compiled", "loka")]["step_ms"] == 22.0
+    assert got[("compiled", "loka")]["source"] == "realized_2.json"
+    assert got[("cudagraphs", "torchao-tensorwise-auto")]["error"].startswith("RuntimeError")
+    assert "hstu/cudagraphs/torchao-tensorwise-auto" not in table["missing"]
+
+
+def test_other_presets_and_rows_without_a_variant_are_left_out():
+    data = run("4" * 40, [row("dhen", "compiled", "bf16", 30.0),
+                          {"model": "dhen", "mode": "compiled", "error": "MemoryError"},
+                          {**row("dhen", "compiled", "loka", 20.0), "preset": "xl"}])  # fmt: skip
+    table = e2e_table.assemble([("r.json", data)], "large", ("dhen",))
+    assert [r["variant"] for r in table["runs"]] == ["bf16"]
+
+
+def test_reads_json_and_xz_and_names_a_file_that_is_not_a_run(tmp_path, capsys):
+    data = run("5" * 40, [row("wukong", "eager", "bf16", 45.0),
+                          row("wukong", "eager", "loka", 45.0)])  # fmt: skip
+    (tmp_path / "realized_a.json.xz").write_bytes(lzma.compress(json.dumps(data).encode()))
+    assert e2e_table.read_run(tmp_path / "realized_a.json.xz") == data
+    bad = tmp_path / "realized_b.json"
+    bad.write_text('{"meta": {}}')
+    with pytest.raises(ValueError, match=r"realized_b\.json: no 'runs' list"):
+        e2e_table.read_run(bad)
+    out = tmp_path / "out"
+    assert e2e_table.main([str(bad), "--out", str(out)]) == 2
+    assert "realized_b.json" in capsys.readouterr().err and not out.exists()
+    assert e2e_table.main([str(tmp_path / "realized_a.json.xz"), "--out", str(out),
+                           "--models", "wukong"]) == 0  # fmt: skip
+    (path,) = out.glob("e2e_*.json")
+    written = json.loads(path.read_text())
+    assert written["meta"]["sources"] == ["realized_a.json.xz"]
+    assert [r["variant"] for r in written["runs"]] == ["bf16", "loka"]
+    assert "wukong/compiled/bf16" in written["missing"]
