@@ -16,14 +16,24 @@ kernel. Results in --out: host_profile_<utc>.json.
 
     python3 bench/host_profile.py --regional               # K = N = 4096, row recipes
     python3 bench/host_profile.py --backend triton.fp8 --recipe e4m3:e4m3/tensor/dynamic
-On the CPU it runs (Triton interpreted, so its numbers say nothing of a GPU host).
+On the CPU it runs the native backend (`torch.native.cpu`: plain torch ops, not the GPU's
+code path), or with `--stub-device` the GPU's path itself (`--backend`, default
+`torch.scaled_mm`: the `Fp8LinearFunction`, the `loka_mods` ops, `fp8_mm`) with its device
+work (the Triton quantizations, `torch._scaled_mm`) replaced by allocations of the right
+shapes, so what is timed is LoKA's own Python and aten ops on that path: a proxy for the
+H200 host's share that the code can change (its launches cost the GPU host more).
+
+    python bench/host_profile.py --stub-device --M 16 --calls 50   # on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import sys
 from pathlib import Path
+from unittest import mock
 
 from harness import Budget, metadata, parser, stamp, write_json
 
@@ -48,7 +58,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--regional", action="store_true",
                    help="also the torch-native linear compiled on its own (module.compile()): "
                         "the host cost of an eager model whose FP8 sites alone are compiled")  # fmt: skip
-    return p.parse_args(argv)
+    p.add_argument("--stub-device", action="store_true",
+                   help="CPU only: run --backend's own path with its device work stubbed by "
+                        "allocations (LoKA's host code on the GPU's path, see above)")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.stub_device and args.regional:
+        p.error("--stub-device times the eager path; --regional compiles: run them apart")
+    return args
+
+
+@contextlib.contextmanager
+def stubbed_device_work(backend_name: str):
+    """`backend_name` made runnable on the CPU, with the FP8 quantizations and
+    `torch._scaled_mm` returning empty tensors of their outputs' shapes and dtypes: the
+    Python and aten ops around them run as on the GPU. Restored on exit."""
+    import torch
+
+    from loka.kernels import Fp8Tensor, registry
+    from loka.kernels.formats import check_high_precision_2d
+    from loka.mods import ops
+
+    def quantize(x, config, amax=None):
+        rows, cols = check_high_precision_2d(x).shape
+        scales = [torch.empty(config.scale_shape(rows, cols)) for _ in range(3)]
+        data = torch.empty((rows, cols), dtype=config.dtype)
+        return Fp8Tensor._trusted(data, *scales, config.fmt, config.granularity, config.block)
+
+    def quantize_transpose(x, config, amax=None):
+        x = check_high_precision_2d(x)
+        return quantize(x, config), quantize(x.t(), config)
+
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, use_fast_accum=False):
+        return torch.empty(a.shape[0], b.shape[1], dtype=out_dtype or torch.bfloat16)
+
+    original = registry.get(backend_name)
+    cpu = dataclasses.replace(original, runs_on_cpu=True, min_capability=None)
+    with contextlib.ExitStack() as stack:
+        registry.register(cpu, replace=True)
+        stack.callback(registry.register, original, replace=True)
+        stack.enter_context(mock.patch.object(ops, "quantize_with", quantize))
+        stack.enter_context(mock.patch.object(ops, "quantize_transpose_with", quantize_transpose))
+        stack.enter_context(mock.patch.object(torch, "_scaled_mm", scaled_mm))
+        yield
 
 
 def profile(module, x, calls: int, top: int) -> dict:
@@ -132,13 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if gpu else "cpu"
     K = args.K or (4096 if gpu else 64)
     N = args.N or (4096 if gpu else 64)
-    backend = args.backend if gpu else "torch.native.cpu"
+    if args.stub_device and gpu:
+        print("host_profile: --stub-device is for a CPU host (a GPU runs the real kernels)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    backend = args.backend if gpu or args.stub_device else "torch.native.cpu"
     budget = Budget(args.budget_s)
+    stub = stubbed_device_work(backend) if args.stub_device else contextlib.nullcontext()
     torch.manual_seed(0)
     x = torch.randn(args.M, K, device=device, requires_grad=True)
     baseline = nn.Linear(K, N, device=device)
     rows = []
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=gpu):
+    with stub, torch.autocast(device, dtype=torch.bfloat16, enabled=gpu):
         base = {t: host_ms_per_call(baseline, x, t, args.calls) for t in (False, True)}
         print(f"[host_profile] nn.Linear fwd+bwd {base[False]:.3f} ms host "
               f"(weight touched: {base[True]:.3f})", flush=True)  # fmt: skip
@@ -178,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['launches_per_call']:.0f} launches per call", flush=True)  # fmt: skip
         wall = wall_ms(args, K, N, device, backend, baseline) if gpu and args.wall_M else {}
     path = Path(args.out) / f"host_profile_{stamp()}.json"
-    meta = metadata(device, backend=backend, recipe=args.recipe, M=args.M, K=K, N=N)
+    meta = metadata(device, backend=backend, recipe=args.recipe, M=args.M, K=K, N=N,
+                    stub_device=args.stub_device)  # fmt: skip
     write_json(path, {"meta": meta, "baseline_ms": base, "rows": rows, "wall_ms": wall})
     print(f"wrote {path}")
     return 0

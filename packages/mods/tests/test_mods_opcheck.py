@@ -217,3 +217,20 @@ def test_refresh_weight(name):
     assert int(key[0]) >= 0
     if history.numel():
         assert float(history[0]) == pytest.approx(float(weight.detach().abs().max()))
+
+
+@pytest.mark.parametrize("name", MM_CASES)
+def test_eager_mm_wraps_its_own_operands_unchecked_and_the_op_still_checks(name):
+    # `call("mm")` (eager autograd functions) skips Fp8Tensor's checks on operands this
+    # module's ops made: the same product as the op, whose callers still get the clear errors.
+    a_config, b_config = MM_CASES[name]
+    a_data, a_inv = operand(16, 128, a_config, 1)
+    b_data, b_inv = operand(32, 128, b_config, 2)
+    args = (a_data, a_inv, a_config, b_data, b_inv, b_config, None, "", torch.bfloat16)
+    assert torch.equal(ops.call("mm", *args), OP.mm(*args))
+    bad = (a_data.view(torch.uint8), *args[1:])
+    with pytest.raises(TypeError, match=r"Fp8Tensor data is torch\.uint8"):
+        OP.mm(*bad)
+    short = (a_data, a_inv[:-1] if a_inv.numel() > 1 else a_inv.expand(2), *args[2:])
+    with pytest.raises(ValueError, match=r"Fp8Tensor\.scale must be float32 of shape"):
+        OP.mm(*short)

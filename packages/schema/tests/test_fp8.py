@@ -61,3 +61,22 @@ def test_scales_of_finite_amax_are_the_same_with_the_finite_shortcut(fmt, option
     got = scale_from_amax(amax, fmt, pow2, ub, finite=True)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert want[0] == 1.0  # zero amax: the fallback scale either way
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_eager_scales_divide_by_a_host_scalar_with_the_bits_of_a_filled_tensor(fmt):
+    # Eagerly the dividend is a CPU 0-dim tensor (no fill op per call); torch.compile traces
+    # full_like. Both must be the one correctly rounded division, over the whole float range.
+    from loka.schema.formats import AMAX_FLOOR
+
+    g = torch.Generator().manual_seed(0)
+    exps = torch.randint(-149, 128, (20000,), generator=g).double()
+    amax = (torch.rand(20000, generator=g, dtype=torch.float64) * 2.0**exps).float()
+    amax = torch.cat([amax, torch.tensor([0.0, AMAX_FLOOR, 1e-45, 3.4e38, float("inf")])])
+    filled = torch.full_like(amax, FP8_MAX[fmt]) / amax.clamp_min(AMAX_FLOOR)
+    want = torch.where((amax > 0) & (amax < float("inf")), filled, 1.0)
+    got = scale_from_amax(amax, fmt)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    finite = amax[:-1]
+    got = scale_from_amax(finite, fmt, finite=True)
+    assert torch.equal(got.view(torch.int32), want[:-1].view(torch.int32))

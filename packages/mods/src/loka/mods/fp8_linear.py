@@ -186,21 +186,24 @@ class Fp8Linear(nn.Linear):
 
     def refresh_weight_cache(self) -> None:
         """Re-make the weight's FP8 copies now if the weight changed (forward does this too)."""
-        layouts = self.plan.weight_layouts
-        if not (layouts[0] or layouts[1]) or self.native_plan is not None:
+        plan = self.plan
+        if not (plan.fwd_w or plan.dgrad_wt) or self.native_plan is not None:
             return
-        _, Kp, Np = self.plan.multiples.pad(1, self.in_features, self.out_features)
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            # Eager: a Python comparison instead of reading the key tensor, made before the
+            # refresh's arguments are (the weight is unchanged on most calls), and the new
+            # copies replace the cache's entries (no copy kernels; `refresh_weight_eager`).
+            stamp = weight_stamp(self.weight)
+            if stamp == self._weight_stamp:
+                return
+            self._weight_stamp = stamp
+        _, Kp, Np = plan.multiples.pad(1, self.in_features, self.out_features)
         args = (self.weight, self._weight_key, self._weight_cache,
-                self._history("amax_history_weight"), *layouts, Np, Kp)  # fmt: skip
-        if torch.compiler.is_compiling():
+                self._history("amax_history_weight"), *plan.weight_layouts, Np, Kp)  # fmt: skip
+        if compiling:
             call("refresh_weight", *args)
             return
-        # Eager: a Python comparison instead of reading the key tensor, and the new copies
-        # replace the cache's entries (no copy kernels; `refresh_weight_eager`).
-        stamp = weight_stamp(self.weight)
-        if stamp == self._weight_stamp:
-            return
-        self._weight_stamp = stamp
         refresh_weight_eager(*args, graphs=self._graphs_for(self.weight))
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Fp8Linear:

@@ -49,6 +49,12 @@ FP8_DTYPES: MappingProxyType[str, torch.dtype] = MappingProxyType(
 )
 
 
+# Each format's largest value as a float32 CPU scalar (the eager dividend of `scale_from_amax`).
+_FP8_MAX_SCALARS: MappingProxyType[str, torch.Tensor] = MappingProxyType(
+    {fmt: torch.tensor(m, dtype=torch.float32, device="cpu") for fmt, m in FP8_MAX.items()}
+)
+
+
 def fp8_dtype(fmt: str) -> torch.dtype:
     """The torch dtype of an FP8 format name, or a RecipeError naming the allowed ones."""
     try:
@@ -76,10 +82,14 @@ def scale_from_amax(
     amax = amax.float()
     valid = amax > 0 if finite else (amax > 0) & (amax < float("inf"))
     # A division, not `scalar / tensor` (torch computes that as reciprocal times scalar,
-    # another rounding); full_like fills on the device, where torch.tensor(v, device=...)
-    # would copy from the host on every call.
-    fp8_max = torch.full_like(amax, FP8_MAX[fmt])
-    scale = torch.where(valid, fp8_max / amax.clamp_min(AMAX_FLOOR), 1.0)
+    # another rounding). Eagerly the dividend is a CPU 0-dim tensor, which TensorIterator
+    # passes to the kernel as an argument (the same correctly rounded a / b, on the CPU and
+    # CUDA alike): no fill launch per call. Traced, full_like keeps the graph as it was.
+    if torch.compiler.is_compiling():
+        fp8_max = torch.full_like(amax, FP8_MAX[fmt])
+    else:
+        fp8_max = _FP8_MAX_SCALARS[fmt]
+    scale = torch.where(valid, torch.div(fp8_max, amax.clamp_min(AMAX_FLOOR)), 1.0)
     if scale_ub is not None:
         scale = scale.clamp_max(scale_ub)
     if pow2:
