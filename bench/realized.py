@@ -48,7 +48,8 @@ smoke test of the script itself; its times say nothing of GPU speed.
     python bench/realized.py --models dhen --modes compiled,eager
 Results: realized_<utc>.json under --out (default $OUT, else bench/results/): metadata,
 every row (model, preset, mode, dynamic, variant, step_ms or fwd_ms, blocks,
-speedup_vs_bf16, ratio spread, grad_ok, quality and quality_ok with --quality-steps,
+speedup_vs_bf16 (against seed 0), speedup_vs_bf16_seeds (against the median of the timed
+bf16 seeds), ratio spread, grad_ok, quality and quality_ok with --quality-steps,
 vs_anchor where a recorded anchor exists, and for LoKA predicted_speedup, ceiling, g, s,
 g_step, ceiling_step and safe_ceiling_step (the ceilings with g the plan's bf16 GEMM
 kernel time over this run's bf16 step: `PlanSummary.ceiling_from_step`),
@@ -653,8 +654,11 @@ def run_mode(
         release_timed(made, keep="bf16")
         quality_phase(args, rows, name, mode, dynamic, loka_plans, loka_apply)
     band = [r["speedup_vs_bf16"] for r in rows if is_band_seed(r["variant"]) and "speedup_vs_bf16" in r]  # fmt: skip
+    seeds_ms = [r["step_ms"] for r in rows if is_band_seed(r["variant"]) and "step_ms" in r]
     for r in rows:
         r["bf16_band"] = (min(band), max(band)) if band else None
+        if seeds_ms and r.get("step_ms"):  # issue 14's table: against the seeds' median
+            r["speedup_vs_bf16_seeds"] = statistics.median(seeds_ms) / r["step_ms"]
     if save is not None and args.inference:
         save(rows)
     for size in serving_sizes(args.infer_batch) if args.inference and "bf16" in made else []:

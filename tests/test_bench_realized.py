@@ -478,3 +478,20 @@ def test_step_ceilings_use_the_measured_bf16_step_and_leave_the_plan_alone():
     assert got["ceiling_step"] == pytest.approx(1 / (0.4 + 0.6 / 1.6))
     assert got["safe_ceiling_step"] == pytest.approx(1 / (0.4 + 0.6 / 1.4))
     assert summary.ceiling_from_step is None and summary.measured_bf16_step_ms is None
+
+
+def test_timed_rows_carry_their_speedup_against_the_bf16_seeds_median(tmp_path, monkeypatch):
+    # CPU smoke of a timed run (tiny preset, eager, no plan): issue 14's table wants each
+    # row against the median of the bf16 seeds, beside the seed-0 speedup.
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    realized.main(["--device", "cpu", "--models", "dhen", "--modes", "eager", "--variants",
+                   "bf16,bf16-seed1,bf16-seed2", "--blocks", "2", "--block-steps", "1",
+                   "--warmup-steps", "1", "--no-grad-check", "--out", str(tmp_path)])  # fmt: skip
+    (path,) = tmp_path.glob("realized_*.json")
+    runs = json.loads(path.read_text())["runs"]
+    median = sorted(r["step_ms"] for r in runs)[1]
+    assert [r["variant"] for r in runs] == ["bf16", "bf16-seed1", "bf16-seed2"]
+    for r in runs:
+        assert r["speedup_vs_bf16_seeds"] == pytest.approx(median / r["step_ms"])
+        assert r["speedup_vs_bf16"] == pytest.approx(runs[0]["step_ms"] / r["step_ms"])
