@@ -76,7 +76,20 @@ def module_step(module, name: str, data: dict, autocast, backend: str | None, co
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    run = torch.compile(module) if compiled else module
+    if compiled and backend:
+        # The forcing inside the compiled function: one compiled around the module would be
+        # traced once, under whichever backend the first call allowed, and serve every
+        # variant (dynamo does not guard on `sdpa_kernel`; a module instance of the same
+        # class reuses the graph). A closure over the backend gets a graph of its own.
+        only = [getattr(SDPBackend, backend)]
+
+        def attend(*inputs):
+            with sdpa_kernel(only):
+                return module(*inputs)
+
+        run = torch.compile(attend)
+    else:
+        run = torch.compile(module) if compiled else module
     seq = data["seq"].detach().requires_grad_()
     args = (seq, data["x_sum"], data["valid"]) if name == "sequence" else (seq, data["valid"])
     device = seq.device.type

@@ -3,6 +3,7 @@ variant the CPU can run, the others recorded as errors, one JSON record."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -37,3 +38,48 @@ def test_the_cpu_run_times_what_runs_here_and_records_what_does_not(tmp_path, ca
         assert "No viable backend" in rows[("sdpa-cudnn_attention", part)]["error"]
     assert record["meta"]["preset"] == "tiny"
     assert "wrote" in capsys.readouterr().out
+
+
+def test_each_forced_backend_is_traced_under_its_own_forcing(monkeypatch):
+    # Dynamo does not guard on `sdpa_kernel`: compiled around the module, the first variant's
+    # graph (cuDNN on the H200) served every forced one (`short_attention_20261204T185004Z`
+    # timed them all alike). Each forced variant must compile a graph of its own, holding
+    # the backend it forces.
+    import functools
+
+    import torch
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+
+    import loka.zoo as zoo
+    from loka.zoo.models.interformer import PoolingAttention
+
+    forwards: list[list[str]] = []  # each forward graph's aten ops, where SDPA is lowered
+
+    def recording(gm, example_inputs):
+        forwards.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        functools.partial(
+            torch.compile,
+            backend=aot_autograd(
+                fw_compiler=recording, bw_compiler=lambda gm, example_inputs: gm.forward
+            ),
+        ),
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    config, _, _ = zoo.preset_config("interformer", "tiny")
+    data = short_attention.inputs(config, 8, "cpu")
+    for backend in ("MATH", "FLASH_ATTENTION"):
+        torch.manual_seed(0)
+        module = PoolingAttention(dataclasses.replace(config, attention="sdpa"))
+        short_attention.module_step(module, "pooling", data, False, backend, compiled=True)()
+    assert counters["stats"]["unique_graphs"] == 2
+    math_graph, flash_graph = forwards
+    assert any("flash_attention" in t for t in flash_graph)
+    assert not any("flash_attention" in t for t in math_graph)
+    assert any("softmax" in t for t in math_graph)

@@ -62,7 +62,7 @@ class InterFormerConfig(CTRStackConfig):
     # "sdpa" when it runs eagerly. The sequences here are short (CLS tokens + 16 items at
     # xl), where a fused kernel's tiles are mostly padding: compiled on an H200 at xl's
     # shapes, "math" runs the sequence block 1.12x and the pooling attention 1.45x faster
-    # than any SDPA backend, and the whole bf16 training step 1.088x
+    # than SDPA (cuDNN), and the whole bf16 training step 1.088x
     # (`short_attention_20261204T185004Z`, `realized_20261204T185139Z`). Eagerly, plain
     # ops would run unfused, so "auto" keeps SDPA there.
     attention: Literal["auto", "sdpa", "math"] = "auto"
