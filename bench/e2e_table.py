@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("files", nargs="+", help="realized_*.json or .json.xz")
     p.add_argument("--preset", default="large")
     p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--markdown", action="store_true",
+                   help="also print the training rows as a Markdown table (one line per model "
+                        "and mode), for a README")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -146,6 +149,54 @@ def report(table: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(table: dict) -> str:
+    """One line per model and mode, speedups against bf16 seed 0 as the run timed them (its
+    blocks' ratio range in brackets) and LoKA's against the seeds' median too: bf16 (seed
+    0's step, seeds 1 and 2), torchao tensorwise, LoKA (its FP8 sites), predicted (plan /
+    from the step) and the ceilings (share-based / from the step)."""
+    cells = {(r["model"], r["mode"], r["variant"]): r for r in table["runs"]
+             if r.get("batch_size") is None}  # fmt: skip
+
+    def x(value) -> str:
+        return "-" if value is None else f"{value:.3f}x"
+
+    def outcome(row) -> str | None:
+        if row is None:
+            return "not run"
+        if row.get("step_ms") is None:
+            return (row.get("error") or row.get("skipped") or "not timed").splitlines()[0][:60]
+        return None
+
+    lines = ["| model | mode | bf16 step, seeds 1/2 | torchao tensorwise-auto | LoKA (sites) "
+             "| LoKA vs the seeds' median | predicted: plan / step | ceiling: share / step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    pairs = sorted({k[:2] for k in cells},
+                   key=lambda k: order({"model": k[0], "mode": k[1], "variant": ""}))  # fmt: skip
+    for model, mode in pairs:
+        bf16, loka, tao, seed1, seed2 = (
+            cells.get((model, mode, v))
+            for v in ("bf16", "loka", "torchao-tensorwise-auto", "bf16-seed1", "bf16-seed2")
+        )
+        seeds = " / ".join(outcome(s) or x(s["speedup_vs_bf16_seed0"]) for s in (seed1, seed2))
+        base = outcome(bf16) or f"{bf16['step_ms']:.2f} ms, {seeds}"
+        fp8 = outcome(loka) or x(loka["speedup_vs_bf16_seed0"])
+        if not outcome(loka) and loka.get("ratio_min") is not None:
+            fp8 += f" [{loka['ratio_min']:.3f}, {loka['ratio_max']:.3f}]"
+        if not outcome(loka) and loka.get("fp8_layers") is not None:
+            fp8 += f" ({loka['fp8_layers']})"
+        vs_seeds = "-" if outcome(loka) else x(loka["speedup_vs_bf16"])
+        pred = (
+            "-"
+            if loka is None
+            else (f"{x(loka.get('predicted_speedup'))} / {x(loka.get('predicted_from_step'))}")
+        )
+        ceil = "-" if loka is None else f"{x(loka.get('ceiling'))} / {x(loka.get('ceiling_step'))}"
+        lines.append(f"| {model} | {mode} | {base} | "
+                     f"{outcome(tao) or x(tao['speedup_vs_bf16_seed0'])} | {fp8} | {vs_seeds} "
+                     f"| {pred} | {ceil} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -156,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     models = tuple(m for m in args.models.split(",") if m)
     table = assemble(runs, args.preset, models)
     print(report(table))
+    if args.markdown:
+        print(markdown(table))
     sources = sorted({r["source"] for r in table["runs"]})
     meta = {"command": " ".join(sys.argv), "preset": args.preset, "sources": sources,
             "from": "bench/realized.py runs on the H200, assembled by bench/e2e_table.py"}  # fmt: skip

@@ -28,11 +28,12 @@ def row(model, mode, variant, ms=None, **extra) -> dict:
 def test_speedup_is_against_the_median_of_the_runs_own_seeds():
     data = run("a" * 40, [
         row("dhen", "compiled", "bf16", 30.0, speedup_vs_bf16=1.0),
-        row("dhen", "compiled", "bf16-seed1", 33.0),
-        row("dhen", "compiled", "bf16-seed2", 31.0),
+        row("dhen", "compiled", "bf16-seed1", 33.0, speedup_vs_bf16=30.0 / 33.0),
+        row("dhen", "compiled", "bf16-seed2", 31.0, speedup_vs_bf16=30.0 / 31.0),
         row("dhen", "compiled", "bf16@attention=math", 20.0),  # not a seed: options
         row("dhen", "compiled", "loka", 25.0, speedup_vs_bf16=1.2, predicted_speedup=1.1,
-            ceiling=1.3, demoted={"fc": "slower"}, quality_ok=True),
+            ceiling=1.3, demoted={"fc": "slower"}, quality_ok=True, ratio_min=1.15,
+            ratio_max=1.25, fp8_layers=3),
         row("dhen", "eager", "bf16", 40.0),
         row("dhen", "eager", "loka", 50.0),
         row("dhen", "compiled", "infer-bf16", 10.0, batch_size=16384),
@@ -54,6 +55,12 @@ def test_speedup_is_against_the_median_of_the_runs_own_seeds():
     assert "dhen/cudagraphs/bf16" in table["missing"]
     assert "dhen/compiled/loka" not in table["missing"]
     assert table["no_quality"] == ["dhen/eager"]
+    lines = e2e_table.markdown(table).splitlines()
+    assert lines[0].startswith("| model | mode |") and len(lines) == 2 + 2  # compiled, eager
+    compiled = next(line for line in lines if line.startswith("| dhen | compiled |"))
+    # seed 0's figures as timed, the seeds' median beside LoKA's
+    assert "30.00 ms, 0.909x / 0.968x | not run | 1.200x [1.150, 1.250] (3) |" in compiled
+    assert f"| {31.0 / 25.0:.3f}x |" in compiled and "| 1.100x / - |" in compiled
 
 
 def test_the_latest_run_wins_but_an_untimed_row_keeps_a_timed_one():
