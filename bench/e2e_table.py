@@ -19,24 +19,23 @@ from __future__ import annotations
 
 import json
 import lzma
-import re
 import statistics
 import sys
 from pathlib import Path
 
-from harness import parser, stamp, write_json
+from harness import load, parser, stamp, write_json
+
+realized = load("realized")  # its variants and seeds; importing it runs nothing
 
 MODELS = ("dlrm", "dhen", "wukong", "interformer", "hstu")
-MODES = ("compiled", "cudagraphs", "eager")
-TRAINING = ("bf16", "bf16-seed1", "bf16-seed2", "torchao-tensorwise-auto",
-            "torchao-rowwise-auto", "loka")  # fmt: skip
+MODES = ("compiled", "cudagraphs", "eager")  # the order of the table's lines
+TRAINING = realized.VARIANTS
 SERVING = ("infer-bf16", "infer-torchao-rowwise", "infer-loka")
 LOKA_FIELDS = ("predicted_speedup", "predicted_from_step", "ceiling", "ceiling_step",
                "demoted", "fp8_layers", "passes_fp8", "verify_lines")  # fmt: skip
 KEPT = ("step_ms", "fwd_ms", "blocks_ms", "ratio_min", "ratio_max", "quality", "quality_ok",
         "grad_ok", "grad_min_cosine", "fp8_layers", "error", "skipped", "batch_size",
         "embedding_update", "dynamic")  # fmt: skip
-_SEED = re.compile(r"^(infer-)?bf16(-seed\d+)?$")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -64,8 +63,8 @@ def read_run(path: str | Path) -> dict:
 
 
 def is_band_seed(variant: str) -> bool:
-    """bf16 seed 0 and the other plain bf16 seeds (training or serving), no model options."""
-    return bool(_SEED.match(variant))
+    """A bf16 seed of the noise band, training or serving (`realized.is_band_seed`)."""
+    return realized.is_band_seed(variant.removeprefix("infer-"))
 
 
 def seed_median(rows: list[dict], serving: bool, batch=None) -> float | None:

@@ -24,7 +24,7 @@ several), learned positions instead of rotary ones, a dot + MLP interaction modu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,8 @@ from loka.zoo.layers import (
 )
 from loka.zoo.models.features import CTRStackConfig, FeatureInputs, require_positive
 from loka.zoo.models.sequential import check_items
+
+AttentionImpl = Literal["auto", "sdpa", "math"]
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,11 @@ class InterFormerConfig(CTRStackConfig):
     # than SDPA (cuDNN), and the whole bf16 training step 1.088x
     # (`short_attention_20261204T185004Z`, `realized_20261204T185139Z`). Eagerly, plain
     # ops would run unfused, so "auto" keeps SDPA there.
-    attention: Literal["auto", "sdpa", "math"] = "auto"
+    attention: AttentionImpl = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.attention not in ("auto", "sdpa", "math"):
+        if self.attention not in get_args(AttentionImpl):
             raise ValueError(f"attention must be 'auto', 'sdpa' or 'math', got {self.attention!r}")
         require_positive(
             self, "num_items", "max_seq_len", "num_heads", "interaction_hidden",
