@@ -22,7 +22,9 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    and LoKA's final plan: the applied plan less what verification demoted) train N steps in
    the same mode on the same fresh batches (none cycled), one at a time, then eval on the
    same held-out batches (NE for CTR models, NDCG@10 for HSTU); `quality_ok`: not worse
-   than the bf16 seeds' band. The timed models are not used (verification gives LoKA's more
+   than the bf16 seeds' band; `quality_vs_own_seed`: the difference from the bf16 seed the
+   variant started from (``loka@seed=1`` trains the plan from seed 1's init and batches, so a
+   plan is judged seed by seed, not on one draw). The timed models are not used (verification gives LoKA's more
    steps, over a few cycled batches) and all but bf16's are freed first: time only
    `bf16,loka` where four timed xl models do not fit (InterFormer's did not).
 7. Inference (`--inference`): the bf16 seed-0 model's weights served in bf16, forward only,
@@ -276,12 +278,18 @@ def interleaved(fns: dict, blocks: int, calls: int, clock: Clock, left) -> dict[
 def quality_rows(rows: list[dict], key: str) -> None:
     """`quality` and `quality_ok` (not worse than the bf16 seeds' band) on each row."""
     band = [r["quality"] for r in rows if is_band_seed(r["variant"]) and "quality" in r]
+    by_seed = {QUALITY_SEEDS[r["variant"]]: r["quality"] for r in rows
+               if is_band_seed(r["variant"]) and "quality" in r}  # fmt: skip
     for r in rows:
         if "quality" not in r or not band:
             continue
         lo, hi = min(band), max(band)
         r["quality_band"] = (lo, hi)
         r["quality_ok"] = r["quality"] <= hi + 1e-12 if key == "ne" else r["quality"] >= lo - 1e-12
+        if not is_band_seed(r["variant"]) and (own := by_seed.get(r.get("seed", 0))) is not None:
+            # The same init and batches in bf16: what the variant itself changed, where the
+            # band only says how far apart different inits land.
+            r["quality_vs_own_seed"] = r["quality"] - own
 
 
 def block_stats(base: list[float], other: list[float]) -> dict:
@@ -346,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     if meta["torchao"] is None:
         variants = [v for v in variants if not v.startswith("torchao")]
     for v in variants:
-        split_variant(v)  # a malformed ``@`` option stops the run here
+        variant_seed(*split_variant(v))  # a malformed ``@`` option stops the run here
         # A bad option fails here, before any GPU time is spent.
         if v.startswith("loka") and any(
             k in SERVING_OPTIONS for k in loka_options(split_variant(v)[0])
@@ -434,6 +442,8 @@ def main(argv: list[str] | None = None) -> None:
             if not what and "quality" in r:
                 what = f"not timed; quality {r['quality']:.4f}"
                 what += "" if r.get("quality_ok", True) else "!"
+                if (delta := r.get("quality_vs_own_seed")) is not None:
+                    what += f" ({delta:+.4f} against bf16 seed {r.get('seed', 0)})"
             print(f"{r.get('model', ''):<7} {r.get('mode', ''):<10} {r.get('variant', ''):<24} "
                   f"{what}")  # fmt: skip
             continue
@@ -513,7 +523,7 @@ def run_mode(
     made: dict[str, dict] = {}
     for variant in variants:
         base, extra = split_variant(variant)
-        seed = QUALITY_SEEDS.get(base, 0)
+        seed = variant_seed(base, extra)
         setup = zoo.create(name, args.preset, device=device, seed=seed,
                            **(args.model_options | extra))  # fmt: skip
         row = {"model": name, "mode": mode, "variant": variant, "seed": seed, "fp8_layers": 0,
@@ -716,7 +726,8 @@ def quality_phase(args, rows, name, mode, dynamic, loka_plans, loka_apply) -> No
 
 def plan_row(name: str, mode: str, variant: str, plan) -> dict:
     """An untimed row of `variant` (`--quality-only`): with its plan's summary for LoKA's."""
-    row = {"model": name, "mode": mode, "variant": variant, "timed": False}
+    row = {"model": name, "mode": mode, "variant": variant, "timed": False,
+           "seed": variant_seed(*split_variant(variant))}  # fmt: skip
     if plan is not None:
         s = plan.summary
         row |= {"fp8_layers": s.sites_fp8, "passes_fp8": s.passes_fp8,
@@ -867,6 +878,20 @@ def split_variant(variant: str) -> tuple[str, dict]:
     for option in options:
         out |= key_values(option, f"variant {variant!r}")
     return name, out
+
+
+def variant_seed(base: str, extra: dict) -> int:
+    """The init (and batch) seed of a variant: a bf16 seed's own, else ``@seed=N`` (taken out
+    of `extra`, which holds model options), else 0. ``loka@seed=1`` trains LoKA's plan from
+    bf16 seed 1's init, so the quality of a plan is compared seed by seed, not on one draw."""
+    seed = extra.pop("seed", None)
+    if seed is None:
+        return QUALITY_SEEDS.get(base, 0)
+    if base in QUALITY_SEEDS and seed != QUALITY_SEEDS[base]:
+        raise ValueError(f"variant {base}@seed={seed}: {base} is seed {QUALITY_SEEDS[base]}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"variant {base}@seed={seed!r}: the seed must be an integer >= 0")
+    return seed
 
 
 def is_band_seed(variant: str) -> bool:
@@ -1085,7 +1110,7 @@ def train_and_evaluate(
     gpu = args.device == "cuda"
     autocast = torch.bfloat16 if gpu else None
     base, extra = split_variant(variant)
-    setup = zoo.create(name, args.preset, device=args.device, seed=QUALITY_SEEDS.get(base, 0),
+    setup = zoo.create(name, args.preset, device=args.device, seed=variant_seed(base, extra),
                        **(args.model_options | extra))  # fmt: skip
     if plan is not None:
         applied = apply(setup.model, plan, apply_config)

@@ -81,6 +81,29 @@ def test_quality_ok_is_not_worse_than_the_bf16_band():
     assert rows[1]["quality_ok"] is False
 
 
+def test_a_variant_is_compared_with_the_bf16_seed_it_started_from():
+    assert realized.variant_seed(*realized.split_variant("loka@seed=2")) == 2
+    assert realized.variant_seed(*realized.split_variant("bf16-seed1")) == 1
+    assert realized.variant_seed(*realized.split_variant("loka+mk")) == 0
+    base, extra = realized.split_variant("loka@seed=1@attention=math")
+    assert realized.variant_seed(base, extra) == 1 and extra == {"attention": "math"}
+    for bad in ("bf16-seed1@seed=2", "loka@seed=-1", "loka@seed=x"):
+        with pytest.raises(ValueError, match="seed"):
+            realized.variant_seed(*realized.split_variant(bad))
+    rows = [
+        {"variant": "bf16", "seed": 0, "quality": 0.80},
+        {"variant": "bf16-seed1", "seed": 1, "quality": 0.84},
+        {"variant": "loka", "seed": 0, "quality": 0.83},
+        {"variant": "loka@seed=1", "seed": 1, "quality": 0.83},
+    ]
+    realized.quality_rows(rows, "ne")
+    # Both inside the band; only the paired delta says seed 0's plan lost 0.03.
+    assert [r["quality_ok"] for r in rows[2:]] == [True, True]
+    assert rows[2]["quality_vs_own_seed"] == pytest.approx(0.03)
+    assert rows[3]["quality_vs_own_seed"] == pytest.approx(-0.01)
+    assert "quality_vs_own_seed" not in rows[0]
+
+
 class _Setup:
     def __init__(self, model):
         self.model = model
@@ -117,12 +140,16 @@ def test_quality_only_trains_and_evaluates_without_timing(tmp_path, capsys, monk
     monkeypatch.syspath_prepend(str(_PATH.parent))  # its `harness`
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # what the script sets on the CPU, undone after
     realized.main(["--device", "cpu", "--models", "dhen", "--modes", "eager", "--variants",
-                   "bf16,loka", "--quality-only", "--quality-steps", "2", "--no-grad-check",
+                   "bf16,loka,loka@seed=1", "--quality-only", "--quality-steps", "2", "--no-grad-check",
                    "--out", str(tmp_path)])  # fmt: skip
     (path,) = tmp_path.glob("realized_*.json")
     record = json.loads(path.read_text())
     runs = record["runs"]
-    assert [r["variant"] for r in runs] == ["bf16", "loka", "bf16-seed1", "bf16-seed2"]
+    assert [r["variant"] for r in runs] == ["bf16", "loka", "loka@seed=1", "bf16-seed1",
+                                            "bf16-seed2"]  # fmt: skip
+    by_name = {r["variant"]: r for r in runs}
+    assert by_name["loka@seed=1"]["quality_vs_own_seed"] == pytest.approx(
+        by_name["loka@seed=1"]["quality"] - by_name["bf16-seed1"]["quality"])  # fmt: skip
     # The plan's rejected candidates are kept grouped by reason (the JSON's size).
     rows = [row for plan in record["plans"].values() for row in plan["table"]]
     assert rows and all(isinstance(row["rejected"], dict) for row in rows)
