@@ -62,6 +62,7 @@ sites, passes, demoted), the plans' summaries. This is the project's end-to-end 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import os
@@ -1140,6 +1141,32 @@ def evaluate(setup, autocast) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+@contextlib.contextmanager
+def counting_fp8_calls(model):
+    """Counts the forwards of `model`'s `Fp8Linear` modules (prequantized or not) while open:
+    ``{"fp8": n}``."""
+    from loka.mods import Fp8Linear
+
+    calls = {"fp8": 0}
+
+    def count(*_):
+        calls["fp8"] += 1
+
+    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, Fp8Linear)]
+    try:
+        yield calls
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def output_spread(out) -> float:
+    """The served output's standard deviation over its mean magnitude (0: every example got
+    the same value, so no error can show)."""
+    out = out.double()
+    return float(out.std() / out.abs().mean().clamp_min(1e-300)) if out.numel() > 1 else 0.0
+
+
 def serving_sizes(text: str | None) -> list[int | None]:
     """`--infer-batch` as a list of batch sizes (None: the training batch)."""
     if not text:
@@ -1307,13 +1334,18 @@ def inference_rows(
     if len(models) > 1:
         from harness import rel_err
 
-        # How far each FP8 variant's served output is from bf16's on the served batch.
+        # How far each FP8 variant's served output is from bf16's on the served batch, with
+        # what tells a real 0 from a broken check: how much the output varies over the batch
+        # (a collapsed model serves one value) and how many FP8 linears the forward ran.
         with torch.no_grad(), autocasting():
             want = models["infer-bf16"](batch)
             for variant, model in models.items():
                 if variant != "infer-bf16" and isinstance(want, torch.Tensor):
-                    got = model(batch)
-                    extra[variant]["output_rel_err"] = rel_err(got, want)
+                    with counting_fp8_calls(model) as calls:
+                        got = model(batch)
+                    extra[variant] |= {"output_rel_err": rel_err(got, want),
+                                       "output_spread": output_spread(want),
+                                       "fp8_calls": calls["fp8"]}  # fmt: skip
     if mode != "eager":
         torch._inductor.config.freezing = args.infer_freezing == "on"
         models = {

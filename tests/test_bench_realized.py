@@ -522,3 +522,23 @@ def test_timed_rows_carry_their_speedup_against_the_bf16_seeds_median(tmp_path, 
     for r in runs:
         assert r["speedup_vs_bf16_seeds"] == pytest.approx(median / r["step_ms"])
         assert r["speedup_vs_bf16"] == pytest.approx(runs[0]["step_ms"] / r["step_ms"])
+
+
+def test_the_served_error_check_says_whether_fp8_ran_and_the_output_varied():
+    from loka.mods import Fp8Linear, Fp8LinearConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    with realized.counting_fp8_calls(model) as calls:
+        model(torch.randn(4, 16))
+    assert calls == {"fp8": 0}  # a model with no FP8 linear: the error check would show 0
+    model[0] = Fp8Linear.from_linear(model[0], Fp8LinearConfig(fwd="e4m3:e4m3/tensor/dynamic"))
+    with torch.no_grad(), realized.counting_fp8_calls(model) as calls:
+        model(torch.randn(4, 16))
+        model(torch.randn(4, 16))
+    assert calls == {"fp8": 2}
+    with torch.no_grad():
+        model(torch.randn(4, 16))
+    assert calls == {"fp8": 2}  # the hooks are gone once the block closed
+    assert realized.output_spread(torch.full((8,), 0.3)) == 0.0
+    assert realized.output_spread(torch.tensor([1.0, -1.0])) > 1.0
