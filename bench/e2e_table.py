@@ -7,7 +7,9 @@ row of the latest run that has it, and writes `e2e_<utc>.json` whose `runs` rows
 what the issue asks for: `model`, `preset`, `mode`, `variant`, `step_ms` or `fwd_ms`,
 `speedup_vs_bf16` **against the median of the bf16 seeds timed in the same run and mode**
 (the run's own `speedup_vs_bf16`, against seed 0, stays as `speedup_vs_bf16_seed0`),
-`quality_ok` (None where the run trained no quality band), and for LoKA
+`quality_ok` (None where no run trained a quality band; False if any trained draw of the
+variant, in any run or from any seed, fell outside its run's bf16 band, each draw in
+`quality_draws`), and for LoKA
 `predicted_speedup`, `ceiling` and `demoted`; each row names its `source` file and commit.
 `missing` lists the cells no run has recorded (a variant a run could not time is a row
 with its `error` or `skipped` line, not missing).
@@ -35,7 +37,10 @@ LOKA_FIELDS = ("predicted_speedup", "predicted_from_step", "ceiling", "ceiling_s
                "demoted", "fp8_layers", "passes_fp8", "verify_lines")  # fmt: skip
 KEPT = ("step_ms", "fwd_ms", "blocks_ms", "ratio_min", "ratio_max", "quality", "quality_ok",
         "grad_ok", "grad_min_cosine", "fp8_layers", "error", "skipped", "batch_size",
-        "embedding_update", "dynamic")  # fmt: skip
+        "embedding_update", "dynamic", "quality_band", "quality_vs_own_seed", "seed",
+        "output_rel_err", "output_spread", "fp8_calls")  # fmt: skip
+# One trained draw of a variant's quality (realized.py's quality phase).
+QUALITY_FIELDS = ("seed", "quality", "quality_ok", "quality_band", "quality_vs_own_seed")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -100,20 +105,59 @@ def table_rows(data: dict, source: str, preset: str) -> list[dict]:
     return out
 
 
+def quality_variant(variant: str) -> tuple[str, int | None]:
+    """A variant trained from another bf16 seed (``loka@seed=1``) is a quality draw of its
+    base variant (``loka``), not a cell of its own: (the base, the seed); (variant, None)
+    for any other."""
+    base, extra = realized.split_variant(variant)
+    if set(extra) == {"seed"}:
+        return base, extra["seed"]
+    return variant, None
+
+
 def assemble(runs: list[tuple[str, dict]], preset: str, models=MODELS) -> dict:
     """Rows of the latest run per (model, mode, variant, batch); runs in recording order
     (their file names carry the UTC stamp). A row with no timing (a budget-cut variant)
-    does not replace a timed one."""
+    does not replace a timed one. Quality is not the latest run's alone: every trained draw
+    of a variant, from every run and seed, goes into its `quality_draws`, and `quality_ok`
+    holds only if every draw was inside its run's bf16 band (one training that lands outside
+    is what a user would meet)."""
     cells: dict[tuple, dict] = {}
+    draws: dict[tuple, list[dict]] = {}
     for source, data in sorted(runs, key=lambda item: item[0]):
-        for row in table_rows(data, source, preset):
+        rows = table_rows(data, source, preset)
+        # A run that trained bf16 alone in a mode (a serving run needs its weights) has no
+        # training comparison there: its bf16 row does not replace the one an A/B run timed
+        # beside its seeds and LoKA, whose speedups the table's line reads with it.
+        compared = {(r["model"], r["mode"]) for r in rows
+                    if r.get("step_ms") and r["variant"] != "bf16"}  # fmt: skip
+        for row in rows:
             if row["model"] not in models:
                 continue
+            variant, seed = quality_variant(row["variant"])
+            if row.get("quality") is not None:
+                draws.setdefault((row["model"], row["mode"], variant), []).append(
+                    {k: row.get(k) for k in QUALITY_FIELDS} | {"source": source}
+                )
+            if seed is not None:
+                continue
             key = (row["model"], row["mode"], row["variant"], row.get("batch_size"))
+            if (
+                row["variant"] == "bf16"
+                and (row["model"], row["mode"]) not in compared
+                and (key in cells)
+            ):
+                continue
             timed = row.get("step_ms") or row.get("fwd_ms")
             outcome = timed or row.get("error") or row.get("skipped")
             if outcome or key not in cells:
                 cells[key] = row
+    for (model, mode, variant, batch), cell in cells.items():
+        found = draws.get((model, mode, variant)) if batch is None else None
+        if found:
+            cell["quality_draws"] = found
+            cell["quality_ok"] = all(d["quality_ok"] is not False for d in found)
+            cell["quality"] = found[-1]["quality"]
     have = {(m, mode, v) for m, mode, v, _ in cells}
     missing = [f"{m}/{mode}/{v}" for m in models for mode in MODES
                for v in (*TRAINING, *SERVING) if (m, mode, v) not in have]  # fmt: skip
@@ -166,9 +210,15 @@ def markdown(table: dict) -> str:
             return (row.get("error") or row.get("skipped") or "not timed").splitlines()[0][:60]
         return None
 
+    def quality(row) -> str:
+        found = (row or {}).get("quality_draws") or []
+        inside = sum(d["quality_ok"] is not False for d in found)
+        return f"{inside} of {len(found)} in band" if found else "-"
+
     lines = ["| model | mode | bf16 step, seeds 1/2 | torchao tensorwise-auto | LoKA (sites) "
-             "| LoKA vs the seeds' median | predicted: plan / step | ceiling: share / step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| LoKA vs the seeds' median | predicted: plan / step | ceiling: share / step "
+             "| LoKA quality draws |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     pairs = sorted({k[:2] for k in cells},
                    key=lambda k: order({"model": k[0], "mode": k[1], "variant": ""}))  # fmt: skip
     for model, mode in pairs:
@@ -192,7 +242,7 @@ def markdown(table: dict) -> str:
         ceil = "-" if loka is None else f"{x(loka.get('ceiling'))} / {x(loka.get('ceiling_step'))}"
         lines.append(f"| {model} | {mode} | {base} | "
                      f"{outcome(tao) or x(tao['speedup_vs_bf16_seed0'])} | {fp8} | {vs_seeds} "
-                     f"| {pred} | {ceil} |")  # fmt: skip
+                     f"| {pred} | {ceil} | {quality(loka)} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -61,6 +61,7 @@ def test_speedup_is_against_the_median_of_the_runs_own_seeds():
     # seed 0's figures as timed, the seeds' median beside LoKA's
     assert "30.00 ms, 0.909x / 0.968x | not run | 1.200x [1.150, 1.250] (3) |" in compiled
     assert f"| {31.0 / 25.0:.3f}x |" in compiled and "| 1.100x / - |" in compiled
+    assert compiled.endswith("| 1.300x / - | - |")  # no quality draw
 
 
 def test_the_latest_run_wins_but_an_untimed_row_keeps_a_timed_one():
@@ -71,13 +72,17 @@ def test_the_latest_run_wins_but_an_untimed_row_keeps_a_timed_one():
                           row("hstu", "cudagraphs", "bf16"),  # budget-cut: no outcome
                           row("hstu", "cudagraphs", "torchao-tensorwise-auto",
                               error="RuntimeError: K not a multiple of 16")])  # fmt: skip
-    latest = run("3" * 40, [row("hstu", "compiled", "loka")])  # untimed, no outcome
+    latest = run("3" * 40, [row("hstu", "compiled", "loka"),  # untimed, no outcome
+                            row("hstu", "compiled", "bf16", 25.0),  # a serving run's weights
+                            row("hstu", "compiled", "infer-bf16", 7.0, batch_size=256)])  # fmt: skip
     table = e2e_table.assemble(
         [("realized_3.json", latest), ("realized_1.json", early), ("realized_2.json", late)],
         "large", ("hstu",))  # fmt: skip
     got = {(r["mode"], r["variant"]): r for r in table["runs"]}
     assert got[("compiled", "loka")]["step_ms"] == 22.0
     assert got[("compiled", "loka")]["source"] == "realized_2.json"
+    assert got[("compiled", "bf16")]["step_ms"] == 23.0  # the A/B run's, not bf16 timed alone
+    assert got[("compiled", "infer-bf16")]["source"] == "realized_3.json"
     assert got[("cudagraphs", "torchao-tensorwise-auto")]["error"].startswith("RuntimeError")
     assert "hstu/cudagraphs/torchao-tensorwise-auto" not in table["missing"]
 
@@ -109,3 +114,33 @@ def test_reads_json_and_xz_and_names_a_file_that_is_not_a_run(tmp_path, capsys):
     assert written["meta"]["sources"] == ["realized_a.json.xz"]
     assert [r["variant"] for r in written["runs"]] == ["bf16", "loka"]
     assert "wukong/compiled/bf16" in written["missing"]
+
+
+def test_every_quality_draw_counts_and_one_outside_the_band_fails_the_cell():
+    band = {"quality_band": [0.80, 0.81]}
+    timed = run("6" * 40, [row("dhen", "compiled", "bf16", 30.0),
+                           row("dhen", "compiled", "loka", 29.0)])  # fmt: skip
+    first = run("7" * 40, [
+        row("dhen", "compiled", "loka", quality=0.85, quality_ok=False, seed=0,
+            quality_vs_own_seed=0.04, **band),
+        row("dhen", "compiled", "bf16", quality=0.81, quality_ok=True, seed=0, **band),
+    ])  # fmt: skip
+    second = run("8" * 40, [
+        row("dhen", "compiled", "loka", quality=0.805, quality_ok=True, seed=0, **band),
+        row("dhen", "compiled", "loka@seed=1", quality=0.80, quality_ok=True, seed=1,
+            quality_vs_own_seed=-0.002, **band),
+    ])  # fmt: skip
+    runs = [("realized_1.json", timed), ("realized_2.json", first), ("realized_3.json", second)]
+    table = e2e_table.assemble(runs, "large", ("dhen",))
+    got = {(r["mode"], r["variant"]): r for r in table["runs"]}
+    assert ("compiled", "loka@seed=1") not in got  # a draw of loka, not a cell
+    loka = got[("compiled", "loka")]
+    assert loka["step_ms"] == 29.0 and loka["source"] == "realized_1.json"  # timing kept
+    assert [(d["seed"], d["quality"], d["source"]) for d in loka["quality_draws"]] == [
+        (0, 0.85, "realized_2.json"), (0, 0.805, "realized_3.json"),
+        (1, 0.80, "realized_3.json")]  # fmt: skip
+    assert loka["quality_ok"] is False  # the first draw fell outside its band
+    assert table["no_quality"] == []
+    assert e2e_table.markdown(table).splitlines()[-1].endswith("| 2 of 3 in band |")
+    table = e2e_table.assemble(runs[:1] + runs[2:], "large", ("dhen",))
+    assert {(r["variant"]): r for r in table["runs"]}["loka"]["quality_ok"] is True
