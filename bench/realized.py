@@ -32,7 +32,10 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    FP8, torchao), `infer-loka` (`PlanConfig(inference=True, mode=mode)`). Both FP8 variants
    serve weights quantized once: torchao's `quantize_` stores FP8 weights, and `apply` of an
    inference plan prequantizes every native FP8 site's weight (`ApplyConfig.prequantize_weights`),
-   so a served forward quantizes only its inputs without inductor freezing.
+   so a served forward quantizes only its inputs without inductor freezing. With
+   `--verify`, each infer-loka plan first goes through Dispatch's verification on the
+   served forward (compiled as timed; a demoted site serves bf16), and the served-output
+   error is that of the verified plan.
    `--infer-freezing on` freezes every served model as well (weights, embedding tables
    included, become constants; Wukong xl's frozen compile at 16k outlasted two 10-minute
    calls). `--infer-batch 16384,65536` serves at those batch sizes (training batches
@@ -1141,6 +1144,28 @@ def evaluate(setup, autocast) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def served_error(models: dict, batch, extra: dict, autocasting) -> None:
+    """How far each FP8 variant's served output is from bf16's on the served batch (the
+    plan as served: what verification demoted is bf16 again), with what tells a real 0 from
+    a broken check: how much the output varies over the batch (a collapsed model serves one
+    value) and how many FP8 linears the forward ran. `models`: the eager modules (a compiled
+    one's own module: the same weights and sites)."""
+    import torch
+    from harness import rel_err
+
+    if len(models) < 2:
+        return
+    with torch.no_grad(), autocasting():
+        want = models["infer-bf16"](batch)
+        for variant, model in models.items():
+            if variant != "infer-bf16" and isinstance(want, torch.Tensor):
+                with counting_fp8_calls(model) as calls:
+                    got = model(batch)
+                extra[variant] |= {"output_rel_err": rel_err(got, want),
+                                   "output_spread": output_spread(want),
+                                   "fp8_calls": calls["fp8"]}  # fmt: skip
+
+
 @contextlib.contextmanager
 def counting_fp8_calls(model):
     """Counts the forwards of `model`'s `Fp8Linear` modules (prequantized or not) while open:
@@ -1303,6 +1328,7 @@ def inference_rows(
         except Exception as exc:  # torchao absent or refusing these shapes: said in the row
             extra["infer-torchao-rowwise"] = {"error": repr(exc)[:500]}
     loka_variants = [v for v in args.infer_variants if v.split("+")[0] == "loka"]
+    applieds: dict = {}
     if loka_variants:
         plan = make_plan(tables["sites"], tables["site_errors"], bench.table,
                          PlanConfig(inference=True, mode=mode))  # fmt: skip
@@ -1322,6 +1348,7 @@ def inference_rows(
         # An inference plan: weights prequantized for serving.
         applied = apply(loka_model, plan, ApplyConfig(**apply_opts))
         models[f"infer-{variant}"] = loka_model
+        applieds[f"infer-{variant}"] = applied
         extra[f"infer-{variant}"] = {"fp8_layers": len(applied.sites), "predicted_gemm_speedup": s.gemm_speedup,
                                      "passes_fp8": s.passes_fp8, "prequantized": len(applied.prequantized)}  # fmt: skip
         if "static_input_margin" in opts and applied.prequantized:
@@ -1331,21 +1358,7 @@ def inference_rows(
                 amax = calibrate_input_scales(loka_model, calibration_batches(setup, batch_rows(batch)),
                                               margin=opts["static_input_margin"])  # fmt: skip
             extra[f"infer-{variant}"]["static_scales"] = len(amax)
-    if len(models) > 1:
-        from harness import rel_err
-
-        # How far each FP8 variant's served output is from bf16's on the served batch, with
-        # what tells a real 0 from a broken check: how much the output varies over the batch
-        # (a collapsed model serves one value) and how many FP8 linears the forward ran.
-        with torch.no_grad(), autocasting():
-            want = models["infer-bf16"](batch)
-            for variant, model in models.items():
-                if variant != "infer-bf16" and isinstance(want, torch.Tensor):
-                    with counting_fp8_calls(model) as calls:
-                        got = model(batch)
-                    extra[variant] |= {"output_rel_err": rel_err(got, want),
-                                       "output_spread": output_spread(want),
-                                       "fp8_calls": calls["fp8"]}  # fmt: skip
+    eager_models = dict(models)
     if mode != "eager":
         torch._inductor.config.freezing = args.infer_freezing == "on"
         models = {
@@ -1377,6 +1390,15 @@ def inference_rows(
                 "error": f"{type(exc).__name__}: {exc}"[:2000],
             }
     log(f"{name}/{mode}: inference compiled and warm")
+    if args.verify:  # serving's own closed loop: the served forward, as it is timed below
+        for variant, applied in applieds.items():
+            if variant in fns and "error" not in extra[variant]:
+                extra[variant] |= verify_loka(None, lambda _, i, f=fns[variant]: f(i), applied,
+                                              "site", mode)  # fmt: skip
+                log(f"{name}/{mode}/{variant}: verified in {extra[variant]['verify_s']:.0f} s, "
+                    f"{extra[variant]['fp8_layers']} sites kept, "
+                    f"{len(extra[variant]['demoted'])} demoted")  # fmt: skip
+    served_error(eager_models, batch, extra, autocasting)
     try:
         times = interleaved(fns, args.blocks, 2 * args.block_steps, clock, left)
         if args.profile:  # where the serving forward's time goes, kernel by kernel
@@ -1398,7 +1420,9 @@ def inference_rows(
                     **block_stats(base, times[variant])}  # fmt: skip
             if variant.startswith("infer-loka") and at_plan_shapes:
                 served_ms = statistics.median(base)
-                row["predicted_from_step"] = predicted_from_step(plan, {}, served_ms)
+                row["predicted_from_step"] = predicted_from_step(
+                    plan, row.get("demoted", {}), served_ms
+                )
                 row["g"] = serving_gemm_share(plan, served_ms)
             in_place = extra["infer-bf16"].get("profile", {}).get("gemm_share")
             if variant.startswith("infer-loka") and in_place:

@@ -542,3 +542,21 @@ def test_the_served_error_check_says_whether_fp8_ran_and_the_output_varied():
     assert calls == {"fp8": 2}  # the hooks are gone once the block closed
     assert realized.output_spread(torch.full((8,), 0.3)) == 0.0
     assert realized.output_spread(torch.tensor([1.0, -1.0])) > 1.0
+
+
+def test_serving_plans_are_verified_on_the_served_forward(tmp_path, monkeypatch):
+    # CPU smoke (tiny DHEN, eager): the interpreted FP8 site serves ~50x slower than bf16, so
+    # verification must demote it, and the served-output check then sees no FP8 call.
+    monkeypatch.syspath_prepend(str(_PATH.parent))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    realized.main(["--device", "cpu", "--models", "dhen", "--modes", "eager", "--variants",
+                   "bf16", "--inference", "--infer-variants", "loka", "--verify",
+                   "--no-grad-check", "--blocks", "3", "--block-steps", "1",
+                   "--out", str(tmp_path)])  # fmt: skip
+    (path,) = tmp_path.glob("realized_*.json")
+    (row,) = [r for r in json.loads(path.read_text())["runs"] if r["variant"] == "infer-loka"]
+    assert row["passes_fp8"] >= 1 and row["verify_steps"] > 0
+    assert row["fp8_layers"] == 0 and len(row["demoted"]) == row["passes_fp8"]
+    assert all("slower than bf16" in why for why in row["demoted"].values())
+    assert row["fp8_calls"] == 0 and row["output_rel_err"] == 0.0
+    assert row["predicted_from_step"] == pytest.approx(1.0)  # nothing left to gain

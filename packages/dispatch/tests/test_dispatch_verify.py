@@ -286,7 +286,7 @@ class Tiny(nn.Module):
         return self.fc2(torch.relu(self.fc1(self.norm(x))))
 
 
-def tiny_plan(model: nn.Module, fuse: bool = False):
+def tiny_plan(model: nn.Module, fuse: bool = False, config: PlanConfig | None = None):
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     sites = pl.DataFrame(
         [{"site": n, "kind": "linear", "K": m.in_features, "N": m.out_features, "M_min": 32,
@@ -307,7 +307,7 @@ def tiny_plan(model: nn.Module, fuse: bool = False):
         [(32, 32, 64), (32, 64, 32)], fp8_ms=0.97 if fuse else 0.5,
         norm_shapes=[(32, 32)] if fuse else (),
     )  # fmt: skip
-    return make_plan(validate(sites, "sites"), validate(errors, "site_errors"), bench)
+    return make_plan(validate(sites, "sites"), validate(errors, "site_errors"), bench, config)
 
 
 def test_switching_keeps_parameters_and_gives_back_the_original_modules() -> None:
@@ -403,6 +403,39 @@ def test_verify_drives_training_steps_demotes_and_records_in_the_plan(tmp_path) 
     applied.plan.write(tmp_path / "plan.parquet")
     assert read_plan(tmp_path / "plan.parquet").summary.verify_demoted == summary.verify_demoted
     copy.deepcopy(summary)  # plain data
+
+
+def test_serving_is_verified_on_the_forward_and_a_demoted_site_frees_its_fp8_weight() -> None:
+    from loka.dispatch.verify import verifier_for
+
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    originals = dict(model.named_modules())
+    applied = apply(model, tiny_plan(model, config=PlanConfig(inference=True)))
+    assert applied.prequantized == ["fc1", "fc2"]
+    planned_fc2 = model.fc2
+    assert verifier_for(applied)._parameters is None  # a served forward trains nothing
+    x = torch.randn(32, 32)
+
+    def serve() -> None:
+        with torch.no_grad():
+            model(x)
+
+    fake = FakeStep({"fc1": 0.9, "fc2": 1.2})
+    fake.time = lambda: 0.1 * math.prod(fake.factors[s] for s in applied.active)
+    result = verify(serve, applied, SHORT, fake)
+    assert result.kept == ["fc1"] and list(result.demoted) == ["fc2"]
+    assert model.fc2 is originals["fc2"] and model.fc1.prequantized
+    # The demoted site's FP8 copy is gone, not held by the module kept for `use`.
+    assert applied.prequantized == ["fc1"] and not planned_fc2.prequantized
+    assert "1 with the weight prequantized" in applied.summary()
+    with torch.no_grad():
+        served = model(x)
+    applied.use(set())  # bf16 everywhere: the kept FP8 site changed the output, fc2 did not
+    with torch.no_grad():
+        assert not torch.equal(served, model(x))
+    training = apply(Tiny(), tiny_plan(Tiny()))
+    assert verifier_for(training)._parameters is not None
 
 
 def test_verify_settles_each_new_set_when_the_plan_runs_under_cuda_graphs() -> None:

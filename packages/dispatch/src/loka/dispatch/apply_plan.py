@@ -222,6 +222,22 @@ class Applied:
             self._set_passes(site, set(passes) - {pass_})
         return True
 
+    def _release_serving_copy(self, site: str) -> None:
+        """A demoted site serves bf16 from now on: its prequantized FP8 weight (half the bf16
+        weight's bytes, held by the planned module that `variants` keeps for `use`) is
+        dropped, and the site leaves `prequantized`."""
+        if site not in self.prequantized:
+            return
+        from loka.mods.fp8_linear import Fp8Linear
+
+        modules = [m for _, m, _ in self.variants.get(site, [])]
+        if site not in self.variants:
+            modules.append(self.model.get_submodule(site))
+        for module in modules:
+            if isinstance(module, Fp8Linear) and module.prequantized:
+                module.release_prequantized_weight()
+        self.prequantized = [s for s in self.prequantized if s != site]
+
     def _fp8_linears(self, site: str) -> list[nn.Module]:
         from loka.mods.fp8_linear import Fp8Linear
 
@@ -265,6 +281,7 @@ class Applied:
         if site in self.variants and not self.undone:
             for path, _, original in self.variants[site]:
                 _set_module(self.model, path, original)
+            self._release_serving_copy(site)
             self.demoted[site] = reason
             log.warning("loka: site %s demoted to bf16: %s", site, reason)
             return True
@@ -280,6 +297,7 @@ class Applied:
             module.set_config(Fp8LinearConfig.bf16())
         else:
             return False
+        self._release_serving_copy(site)
         self.demoted[site] = reason
         log.warning("loka: site %s demoted to bf16: %s", site, reason)
         return True

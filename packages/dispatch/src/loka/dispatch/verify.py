@@ -34,6 +34,13 @@ have measured 0.82-1.05x bf16. So after `apply`, the step itself is measured:
 
 `Verifier` is the state machine (call `step()` after every training step: `Session` does);
 `verify(step_fn, applied)` drives it by calling `step_fn()` itself.
+
+Serving is verified the same way: with an inference plan (`PlanConfig(inference=True)`,
+weights prequantized by `apply`), `step_fn` is one served forward (under `torch.no_grad()`,
+at the serving batch, compiled as it will be served), the "step" time is the forward's, and
+there is no gradient check. A demoted site serves bf16 and its prequantized copy is freed.
+A plan faster by its kernels can be slower served: InterFormer large's 8-site serving plan,
+predicted 1.006x, measured 0.996x (`bench/results/realized_20261204T210324Z`).
 """
 
 from __future__ import annotations
@@ -495,7 +502,7 @@ def verifier_for(
 ) -> Verifier:
     """A `Verifier` over the live FP8 sites of an `Applied` (`loka.dispatch.apply`'s result),
     switching them with `Applied.use`; predictions from its plan; the gradient check on the
-    model's parameters. `timer` defaults to CUDA events on a GPU model, the wall clock
+    model's parameters (none for an inference plan, whose step is a served forward). `timer` defaults to CUDA events on a GPU model, the wall clock
     elsewhere. `mode=` (the plan's execution mode) sets the default `settle_steps`."""
     config = config or VerifyConfig()
     per_pass = config.unit == "pass"
@@ -507,11 +514,13 @@ def verifier_for(
         live, switch = [s for s in applied.sites if s not in applied.demoted], applied.use
         gains = site_gains(applied.plan.table)
     timer = timer if timer is not None else default_timer(_model_device(applied.model))
+    # A served forward trains nothing: no gradient to check.
+    serving = applied.plan.metadata.get("inference") == "True"
+    parameters = kwargs.pop("parameters", None if serving else applied.model.named_parameters)
     return Verifier(
         live, switch, config, timer, gains=gains,
         predicted=applied.plan.summary.predicted_speedup,
-        saving_ms=gains,
-        parameters=kwargs.pop("parameters", applied.model.named_parameters), **kwargs,
+        saving_ms=gains, parameters=parameters, **kwargs,
     )  # fmt: skip
 
 
