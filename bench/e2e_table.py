@@ -48,10 +48,27 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("files", nargs="+", help="realized_*.json or .json.xz")
     p.add_argument("--preset", default="large")
     p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--rename", action="append", default=[], metavar="AS_RUN:NAME",
+                   help="file a variant under the table's name for it (repeatable), e.g. "
+                        "loka+mk:loka when the runs of a preset timed LoKA with options")  # fmt: skip
     p.add_argument("--markdown", action="store_true",
                    help="also print the training rows as a Markdown table (one line per model "
                         "and mode), for a README")  # fmt: skip
     return p.parse_args(argv)
+
+
+def renames(items: list[str]) -> dict[str, str]:
+    """``--rename AS_RUN:NAME`` pairs as a mapping (variant names hold ``=`` and ``+``, so
+    a colon separates them); one line naming a malformed or repeated one."""
+    out: dict[str, str] = {}
+    for item in items:
+        old, sep, new = item.partition(":")
+        if not sep or not old or not new:
+            raise ValueError(f"--rename {item!r}: expected AS_RUN:NAME, e.g. loka+mk:loka")
+        if old in out:
+            raise ValueError(f"--rename: {old!r} renamed twice")
+        out[old] = new
+    return out
 
 
 def read_run(path: str | Path) -> dict:
@@ -81,11 +98,16 @@ def seed_median(rows: list[dict], serving: bool, batch=None) -> float | None:
     return statistics.median(times) if times else None
 
 
-def table_rows(data: dict, source: str, preset: str) -> list[dict]:
-    """The run's rows of one preset, with the speedup against its own seeds' median."""
+def table_rows(data: dict, source: str, preset: str, rename: dict | None = None) -> list[dict]:
+    """The run's rows of one preset, with the speedup against its own seeds' median;
+    `rename` maps a variant as run to the table's name for it (``loka+mk`` -> ``loka``;
+    the row keeps the name it ran as in `variant_as_run`)."""
     meta = data.get("meta", {})
     rows = [r for r in data["runs"] if r.get("preset", meta.get("preset")) == preset
             and all(k in r for k in ("model", "mode", "variant"))]  # fmt: skip
+    if rename:
+        rows = [r | {"variant": rename[r["variant"]], "variant_as_run": r["variant"]}
+                if r["variant"] in rename else r for r in rows]  # fmt: skip
     out = []
     for r in rows:
         serving = r["variant"].startswith("infer-")
@@ -98,7 +120,8 @@ def table_rows(data: dict, source: str, preset: str) -> list[dict]:
                "speedup_vs_bf16_seed0": r.get("speedup_vs_bf16"),
                "quality_ok": r.get("quality_ok"),
                "source": source, "commit": (meta.get("git_commit") or "")[:7] or None}  # fmt: skip
-        row |= {k: r[k] for k in KEPT if r.get(k) is not None and k != "quality_ok"}
+        row |= {k: r[k] for k in (*KEPT, "variant_as_run")
+                if r.get(k) is not None and k != "quality_ok"}  # fmt: skip
         if r["variant"].startswith(("loka", "infer-loka")):
             row |= {k: r.get(k) for k in LOKA_FIELDS}
         out.append(row)
@@ -115,7 +138,9 @@ def quality_variant(variant: str) -> tuple[str, int | None]:
     return variant, None
 
 
-def assemble(runs: list[tuple[str, dict]], preset: str, models=MODELS) -> dict:
+def assemble(
+    runs: list[tuple[str, dict]], preset: str, models=MODELS, rename: dict | None = None
+) -> dict:
     """Rows of the latest run per (model, mode, variant, batch); runs in recording order
     (their file names carry the UTC stamp). A row with no timing (a budget-cut variant)
     does not replace a timed one. Quality is not the latest run's alone: every trained draw
@@ -125,7 +150,7 @@ def assemble(runs: list[tuple[str, dict]], preset: str, models=MODELS) -> dict:
     cells: dict[tuple, dict] = {}
     draws: dict[tuple, list[dict]] = {}
     for source, data in sorted(runs, key=lambda item: item[0]):
-        rows = table_rows(data, source, preset)
+        rows = table_rows(data, source, preset, rename)
         # A run that trained bf16 alone in a mode (a serving run needs its weights) has no
         # training comparison there: its bf16 row does not replace the one an A/B run timed
         # beside its seeds and LoKA, whose speedups the table's line reads with it.
@@ -254,12 +279,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"e2e_table: {e}", file=sys.stderr)
         return 2
     models = tuple(m for m in args.models.split(",") if m)
-    table = assemble(runs, args.preset, models)
+    try:
+        rename = renames(args.rename)
+    except ValueError as e:
+        print(f"e2e_table: {e}", file=sys.stderr)
+        return 2
+    table = assemble(runs, args.preset, models, rename)
     print(report(table))
     if args.markdown:
         print(markdown(table))
     sources = sorted({r["source"] for r in table["runs"]})
     meta = {"command": " ".join(sys.argv), "preset": args.preset, "sources": sources,
+            "rename": rename,
             "from": "bench/realized.py runs on the H200, assembled by bench/e2e_table.py"}  # fmt: skip
     path = write_json(Path(args.out) / f"e2e_{stamp()}.json", {"meta": meta, **table})
     print(f"wrote {path}")

@@ -144,3 +144,32 @@ def test_every_quality_draw_counts_and_one_outside_the_band_fails_the_cell():
     assert e2e_table.markdown(table).splitlines()[-1].endswith("| 2 of 3 in band |")
     table = e2e_table.assemble(runs[:1] + runs[2:], "large", ("dhen",))
     assert {(r["variant"]): r for r in table["runs"]}["loka"]["quality_ok"] is True
+
+
+def test_variants_run_with_options_are_filed_under_the_tables_name(tmp_path, capsys):
+    data = run("9" * 40, [
+        row("dhen", "compiled", "bf16", 30.0),
+        row("dhen", "compiled", "loka+mk", 26.0),
+        row("dhen", "compiled", "infer-bf16", 10.0, batch_size=65536),
+        row("dhen", "compiled", "infer-loka", 8.0, batch_size=65536),
+        row("dhen", "compiled", "infer-loka+static=2", 7.0, batch_size=65536),
+    ], preset="xl")  # fmt: skip
+    for r in data["runs"]:
+        r["preset"] = "xl"
+    rename = e2e_table.renames(["loka+mk:loka", "infer-loka:infer-loka-dynamic",
+                                "infer-loka+static=2:infer-loka"])  # fmt: skip
+    table = e2e_table.assemble([("realized_x.json", data)], "xl", ("dhen",), rename)
+    got = {(r["variant"], r.get("batch_size")): r for r in table["runs"]}
+    assert got[("loka", None)]["variant_as_run"] == "loka+mk"
+    assert got[("loka", None)]["speedup_vs_bf16"] == pytest.approx(30.0 / 26.0)
+    assert got[("infer-loka", 65536)]["fwd_ms"] == 7.0  # static scales, as named
+    assert got[("infer-loka-dynamic", 65536)]["fwd_ms"] == 8.0
+    assert "dhen/compiled/loka" not in table["missing"]
+    for bad in (["loka+mk"], ["a:b", "a:c"], [":loka"]):
+        with pytest.raises(ValueError, match="--rename"):
+            e2e_table.renames(bad)
+    path = tmp_path / "realized_x.json"
+    path.write_text(json.dumps(data))
+    assert e2e_table.main([str(path), "--preset", "xl", "--rename", "nope", "--out",
+                           str(tmp_path / "out")]) == 2  # fmt: skip
+    assert "expected AS_RUN:NAME" in capsys.readouterr().err
