@@ -438,6 +438,26 @@ def test_serving_is_verified_on_the_forward_and_a_demoted_site_frees_its_fp8_wei
     assert verifier_for(training)._parameters is not None
 
 
+def test_verify_of_a_compiled_plan_raises_dynamos_recompile_limit() -> None:
+    # A served model verified directly (no Session): every set is one more compiled variant.
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    applied = apply(model, tiny_plan(model, config=PlanConfig(inference=True)))
+    fake = FakeStep({"fc1": 0.9, "fc2": 0.9})
+    fake.time = lambda: 0.1 * math.prod(fake.factors[s] for s in applied.active)
+    before = torch._dynamo.config.recompile_limit
+    events: list[str] = []
+    try:
+        torch._dynamo.config.recompile_limit = 8
+        verify(lambda: None, applied, SHORT, fake, mode="eager")
+        assert torch._dynamo.config.recompile_limit == 8  # eager: nothing compiles
+        verify(lambda: None, applied, SHORT, fake, on_event=events.append, mode="compiled")
+        assert torch._dynamo.config.recompile_limit == 2 * SHORT.max_rounds + 4
+        assert any("recompile_limit raised" in e for e in events)
+    finally:
+        torch._dynamo.config.recompile_limit = before
+
+
 def test_verify_settles_each_new_set_when_the_plan_runs_under_cuda_graphs() -> None:
     torch.manual_seed(0)
     model = Tiny()

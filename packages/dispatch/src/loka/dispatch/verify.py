@@ -559,6 +559,20 @@ def settle(applied, result: Verification) -> None:
         )
 
 
+def allow_recompiles(config: VerifyConfig, on_event: Callable[[str], None] | None = None) -> None:
+    """Each set of FP8 sites verification tries is one more compiled variant of the model;
+    past dynamo's recompile limit (8 by default) the model would silently run uncompiled
+    and the timings would measure eager steps. Raise the limit to cover them (a global
+    dynamo setting: said through `on_event`)."""
+    import torch._dynamo
+
+    needed = 2 * config.max_rounds + 4  # every set and bf16, plus the warm-up's graphs
+    if torch._dynamo.config.recompile_limit < needed:
+        torch._dynamo.config.recompile_limit = needed
+        if on_event is not None:
+            on_event(f"torch._dynamo.config.recompile_limit raised to {needed} for verification")
+
+
 def verify(
     step_fn: Callable[[], object],
     applied,
@@ -571,7 +585,11 @@ def verify(
     """Verify an applied plan on the real step: call `step_fn()` (one whole training step,
     optimizer included) until the `Verifier` is done, then `settle`. Uses at most
     ``config.max_rounds * config.steps_per_round`` steps plus the settling steps of each new
-    set (`VerifyConfig.settle_steps`, by `mode`); none when no site is in FP8."""
+    set (`VerifyConfig.settle_steps`, by `mode`); none when no site is in FP8. A compiled
+    `mode` ("compiled", "cudagraphs") raises dynamo's recompile limit to cover every set
+    (`allow_recompiles`)."""
+    if mode is not None and mode != "eager":
+        allow_recompiles(config or VerifyConfig(), on_event)
     verifier = verifier_for(applied, config, timer, on_event=on_event, mode=mode)
     while not verifier.done:
         step_fn()

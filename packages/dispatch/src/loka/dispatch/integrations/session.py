@@ -53,7 +53,13 @@ from loka.dispatch.integrations.distributed import is_distributed, plan_once, ra
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
 from loka.dispatch.planner import Plan, PlanConfig, make_plan
 from loka.dispatch.step_timers import StepTimer
-from loka.dispatch.verify import Verifier, VerifyConfig, settle, verifier_for
+from loka.dispatch.verify import (
+    Verifier,
+    VerifyConfig,
+    allow_recompiles,
+    settle,
+    verifier_for,
+)
 from loka.schema import read_table, write_table
 
 log = logging.getLogger("loka.dispatch")
@@ -348,18 +354,9 @@ class Session:
             self._settle()
 
     def _allow_recompiles(self, config: VerifyConfig) -> None:
-        """Each set of FP8 sites verification tries is one more compiled variant of the
-        model; past dynamo's recompile limit (8 by default) the model would silently run
-        uncompiled and the timings would measure eager steps. Raise the limit to cover
-        them (a global dynamo setting: said in an event)."""
-        if not self.compiled:
-            return
-        import torch._dynamo
-
-        needed = 2 * config.max_rounds + 4  # every set and bf16, plus the warm-up's graphs
-        if torch._dynamo.config.recompile_limit < needed:
-            torch._dynamo.config.recompile_limit = needed
-            self._event(f"torch._dynamo.config.recompile_limit raised to {needed} for verification")
+        """A compiled model's verification compiles a variant per set (`allow_recompiles`)."""
+        if self.compiled:
+            allow_recompiles(config, self._event)
 
     def _settle(self) -> None:
         settle(self.applied, self.verifier.result)
