@@ -1,0 +1,249 @@
+"""Would 1x128 blockwise FP8 make the weight gradient pay where rowwise cannot?
+
+The weight-gradient passes are the largest FP8 gap left in the xl plans: InterFormer xl's
+interaction layers keep all 8 wgrad passes in bf16 (10.0 of 48.2 ms of its bf16 GEMM time)
+because rowwise FP8 is both inaccurate there (error bounds 0.29-0.46 against a budget of
+0.09: one scale per channel over 16384 tokens) and slow once its transposed quantizations
+are paid (fc2: 1.305 against 1.261 ms). A scale per 128 tokens (1x128 blocks along the
+reduction, DeepSeek-V3's wgrad recipe) bounds an outlier token's damage to its block;
+torch 2.11's `torch.nn.functional.scaled_mm` runs it on the H200 (`BlockWise1x128` on both
+operands, cuBLASLt). No backend of ours does yet. Before building one, this measures both
+halves of the question on the model's own shapes and batches:
+
+1. accuracy: Probe on the zoo model with the blockwise recipe added to dgrad and wgrad
+   (`e4m3:e4m3/block/dynamic`: 1x128 blocks on activations and gradients, 128x128 on
+   weights), the error bound of every site and pass per recipe, and the sites whose
+   rowwise wgrad is over its budget while the blockwise one is within it;
+2. speed (GPU only): for each distinct wgrad shape (``dW[N, K] = dY^T x`` over M tokens),
+   the bf16 GEMM, the rowwise FP8 GEMM and the 1x128 x 1x128 FP8 GEMM on operands
+   quantized beforehand, and the quantizations each FP8 GEMM needs from the row-major
+   dY and x (transposed, in torch ops, compiled as a compiled step would run them).
+
+Results in --out: blockwise_wgrad_<utc>.json.
+
+    python3 bench/blockwise_wgrad.py --model interformer --preset xl --batch-size 4096
+    python3 bench/blockwise_wgrad.py --model dhen --preset tiny --steps 4   # on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness import Budget, metadata, parser, stamp, time_ms, write_json
+
+BLOCK = "e4m3:e4m3/block/dynamic"
+ROW = "e4m3:e4m3/row/dynamic"
+TENSOR = "e4m3:e4m3/tensor/dynamic"
+E4M3_MAX = 448.0
+TILE = 128  # tokens per scale of a 1x128 block along the reduction
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser(__doc__, budget_s=420.0)
+    p.add_argument("--model", default="interformer")
+    p.add_argument("--preset", default="xl")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="training batch for the probe (default: the preset's)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=12, help="probed training steps")
+    p.add_argument("--rows", type=int, default=1024,
+                   help="token rows Probe samples per GEMM call (the wgrad error's M)")  # fmt: skip
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="M of the timed wgrad GEMMs (the preset's training batch)")  # fmt: skip
+    p.add_argument("--device", default=None)
+    return p.parse_args(argv)
+
+
+def probe_recipes() -> dict[str, tuple[str, ...]]:
+    """Probe's defaults with the blockwise recipe in every pass (fwd has it already)."""
+    from loka.probe import DEFAULT_RECIPES
+
+    recipes = {p: tuple(r) for p, r in DEFAULT_RECIPES.items()}
+    for pass_ in ("dgrad", "wgrad"):
+        if BLOCK not in recipes[pass_]:
+            recipes[pass_] = (*recipes[pass_], BLOCK)
+    return recipes
+
+
+def error_rows(site_errors, budgets: dict[str, float]) -> list[dict]:
+    """One row per site and backward pass: each recipe's error bound (ucb) and whether it
+    is within the pass's budget."""
+    out: dict[tuple[str, str], dict] = {}
+    for r in site_errors.iter_rows(named=True):
+        if r["pass"] == "fwd":
+            continue
+        row = out.setdefault((r["site"], r["pass"]), {"site": r["site"], "pass": r["pass"],
+                                                      "budget": budgets[r["pass"]]})  # fmt: skip
+        row[r["recipe"]] = r["ucb_rel_err"]
+    return sorted(out.values(), key=lambda row: (row["pass"], row["site"]))
+
+
+def rescued(rows: list[dict]) -> list[str]:
+    """``site/pass`` where no rowwise or tensorwise recipe is within budget and the
+    blockwise one is."""
+    names = []
+    for row in rows:
+        others = [v for k, v in row.items() if "/" in k and k != BLOCK and v is not None]
+        block = row.get(BLOCK)
+        if block is not None and block <= row["budget"] and all(v > row["budget"] for v in others):
+            names.append(f"{row['site']}/{row['pass']}")
+    return names
+
+
+def quantize_1x128_transposed(t, scale_layout: bool = True):
+    """`t` ``[M, C]`` (row-major tokens) as its transpose ``[C, M]`` in e4m3 with one scale
+    per 128 tokens: (data ``[C, M]`` row-major, inverse scales ``[C, M / 128]`` with stride
+    ``[1, C]``, the layout `scaled_mm`'s 1x128 operands take). M must be a multiple of 128."""
+    import torch
+
+    M, C = t.shape
+    if M % TILE:
+        raise ValueError(f"1x128 blocks along M need M % {TILE} == 0, got M = {M}")
+    blocks = t.t().float().reshape(C, M // TILE, TILE)
+    amax = blocks.abs().amax(dim=-1).clamp_min(1e-12)
+    scale = E4M3_MAX / amax
+    data = (blocks * scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    inverse = (1.0 / scale).float()
+    if scale_layout:
+        inverse = inverse.t().contiguous().t()
+    # The transposed view's blocks keep its strides through the elementwise ops: the GEMM
+    # needs the data row-major.
+    return data.reshape(C, M).contiguous(), inverse
+
+
+def quantize_rowwise_transposed(t):
+    """`t` ``[M, C]`` as its transpose ``[C, M]`` in e4m3 with one scale per row of the
+    transpose (a channel over all M tokens): (data, inverse scales ``[C, 1]``)."""
+    import torch
+
+    tt = t.t().float()
+    amax = tt.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    scale = E4M3_MAX / amax
+    data = (tt * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return data.contiguous(), (1.0 / scale).float()
+
+
+def wgrad_blockwise(dy_t, dy_inv, x_t, x_inv):
+    """``dY^T x`` [N, K] from the 1x128-quantized transposes (`quantize_1x128_transposed`
+    of dY [M, N] and x [M, K])."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.functional import ScalingType
+
+    return F.scaled_mm(dy_t, x_t.t(), dy_inv, ScalingType.BlockWise1x128, x_inv,
+                       ScalingType.BlockWise1x128, output_dtype=torch.bfloat16)  # fmt: skip
+
+
+def wgrad_rowwise(dy_t, dy_inv, x_t, x_inv):
+    """``dY^T x`` from the rowwise-quantized transposes (`quantize_rowwise_transposed`)."""
+    import torch
+
+    return torch._scaled_mm(dy_t, x_t.t(), dy_inv, x_inv.t(), out_dtype=torch.bfloat16)
+
+
+def wgrad_reference(dy_t, dy_inv, x_t, x_inv):
+    """The blockwise product dequantized in float32: what `wgrad_blockwise` computes, on
+    any device (the CPU has no FP8 GEMM)."""
+    C_dy, M = dy_t.shape
+    dy = (dy_t.float().reshape(C_dy, M // TILE, TILE) * dy_inv[..., None]).reshape(C_dy, M)
+    C_x = x_t.shape[0]
+    x = (x_t.float().reshape(C_x, M // TILE, TILE) * x_inv[..., None]).reshape(C_x, M)
+    return dy @ x.t()
+
+
+def wgrad_shapes(sites, tokens: int) -> list[tuple[int, int, int]]:
+    """Distinct (N, K, M) of the linear sites' weight gradients, M = `tokens`."""
+    return sorted({(int(r["N"]), int(r["K"]), tokens) for r in sites.iter_rows(named=True)
+                   if r["kind"] == "linear"})  # fmt: skip
+
+
+def time_shape(N: int, K: int, M: int, device) -> dict:
+    """GPU milliseconds of the wgrad GEMM of one shape: bf16, rowwise FP8, blockwise FP8 (on
+    operands quantized beforehand), and each FP8 way's two transposed quantizations of the
+    row-major dY and x (compiled)."""
+    import torch
+
+    torch.manual_seed(0)
+    dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    out: dict = {"N": N, "K": K, "M": M}
+    out["bf16_ms"] = time_ms(lambda: dy.t() @ x, device)
+    row_q = torch.compile(lambda a, b: (quantize_rowwise_transposed(a),
+                                        quantize_rowwise_transposed(b)))  # fmt: skip
+    block_q = torch.compile(lambda a, b: (quantize_1x128_transposed(a),
+                                          quantize_1x128_transposed(b)))  # fmt: skip
+    for name, quantize, gemm in (("row", row_q, wgrad_rowwise),
+                                 ("block", block_q, wgrad_blockwise)):  # fmt: skip
+        try:
+            (dq, di), (xq, xi) = quantize(dy, x)
+            out[f"{name}_ms"] = time_ms(lambda g=gemm, a=(dq, di, xq, xi): g(*a), device)
+            out[f"{name}_quantize_ms"] = time_ms(lambda q=quantize: q(dy, x), device)
+            if name == "block":
+                got = gemm(dq, di, xq, xi).float()
+                want = dy.float().t() @ x.float()
+                out["block_rel_err"] = float((got - want).norm() / want.norm())
+        except Exception as e:  # a shape or layout cuBLASLt refuses: said in the row
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
+    for name in ("row", "block"):
+        if f"{name}_ms" in out:
+            total = out[f"{name}_ms"] + out[f"{name}_quantize_ms"]
+            out[f"{name}_speedup"] = out["bf16_ms"] / out[f"{name}_ms"]
+            out[f"{name}_speedup_with_quantize"] = out["bf16_ms"] / total
+    return out
+
+
+def probe_errors(args, device: str) -> tuple[list[dict], dict]:
+    import torch
+
+    import loka.zoo as zoo
+    from loka.probe import DEFAULT_BUDGETS, Probe, ProbeConfig
+
+    kw = {"batch_size": args.batch_size} if args.batch_size else {}
+    setup = zoo.create(args.model, args.preset, device=device, **kw)
+    config = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, queue_size=10,
+                         recipes=probe_recipes(), rows=args.rows)  # fmt: skip
+    autocast = torch.bfloat16 if device == "cuda" else None
+    with Probe(setup.model, config) as probe:
+        zoo.train(setup, args.steps, on_step=lambda step, loss: probe.step(),
+                  autocast_dtype=autocast)  # fmt: skip
+        tables = probe.tables()
+    rows = error_rows(tables["site_errors"], dict(DEFAULT_BUDGETS))
+    return rows, {"sites": tables["sites"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    budget = Budget(args.budget_s)
+    rows, tables = probe_errors(args, device)
+    saved = rescued(rows)
+    print(f"[blockwise_wgrad] {len(rows)} backward site passes probed; blockwise within budget "
+          f"where no rowwise or tensorwise recipe is: {len(saved)}", flush=True)  # fmt: skip
+    for name in saved:
+        print(f"  {name}")
+    timings = []
+    if device == "cuda":
+        for N, K, M in wgrad_shapes(tables["sites"], args.tokens):
+            if budget.over():
+                timings.append({"N": N, "K": K, "M": M, "skipped": "over the time budget"})
+                continue
+            t = time_shape(N, K, M, device)
+            timings.append(t)
+            print(f"[blockwise_wgrad] N={N} K={K} M={M}: bf16 {t['bf16_ms']:.3f} ms, "
+                  + ", ".join(f"{n} {t[f'{n}_ms']:.3f} (+q {t[f'{n}_quantize_ms']:.3f})"
+                              for n in ("row", "block") if f"{n}_ms" in t), flush=True)  # fmt: skip
+    else:
+        print("[blockwise_wgrad] no GPU: accuracy only (the CPU has no FP8 GEMM to time)")
+    path = Path(args.out) / f"blockwise_wgrad_{stamp()}.json"
+    meta = metadata(device, model=args.model, preset=args.preset, steps=args.steps,
+                    rows=args.rows, tokens=args.tokens)  # fmt: skip
+    write_json(path, {"meta": meta, "errors": rows, "rescued": saved, "timings": timings})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

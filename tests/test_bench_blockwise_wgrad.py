@@ -1,0 +1,78 @@
+"""bench/blockwise_wgrad.py: the 1x128 wgrad quantization, its layout for scaled_mm, and the
+accuracy half on the CPU (the GEMM timings need the GPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+import harness
+
+script = harness.load("blockwise_wgrad")
+
+
+def test_the_blockwise_wgrad_operands_reproduce_the_product():
+    torch.manual_seed(0)
+    M, N, K = 512, 48, 80
+    # Token magnitudes that move across the batch, gradient up where activation down: each
+    # 128-token block adds as much to dW, but one scale per channel over all M tokens is set
+    # by the largest block and leaves the smallest ones a few FP8 levels.
+    spread = torch.tensor([100.0**b for b in range(4)]).repeat_interleave(128)
+    dy, x = torch.randn(M, N) * spread[:, None], torch.randn(M, K) / spread[:, None]
+    dq, di = script.quantize_1x128_transposed(dy)
+    xq, xi = script.quantize_1x128_transposed(x)
+    assert dq.shape == (N, M) and dq.dtype == torch.float8_e4m3fn and dq.is_contiguous()
+    assert di.shape == (N, M // 128) and di.stride() == (1, N)  # scaled_mm's 1x128 layout
+    want = dy.t() @ x
+    got = script.wgrad_reference(dq, di, xq, xi)
+    block_err = float((got - want).norm() / want.norm())
+    rq, ri = script.quantize_rowwise_transposed(dy)
+    rx, rxi = script.quantize_rowwise_transposed(x)
+    row = (rq.float() * ri) @ (rx.float() * rxi).t()
+    row_err = float((row - want).norm() / want.norm())
+    assert block_err < 0.05 and row_err > 0.5
+    with pytest.raises(ValueError, match="M % 128"):
+        script.quantize_1x128_transposed(torch.randn(100, 8))
+
+
+def test_scaled_mm_accepts_the_blockwise_layout_on_meta_tensors():
+    # The CPU has no FP8 GEMM; torch's meta kernel checks the shapes and strides cuBLASLt
+    # needs (scale [C, M / 128] with stride [1, C] for both 1x128 operands).
+    M, N, K = 1024, 256, 384
+    dq = torch.empty(N, M, dtype=torch.float8_e4m3fn, device="meta")
+    xq = torch.empty(K, M, dtype=torch.float8_e4m3fn, device="meta")
+    di = torch.empty(M // 128, N, device="meta").t()
+    xi = torch.empty(M // 128, K, device="meta").t()
+    out = script.wgrad_blockwise(dq, di, xq, xi)
+    assert out.shape == (N, K) and out.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="1x128"):
+        script.wgrad_blockwise(dq, di.contiguous(), xq, xi)  # row-major scales: refused
+
+
+def test_rescued_sites_are_the_ones_only_blockwise_brings_within_budget():
+    rows = [
+        {"site": "a", "pass": "wgrad", "budget": 0.09, script.ROW: 0.29, script.TENSOR: 0.31,
+         script.BLOCK: 0.05},
+        {"site": "b", "pass": "wgrad", "budget": 0.09, script.ROW: 0.05, script.BLOCK: 0.04},
+        {"site": "c", "pass": "dgrad", "budget": 0.09, script.ROW: 0.2, script.BLOCK: 0.1},
+    ]  # fmt: skip
+    assert script.rescued(rows) == ["a/wgrad"]
+    recipes = script.probe_recipes()
+    assert script.BLOCK in recipes["wgrad"] and script.BLOCK in recipes["dgrad"]
+
+
+def test_accuracy_runs_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
+    assert script.main(["--model", "dhen", "--preset", "tiny", "--steps", "3", "--rows", "256",
+                        "--out", str(tmp_path)]) == 0  # fmt: skip
+    (path,) = tmp_path.glob("blockwise_wgrad_*.json")
+    record = json.loads(path.read_text())
+    assert record["timings"] == [] and record["errors"]
+    passes = {(r["pass"]) for r in record["errors"]}
+    assert passes == {"dgrad", "wgrad"}
+    assert all(script.BLOCK in r and script.ROW in r for r in record["errors"])
