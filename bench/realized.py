@@ -48,7 +48,8 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    serving compile took 276 s at DHEN xl). At the xl presets give serving a call of its own:
    `--variants bf16 --inference --infer-variants loka --infer-batch 16384`.
 On a machine without a GPU (`--device cpu`, implied there) it runs the tiny presets as a
-smoke test of the script itself; its times say nothing of GPU speed.
+smoke test of the script itself (a `--preset` given is honoured, slowly); its times say
+nothing of GPU speed.
 
     python bench/realized.py --models dhen --modes compiled,eager
 Results: realized_<utc>.json under --out (default $OUT, else bench/results/): metadata,
@@ -153,7 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="compiled,eager")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma list; LoKA variants take options: loka+fast, loka+nohost, loka+min=1.15, loka+wq=1, loka+x=GLOB/pass, loka+bias=gemm; any variant takes model options of its own after @: bf16@attention=math")  # fmt: skip
-    p.add_argument("--preset", default="large")
+    p.add_argument("--preset", default=None,
+                   help="zoo preset (default: large on a GPU, tiny on the CPU, where any other "
+                        "is honoured but slow)")  # fmt: skip
     p.add_argument("--model-options", default="", type=model_options,
                    help="model config fields for every variant, e.g. mixing=bmm (Wukong); "
                         "comma list of key=value, values parsed as Python literals")  # fmt: skip
@@ -221,10 +224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cpu":  # a smoke test of the script: tiny models, few steps
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before loka.kernels is imported
-        args.preset = "tiny"
+        args.preset = args.preset or "tiny"
         args.probe_steps = min(args.probe_steps, 4)
         args.warmup_steps = min(args.warmup_steps, 2)
         args.blocks, args.block_steps = min(args.blocks, 3), min(args.block_steps, 3)
+    args.preset = args.preset or "large"
     return args
 
 

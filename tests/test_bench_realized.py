@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 from pathlib import Path
+
+# The CPU smoke tests run FP8 linears whose kernels need the interpreter, which loka.kernels
+# reads once, when first imported (whichever test module imports it first).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -560,3 +565,9 @@ def test_serving_plans_are_verified_on_the_served_forward(tmp_path, monkeypatch)
     assert all("slower than bf16" in why for why in row["demoted"].values())
     assert row["fp8_calls"] == 0 and row["output_rel_err"] == 0.0
     assert row["predicted_from_step"] == pytest.approx(1.0)  # nothing left to gain
+
+
+def test_the_cpu_defaults_to_tiny_but_honours_a_preset_given():
+    assert realized.parse_args(["--device", "cpu"]).preset == "tiny"
+    assert realized.parse_args(["--device", "cpu", "--preset", "base"]).preset == "base"
+    assert realized.parse_args(["--device", "cuda"]).preset == "large"
