@@ -691,7 +691,9 @@ def run_mode(
             pool = serving_pool(batches, size, made["bf16"]["setup"].train_batches)
             batch = serving_batch(pool, size)
             del pool
-            at_plan_shapes = size is None or size == batch_rows(batches[0])
+            # How many training batches the served one holds: the kernel times the plan was
+            # made from are scaled by it where the two differ.
+            at_plan_shapes = batch_rows(batch) / batch_rows(batches[0])
             new = inference_rows(args, name, mode, made["bf16"]["setup"], tables, bench,
                                  batch, clock, left, dynamic, at_plan_shapes, plans)  # fmt: skip
             rows += [r | {"batch_size": size or batch_rows(batch)} for r in new]
@@ -1298,13 +1300,16 @@ def inference_rows(
     clock,
     left,
     dynamic,
-    at_plan_shapes=False,
+    at_plan_shapes: float = 0.0,
     plans=None,
 ) -> list[dict]:
     """Forward-only serving of the bf16 seed-0 weights, in `mode`, interleaved blocks.
-    `at_plan_shapes`: the served batch is the training batch the kernels were timed at, so
-    infer-loka gets `predicted_from_step` (bf16's forward less the forward kernel time the
-    plan saves); the inference plan goes into `plans`."""
+    `at_plan_shapes`: the served batch in training batches (1.0: the batch the kernels were
+    timed at; 0: unknown), so infer-loka gets `predicted_from_step` (bf16's forward less the
+    forward kernel time the plan saves), `g` and `ceiling_step` (Amdahl with the plan's
+    prequantized GEMM speedup); at another batch they are estimates, the kernel times scaled
+    by the batch ratio (`serving_estimated`: GEMMs this large run in time linear in M); the
+    inference plan goes into `plans`."""
     import copy
 
     import torch
@@ -1423,11 +1428,16 @@ def inference_rows(
             row |= {"fwd_ms": statistics.median(times[variant]), "blocks_ms": times[variant],
                     **block_stats(base, times[variant])}  # fmt: skip
             if variant.startswith("infer-loka") and at_plan_shapes:
-                served_ms = statistics.median(base)
+                # The served forward in the kernels' units: one training batch's worth.
+                served_ms = statistics.median(base) / at_plan_shapes
                 row["predicted_from_step"] = predicted_from_step(
                     plan, row.get("demoted", {}), served_ms
                 )
                 row["g"] = serving_gemm_share(plan, served_ms)
+                if row["g"] is not None and plan.summary.prequant_speedup:
+                    row["ceiling_step"] = amdahl(min(row["g"], 1.0), plan.summary.prequant_speedup)
+                if at_plan_shapes != 1.0:
+                    row["serving_estimated"] = True
             in_place = extra["infer-bf16"].get("profile", {}).get("gemm_share")
             if variant.startswith("infer-loka") and in_place:
                 row["g_in_place"] = in_place

@@ -556,8 +556,8 @@ def test_serving_plans_are_verified_on_the_served_forward(tmp_path, monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     realized.main(["--device", "cpu", "--models", "dhen", "--modes", "eager", "--variants",
                    "bf16", "--inference", "--infer-variants", "loka", "--verify",
-                   "--no-grad-check", "--blocks", "3", "--block-steps", "1",
-                   "--out", str(tmp_path)])  # fmt: skip
+                   "--infer-batch", "512", "--no-grad-check", "--blocks", "3",
+                   "--block-steps", "1", "--out", str(tmp_path)])  # fmt: skip
     (path,) = tmp_path.glob("realized_*.json")
     (row,) = [r for r in json.loads(path.read_text())["runs"] if r["variant"] == "infer-loka"]
     assert row["passes_fp8"] >= 1 and row["verify_steps"] > 0
@@ -565,6 +565,9 @@ def test_serving_plans_are_verified_on_the_served_forward(tmp_path, monkeypatch)
     assert all("slower than bf16" in why for why in row["demoted"].values())
     assert row["fp8_calls"] == 0 and row["output_rel_err"] == 0.0
     assert row["predicted_from_step"] == pytest.approx(1.0)  # nothing left to gain
+    # Two training batches served: the share and ceiling from kernel times scaled by 2, said.
+    assert row["batch_size"] == 512 and row["serving_estimated"] is True
+    assert 0 < row["g"] and row["ceiling_step"] >= 1.0
 
 
 def test_the_cpu_defaults_to_tiny_but_honours_a_preset_given():
