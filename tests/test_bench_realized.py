@@ -567,7 +567,7 @@ def test_serving_plans_are_verified_on_the_served_forward(tmp_path, monkeypatch)
     assert row["predicted_from_step"] == pytest.approx(1.0)  # nothing left to gain
     # Two training batches served: the share and ceiling from kernel times scaled by 2, said.
     assert row["batch_size"] == 512 and row["serving_estimated"] is True
-    assert 0 < row["g"] and row["ceiling_step"] >= 1.0
+    assert row["g"] > 0 and row["ceiling_step"] >= 1.0
 
 
 def test_the_cpu_defaults_to_tiny_but_honours_a_preset_given():
