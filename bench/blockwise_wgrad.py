@@ -13,7 +13,10 @@ halves of the question on the model's own shapes and batches:
 1. accuracy: Probe on the zoo model with the blockwise recipe added to dgrad and wgrad
    (`e4m3:e4m3/block/dynamic`: 1x128 blocks on activations and gradients, 128x128 on
    weights), the error bound of every site and pass per recipe, and the sites whose
-   rowwise wgrad is over its budget while the blockwise one is within it;
+   rowwise wgrad is over its budget while the blockwise one is within it; Probe samples
+   `--rows` tokens of a batch, so one more step keeps the whole batch's x and dY of the
+   `--capture` sites and gives the exact wgrad error of each way (plain relative error
+   against float32, on the model's own operands);
 2. speed (GPU only): for each distinct wgrad shape (``dW[N, K] = dY^T x`` over M tokens),
    the bf16 GEMM, the rowwise FP8 GEMM and the 1x128 x 1x128 FP8 GEMM on operands
    quantized beforehand, and the quantizations each FP8 GEMM needs from the row-major
@@ -51,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="token rows Probe samples per GEMM call (the wgrad error's M)")  # fmt: skip
     p.add_argument("--tokens", type=int, default=16384,
                    help="M of the timed wgrad GEMMs (the preset's training batch)")  # fmt: skip
+    p.add_argument("--capture", default="*",
+                   help="fnmatch pattern of the linears whose whole-batch wgrad operands are "
+                        "captured for the exact row vs block error (default: all)")  # fmt: skip
     p.add_argument("--device", default=None)
     return p.parse_args(argv)
 
@@ -209,7 +215,72 @@ def probe_errors(args, device: str) -> tuple[list[dict], dict]:
                   autocast_dtype=autocast)  # fmt: skip
         tables = probe.tables()
     rows = error_rows(tables["site_errors"], dict(DEFAULT_BUDGETS))
-    return rows, {"sites": tables["sites"]}
+    full = full_batch_errors(setup, args.capture, autocast)
+    return rows, {"sites": tables["sites"], "full_batch": full}
+
+
+def capture_operands(setup, pattern: str, autocast) -> dict[str, tuple]:
+    """One more training step of `setup` with the input x and the output gradient dY of
+    every linear whose name matches `pattern` (fnmatch) kept, both 2-D ``[M, features]``:
+    the wgrad operands of the whole batch, where Probe samples `--rows` of them."""
+    import fnmatch
+
+    import torch
+
+    import loka.zoo as zoo
+
+    captured: dict[str, list] = {}
+    hooks = []
+
+    def keep(name):
+        def hook(module, inputs, output):
+            captured[name] = [inputs[0].detach().reshape(-1, module.in_features), None]
+            if output.requires_grad:
+
+                def grad(g, name=name):
+                    captured[name][1] = g.detach().reshape(-1, module.out_features)
+
+                output.register_hook(grad)
+
+        return hook
+
+    for name, module in setup.model.named_modules():
+        if isinstance(module, torch.nn.Linear) and fnmatch.fnmatch(name, pattern):
+            hooks.append(module.register_forward_hook(keep(name)))
+    try:
+        zoo.train(setup, 1, autocast_dtype=autocast)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: (x, dy) for name, (x, dy) in captured.items() if dy is not None}
+
+
+def wgrad_errors(x, dy) -> dict[str, float]:
+    """Relative error of ``dY^T x`` over the whole batch, quantized rowwise (a scale per
+    channel over all M tokens) and 1x128 blockwise (a scale per 128 tokens), against
+    float32; M is zero-padded to a multiple of 128 (exact: a zero token adds nothing)."""
+    import torch.nn.functional as F
+
+    pad = (-x.shape[0]) % TILE
+    x, dy = F.pad(x.float(), (0, 0, 0, pad)), F.pad(dy.float(), (0, 0, 0, pad))
+    want = dy.t() @ x
+    norm = want.norm()
+    rq, ri = quantize_rowwise_transposed(dy)
+    rx, rxi = quantize_rowwise_transposed(x)
+    row = (rq.float() * ri) @ (rx.float() * rxi).t()
+    bq, bi = quantize_1x128_transposed(dy, scale_layout=False)
+    bx, bxi = quantize_1x128_transposed(x, scale_layout=False)
+    block = wgrad_reference(bq, bi, bx, bxi)
+    return {"M": int(x.shape[0] - pad), "row": float((row - want).norm() / norm),
+            "block": float((block - want).norm() / norm)}  # fmt: skip
+
+
+def full_batch_errors(setup, pattern: str, autocast) -> list[dict]:
+    """`wgrad_errors` of every captured site (`capture_operands`), one at a time."""
+    out = []
+    for name, (x, dy) in capture_operands(setup, pattern, autocast).items():
+        out.append({"site": name, **wgrad_errors(x, dy)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
           f"where no rowwise or tensorwise recipe is: {len(saved)}", flush=True)  # fmt: skip
     for name in saved:
         print(f"  {name}")
+    for r in tables["full_batch"]:
+        print(f"[blockwise_wgrad] {r['site']}: whole-batch wgrad error (M = {r['M']}) "
+              f"rowwise {r['row']:.4f}, blockwise {r['block']:.4f}", flush=True)  # fmt: skip
     timings = []
     if device == "cuda":
         for N, K, M in wgrad_shapes(tables["sites"], args.tokens):
@@ -240,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.out) / f"blockwise_wgrad_{stamp()}.json"
     meta = metadata(device, model=args.model, preset=args.preset, steps=args.steps,
                     rows=args.rows, tokens=args.tokens)  # fmt: skip
-    write_json(path, {"meta": meta, "errors": rows, "rescued": saved, "timings": timings})
+    write_json(path, {"meta": meta, "errors": rows, "rescued": saved,
+                      "full_batch": tables["full_batch"], "timings": timings})  # fmt: skip
     print(f"wrote {path}")
     return 0
 

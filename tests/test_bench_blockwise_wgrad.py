@@ -76,3 +76,15 @@ def test_accuracy_runs_on_the_cpu(tmp_path, monkeypatch):
     passes = {(r["pass"]) for r in record["errors"]}
     assert passes == {"dgrad", "wgrad"}
     assert all(script.BLOCK in r and script.ROW in r for r in record["errors"])
+    # The whole batch's wgrad operands of every linear, the exact errors of both ways.
+    full = record["full_batch"]
+    assert full and all(r["M"] > 0 and 0 < r["block"] < 1 and 0 < r["row"] < 1 for r in full)
+
+
+def test_whole_batch_errors_pad_the_tokens_and_favour_blocks_on_drifting_magnitudes():
+    torch.manual_seed(0)
+    spread = torch.tensor([100.0**b for b in range(4)]).repeat_interleave(100)  # M = 400
+    x, dy = torch.randn(400, 24) / spread[:, None], torch.randn(400, 16) * spread[:, None]
+    errors = script.wgrad_errors(x, dy)
+    assert errors["M"] == 400  # padded to 512 inside, reported as captured
+    assert errors["block"] < 0.1 < errors["row"]
