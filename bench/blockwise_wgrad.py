@@ -54,9 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="token rows Probe samples per GEMM call (the wgrad error's M)")  # fmt: skip
     p.add_argument("--tokens", type=int, default=16384,
                    help="M of the timed wgrad GEMMs (the preset's training batch)")  # fmt: skip
-    p.add_argument("--capture", default="*",
+    p.add_argument("--capture", default="auto",
                    help="fnmatch pattern of the linears whose whole-batch wgrad operands are "
-                        "captured for the exact row vs block error (default: all)")  # fmt: skip
+                        "captured for the exact row vs block error; auto: the 8 with the most "
+                        "wgrad FLOPs (every site's x and dY of an xl batch would not fit)")  # fmt: skip
     p.add_argument("--device", default=None)
     return p.parse_args(argv)
 
@@ -215,16 +216,26 @@ def probe_errors(args, device: str) -> tuple[list[dict], dict]:
                   autocast_dtype=autocast)  # fmt: skip
         tables = probe.tables()
     rows = error_rows(tables["site_errors"], dict(DEFAULT_BUDGETS))
-    full = full_batch_errors(setup, args.capture, autocast)
+    full = full_batch_errors(setup, capture_names(tables["sites"], args.capture), autocast)
     return rows, {"sites": tables["sites"], "full_batch": full}
 
 
-def capture_operands(setup, pattern: str, autocast) -> dict[str, tuple]:
-    """One more training step of `setup` with the input x and the output gradient dY of
-    every linear whose name matches `pattern` (fnmatch) kept, both 2-D ``[M, features]``:
-    the wgrad operands of the whole batch, where Probe samples `--rows` of them."""
+def capture_names(sites, pattern: str, top: int = 8) -> list[str]:
+    """The linear sites `--capture` names: those matching `pattern` (fnmatch), or for
+    "auto" the `top` with the most wgrad work (K x N x M)."""
     import fnmatch
 
+    linear = [r for r in sites.iter_rows(named=True) if r["kind"] == "linear"]
+    if pattern != "auto":
+        return [r["site"] for r in linear if fnmatch.fnmatch(r["site"], pattern)]
+    linear.sort(key=lambda r: (-r["K"] * r["N"] * r["M_p50"], r["site"]))
+    return [r["site"] for r in linear[:top]]
+
+
+def capture_operands(setup, names: list[str], autocast) -> dict[str, tuple]:
+    """One more training step of `setup` with the input x and the output gradient dY of
+    the linears `names` kept, both 2-D ``[M, features]``: the wgrad operands of the whole
+    batch, where Probe samples `--rows` of them."""
     import torch
 
     import loka.zoo as zoo
@@ -244,8 +255,9 @@ def capture_operands(setup, pattern: str, autocast) -> dict[str, tuple]:
 
         return hook
 
+    wanted = set(names)
     for name, module in setup.model.named_modules():
-        if isinstance(module, torch.nn.Linear) and fnmatch.fnmatch(name, pattern):
+        if isinstance(module, torch.nn.Linear) and name in wanted:
             hooks.append(module.register_forward_hook(keep(name)))
     try:
         zoo.train(setup, 1, autocast_dtype=autocast)
@@ -275,10 +287,10 @@ def wgrad_errors(x, dy) -> dict[str, float]:
             "block": float((block - want).norm() / norm)}  # fmt: skip
 
 
-def full_batch_errors(setup, pattern: str, autocast) -> list[dict]:
+def full_batch_errors(setup, names: list[str], autocast) -> list[dict]:
     """`wgrad_errors` of every captured site (`capture_operands`), one at a time."""
     out = []
-    for name, (x, dy) in capture_operands(setup, pattern, autocast).items():
+    for name, (x, dy) in capture_operands(setup, names, autocast).items():
         out.append({"site": name, **wgrad_errors(x, dy)})
     return out
 

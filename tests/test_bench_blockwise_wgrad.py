@@ -78,6 +78,7 @@ def test_accuracy_runs_on_the_cpu(tmp_path, monkeypatch):
     assert all(script.BLOCK in r and script.ROW in r for r in record["errors"])
     # The whole batch's wgrad operands of every linear, the exact errors of both ways.
     full = record["full_batch"]
+    assert len(full) == 8  # auto: the 8 sites with the most wgrad work
     assert full and all(r["M"] > 0 and 0 < r["block"] < 1 and 0 < r["row"] < 1 for r in full)
 
 
@@ -88,3 +89,16 @@ def test_whole_batch_errors_pad_the_tokens_and_favour_blocks_on_drifting_magnitu
     errors = script.wgrad_errors(x, dy)
     assert errors["M"] == 400  # padded to 512 inside, reported as captured
     assert errors["block"] < 0.1 < errors["row"]
+
+
+def test_capture_names_the_sites_with_the_most_wgrad_work_or_a_pattern():
+    import polars as pl
+
+    sites = pl.DataFrame([
+        {"site": "a.fc1", "kind": "linear", "K": 64, "N": 64, "M_p50": 10},
+        {"site": "a.fc2", "kind": "linear", "K": 128, "N": 64, "M_p50": 10},
+        {"site": "b.fc1", "kind": "linear", "K": 32, "N": 32, "M_p50": 1000},
+        {"site": "bag", "kind": "embedding", "K": 1000, "N": 1000, "M_p50": 1000},
+    ])  # fmt: skip
+    assert script.capture_names(sites, "auto", top=2) == ["b.fc1", "a.fc2"]
+    assert script.capture_names(sites, "a.*") == ["a.fc1", "a.fc2"]
