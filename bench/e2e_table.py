@@ -38,7 +38,7 @@ LOKA_FIELDS = ("predicted_speedup", "predicted_from_step", "ceiling", "ceiling_s
 KEPT = ("step_ms", "fwd_ms", "blocks_ms", "ratio_min", "ratio_max", "quality", "quality_ok",
         "grad_ok", "grad_min_cosine", "fp8_layers", "error", "skipped", "batch_size",
         "embedding_update", "dynamic", "quality_band", "quality_vs_own_seed", "seed",
-        "output_rel_err", "output_spread", "fp8_calls")  # fmt: skip
+        "output_rel_err", "output_spread", "fp8_calls", "g", "serving_estimated")  # fmt: skip
 # One trained draw of a variant's quality (realized.py's quality phase).
 QUALITY_FIELDS = ("seed", "quality", "quality_ok", "quality_band", "quality_vs_own_seed")
 
@@ -271,6 +271,57 @@ def markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
+def serving_markdown(table: dict) -> str:
+    """One line per model, mode and served batch: bf16's forward, then each FP8 serving
+    variant's speedup (its blocks' range in brackets, its FP8 sites, what verification
+    demoted), LoKA's prediction from the forward and its ceiling (estimated where the batch
+    is not the training one); "" when no run served."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in table["runs"]:
+        if r["variant"].startswith("infer-") and r.get("batch_size") is not None:
+            groups.setdefault((r["model"], r["mode"], r["batch_size"]), {})[r["variant"]] = r
+    if not groups:
+        return ""
+    lines = ["| model | mode | batch | bf16 forward | FP8 variants (sites; demoted) "
+             "| LoKA predicted / ceiling |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+
+    def place(key: tuple) -> tuple:
+        model, mode, batch = key
+        return (*order({"model": model, "mode": mode, "variant": ""})[:2], batch)
+
+    for (model, mode, batch), rows in sorted(groups.items(), key=lambda kv: place(kv[0])):
+        bf16 = rows.get("infer-bf16", {})
+        base = f"{bf16['fwd_ms']:.2f} ms" if bf16.get("fwd_ms") else "not timed"
+        parts, loka = [], None
+        for variant, r in sorted(rows.items()):
+            if variant == "infer-bf16":
+                continue
+            if r.get("fwd_ms") is None:
+                why = (r.get("error") or r.get("skipped") or "not timed").splitlines()[0][:40]
+                parts.append(f"{variant.removeprefix('infer-')}: {why}")
+                continue
+            text = f"{variant.removeprefix('infer-')} {r['speedup_vs_bf16_seed0']:.3f}x"
+            if r.get("ratio_min") is not None:
+                text += f" [{r['ratio_min']:.3f}, {r['ratio_max']:.3f}]"
+            if r.get("fp8_layers") is not None:
+                text += f" ({r['fp8_layers']}"
+                text += f"; {len(r['demoted'])} demoted)" if r.get("demoted") else ")"
+            parts.append(text)
+            if variant.startswith("infer-loka") and loka is None:
+                loka = r
+        pred = "-"
+        if loka is not None and loka.get("predicted_from_step") is not None:
+            ceiling = loka.get("ceiling_step")
+            pred = f"{loka['predicted_from_step']:.3f}x / " + (
+                "-" if ceiling is None else f"{ceiling:.3f}x"
+            )
+            pred += " (estimated)" if loka.get("serving_estimated") else ""
+        lines.append(f"| {model} | {mode} | {batch} | {base} | {'; '.join(parts) or '-'} "
+                     f"| {pred} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -288,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report(table))
     if args.markdown:
         print(markdown(table))
+        if serving := serving_markdown(table):
+            print(serving)
     sources = sorted({r["source"] for r in table["runs"]})
     meta = {"command": " ".join(sys.argv), "preset": args.preset, "sources": sources,
             "rename": rename,

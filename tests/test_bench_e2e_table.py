@@ -173,3 +173,26 @@ def test_variants_run_with_options_are_filed_under_the_tables_name(tmp_path, cap
     assert e2e_table.main([str(path), "--preset", "xl", "--rename", "nope", "--out",
                            str(tmp_path / "out")]) == 2  # fmt: skip
     assert "expected AS_RUN:NAME" in capsys.readouterr().err
+
+
+def test_serving_rows_make_a_table_of_their_own():
+    data = run("a" * 40, [
+        row("dhen", "compiled", "bf16", 30.0),
+        row("dhen", "compiled", "infer-bf16", 10.0, batch_size=16384),
+        row("dhen", "compiled", "infer-loka", 8.0, batch_size=16384, speedup_vs_bf16=1.25,
+            ratio_min=1.2, ratio_max=1.3, fp8_layers=4, demoted={"fc": "slower"},
+            predicted_from_step=1.2, ceiling_step=1.4),
+        row("dhen", "compiled", "infer-bf16", 40.0, batch_size=65536),
+        row("dhen", "compiled", "infer-loka", 20.0, batch_size=65536, speedup_vs_bf16=2.0,
+            predicted_from_step=1.5, ceiling_step=1.6, serving_estimated=True),
+        row("dhen", "compiled", "infer-torchao-rowwise", batch_size=65536,
+            error="RuntimeError: shapes"),
+    ])  # fmt: skip
+    table = e2e_table.assemble([("realized_1.json", data)], "large", ("dhen",))
+    lines = e2e_table.serving_markdown(table).splitlines()
+    assert lines[0].startswith("| model | mode | batch |") and len(lines) == 2 + 2
+    assert lines[2] == ("| dhen | compiled | 16384 | 10.00 ms | loka 1.250x [1.200, 1.300] "
+                        "(4; 1 demoted) | 1.200x / 1.400x |")  # fmt: skip
+    assert "loka 2.000x" in lines[3] and "torchao-rowwise: RuntimeError: shapes" in lines[3]
+    assert lines[3].endswith("| 1.500x / 1.600x (estimated) |")
+    assert e2e_table.serving_markdown({"runs": [row("dhen", "compiled", "bf16", 1.0)]}) == ""
