@@ -168,14 +168,17 @@ def wgrad_shapes(sites, tokens: int) -> list[tuple[int, int, int]]:
 def time_shape(N: int, K: int, M: int, device) -> dict:
     """GPU milliseconds of the wgrad GEMM of one shape: bf16, rowwise FP8, blockwise FP8 (on
     operands quantized beforehand), and each FP8 way's two transposed quantizations of the
-    row-major dY and x (compiled)."""
+    row-major dY and x (compiled). The FP8 GEMMs take N and K padded to multiples of 16 (an
+    FP8 GEMM's rule; zero features are exact), as `torch.native` pads them."""
     import torch
+    import torch.nn.functional as F
 
     torch.manual_seed(0)
     dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
     x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
     out: dict = {"N": N, "K": K, "M": M}
     out["bf16_ms"] = time_ms(lambda: dy.t() @ x, device)
+    dy, x = F.pad(dy, (0, (-N) % 16)), F.pad(x, (0, (-K) % 16))
     row_q = torch.compile(lambda a, b: (quantize_rowwise_transposed(a),
                                         quantize_rowwise_transposed(b)))  # fmt: skip
     block_q = torch.compile(lambda a, b: (quantize_1x128_transposed(a),
