@@ -39,7 +39,6 @@ from harness import Budget, metadata, parser, stamp, time_ms, write_json
 BLOCK = "e4m3:e4m3/block/dynamic"
 ROW = "e4m3:e4m3/row/dynamic"
 TENSOR = "e4m3:e4m3/tensor/dynamic"
-E4M3_MAX = 448.0
 TILE = 128  # tokens per scale of a 1x128 block along the reduction
 
 
@@ -101,17 +100,18 @@ def rescued(rows: list[dict]) -> list[str]:
 def quantize_1x128_transposed(t, scale_layout: bool = True):
     """`t` ``[M, C]`` (row-major tokens) as its transpose ``[C, M]`` in e4m3 with one scale
     per 128 tokens: (data ``[C, M]`` row-major, inverse scales ``[C, M / 128]`` with stride
-    ``[1, C]``, the layout `scaled_mm`'s 1x128 operands take). M must be a multiple of 128."""
-    import torch
+    ``[1, C]``, the layout `scaled_mm`'s 1x128 operands take). The scales and the cast are
+    the schema's (`loka.schema.fp8`, the recipes' definition), over a reshape that leaves
+    each block's amax a local reduction. M must be a multiple of 128."""
+    from loka.schema.fp8 import finite_abs, saturate_cast, scale_from_amax
 
     M, C = t.shape
     if M % TILE:
         raise ValueError(f"1x128 blocks along M need M % {TILE} == 0, got M = {M}")
-    blocks = t.t().float().reshape(C, M // TILE, TILE)
-    amax = blocks.abs().amax(dim=-1).clamp_min(1e-12)
-    scale = E4M3_MAX / amax
-    data = (blocks * scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    inverse = (1.0 / scale).float()
+    blocks = t.t().reshape(C, M // TILE, TILE)
+    scale = scale_from_amax(finite_abs(blocks).amax(dim=-1), "e4m3", finite=True)
+    data = saturate_cast(blocks, scale[..., None], "e4m3")
+    inverse = scale.reciprocal()
     if scale_layout:
         inverse = inverse.t().contiguous().t()
     # The transposed view's blocks keep its strides through the elementwise ops: the GEMM
@@ -121,14 +121,11 @@ def quantize_1x128_transposed(t, scale_layout: bool = True):
 
 def quantize_rowwise_transposed(t):
     """`t` ``[M, C]`` as its transpose ``[C, M]`` in e4m3 with one scale per row of the
-    transpose (a channel over all M tokens): (data, inverse scales ``[C, 1]``)."""
-    import torch
+    transpose (a channel over all M tokens), as `torch.native`'s wgrad quantizes it:
+    (data, inverse scales ``[C, 1]``)."""
+    from loka.kernels.native import quantize_native
 
-    tt = t.t().float()
-    amax = tt.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-    scale = E4M3_MAX / amax
-    data = (tt * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return data.contiguous(), (1.0 / scale).float()
+    return quantize_native(t, "e4m3", "row", transpose=True)
 
 
 def wgrad_blockwise(dy_t, dy_inv, x_t, x_inv):

@@ -36,6 +36,13 @@ def test_the_blockwise_wgrad_operands_reproduce_the_product():
     row = (rq.float() * ri) @ (rx.float() * rxi).t()
     row_err = float((row - want).norm() / want.norm())
     assert block_err < 0.05 and row_err > 0.5
+    # The same codes and scales as the recipes' definition of 1x128 blocks.
+    from loka.schema import QuantConfig
+    from loka.schema.fp8 import quantize_reference
+
+    ref = quantize_reference(dy.t().contiguous(), QuantConfig("e4m3", "block", (1, 128)))
+    assert torch.equal(dq.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.allclose(di, 1.0 / ref.scale)
     with pytest.raises(ValueError, match="M % 128"):
         script.quantize_1x128_transposed(torch.randn(100, 8))
 
