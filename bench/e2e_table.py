@@ -192,6 +192,12 @@ def assemble(
             "no_quality": no_quality}  # fmt: skip
 
 
+def untimed_reason(row: dict, width: int) -> str:
+    """Why a row holds no time, in one line of at most `width` characters: its error, why
+    it was skipped, or "not timed"."""
+    return (row.get("error") or row.get("skipped") or "not timed").splitlines()[0][:width]
+
+
 def order(row: dict) -> tuple:
     model = MODELS.index(row["model"]) if row["model"] in MODELS else len(MODELS)
     mode = MODES.index(row["mode"]) if row["mode"] in MODES else len(MODES)
@@ -204,7 +210,7 @@ def report(table: dict) -> str:
     for r in table["runs"]:
         ms = r.get("step_ms", r.get("fwd_ms"))
         if ms is None:
-            what = (r.get("error") or r.get("skipped") or "not timed").splitlines()[0][:48]
+            what = untimed_reason(r, 48)
             lines.append(f"{r['model']:<12}{r['mode']:<11}{r['variant']:<26}  {what}")
             continue
         pred = r.get("predicted_from_step") or r.get("predicted_speedup")
@@ -232,7 +238,7 @@ def markdown(table: dict) -> str:
         if row is None:
             return "not run"
         if row.get("step_ms") is None:
-            return (row.get("error") or row.get("skipped") or "not timed").splitlines()[0][:60]
+            return untimed_reason(row, 60)
         return None
 
     def quality(row) -> str:
@@ -298,8 +304,7 @@ def serving_markdown(table: dict) -> str:
             if variant == "infer-bf16":
                 continue
             if r.get("fwd_ms") is None:
-                why = (r.get("error") or r.get("skipped") or "not timed").splitlines()[0][:40]
-                parts.append(f"{variant.removeprefix('infer-')}: {why}")
+                parts.append(f"{variant.removeprefix('infer-')}: {untimed_reason(r, 40)}")
                 continue
             text = f"{variant.removeprefix('infer-')} {r['speedup_vs_bf16_seed0']:.3f}x"
             if r.get("ratio_min") is not None:

@@ -614,8 +614,9 @@ def run_mode(
         if args.verify and variant in live:
             # The closed loop first, so that the blocks below time the plan it settled on.
             made[variant]["row"] |= verify_loka(
-                made[variant], step_fn, made[variant]["applied"], args.verify_unit, mode
-            )
+                lambda i, v=made[variant]: step_fn(v, i), made[variant]["applied"],
+                args.verify_unit, mode,
+            )  # fmt: skip
             row = made[variant]["row"]
             log(f"{name}/{mode}/{variant}: verified in {row['verify_s']:.0f} s, "
                 f"{row['fp8_layers']} sites kept, {len(row['demoted'])} demoted")  # fmt: skip
@@ -1403,8 +1404,7 @@ def inference_rows(
     if args.verify:  # serving's own closed loop: the served forward, as it is timed below
         for variant, applied in applieds.items():
             if variant in fns and "error" not in extra[variant]:
-                extra[variant] |= verify_loka(None, lambda _, i, f=fns[variant]: f(i), applied,
-                                              "site", mode)  # fmt: skip
+                extra[variant] |= verify_loka(fns[variant], applied, "site", mode)
                 log(f"{name}/{mode}/{variant}: verified in {extra[variant]['verify_s']:.0f} s, "
                     f"{extra[variant]['fp8_layers']} sites kept, "
                     f"{len(extra[variant]['demoted'])} demoted")  # fmt: skip
@@ -1452,14 +1452,15 @@ def amdahl(g: float, s: float) -> float:
     return 1.0 / ((1.0 - g) + g / s)
 
 
-def verify_loka(v, step_fn, applied, unit: str = "site", mode: str | None = None) -> dict:
-    """Dispatch's closed loop (`loka.dispatch.verify`) on LoKA's model and its own step."""
+def verify_loka(step, applied, unit: str = "site", mode: str | None = None) -> dict:
+    """Dispatch's closed loop (`loka.dispatch.verify`) on LoKA's model and its own step
+    (`step(i)`: the i-th training step, or served forward)."""
     from loka.dispatch.verify import VerifyConfig, verify
 
     counter = iter(range(10**9))
     t0 = time.monotonic()
     config = VerifyConfig(steps_per_block=8, blocks=3, drop=2, max_rounds=3, unit=unit)
-    result = verify(lambda: step_fn(v, next(counter)), applied, config, mode=mode)
+    result = verify(lambda: step(next(counter)), applied, config, mode=mode)
     return {
         "verify_s": time.monotonic() - t0,
         "verified_speedup": result.speedup, "verified_interval": [result.low, result.high],
