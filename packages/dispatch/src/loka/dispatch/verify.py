@@ -502,8 +502,9 @@ def verifier_for(
 ) -> Verifier:
     """A `Verifier` over the live FP8 sites of an `Applied` (`loka.dispatch.apply`'s result),
     switching them with `Applied.use`; predictions from its plan; the gradient check on the
-    model's parameters (none for an inference plan, whose step is a served forward). `timer` defaults to CUDA events on a GPU model, the wall clock
-    elsewhere. `mode=` (the plan's execution mode) sets the default `settle_steps`."""
+    model's parameters (none for an inference plan, whose step is a served forward).
+    `timer` defaults to CUDA events on a GPU model, the wall clock elsewhere. `mode=` (the
+    plan's execution mode) sets the default `settle_steps`."""
     config = config or VerifyConfig()
     per_pass = config.unit == "pass"
     if per_pass:
