@@ -562,7 +562,10 @@ def test_serving_plans_are_verified_on_the_served_forward(tmp_path, monkeypatch)
     (row,) = [r for r in json.loads(path.read_text())["runs"] if r["variant"] == "infer-loka"]
     assert row["passes_fp8"] >= 1 and row["verify_steps"] > 0
     assert row["fp8_layers"] == 0 and len(row["demoted"]) == row["passes_fp8"]
-    assert all("slower than bf16" in why for why in row["demoted"].values())
+    # The verdict depends on the CPU's noise: slower with confidence, or an interval too
+    # wide to show it is as fast; either way measured, and bf16 again.
+    verdicts = ("slower than bf16", "not shown to be as fast as bf16")
+    assert all(any(v in why for v in verdicts) for why in row["demoted"].values())
     assert row["fp8_calls"] == 0 and row["output_rel_err"] == 0.0
     assert row["predicted_from_step"] == pytest.approx(1.0)  # nothing left to gain
     # Two training batches served: the share and ceiling from kernel times scaled by 2, said.
