@@ -34,7 +34,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness import Budget, metadata, parser, stamp, time_ms, write_json
+from harness import Budget, key_values, metadata, parser, stamp, time_ms, write_json
 
 BLOCK = "e4m3:e4m3/block/dynamic"
 ROW = "e4m3:e4m3/row/dynamic"
@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fnmatch pattern of the linears whose whole-batch wgrad operands are "
                         "captured for the exact row vs block error; auto: the 8 with the most "
                         "wgrad FLOPs (every site's x and dY of an xl batch would not fit)")  # fmt: skip
+    p.add_argument("--zoo", default="",
+                   help="zoo config overrides, e.g. 'max_table_rows=200000,num_items=100000' "
+                        "(an xl preset's tables on a CPU: the dense sites are the preset's)")  # fmt: skip
     p.add_argument("--device", default=None)
     return p.parse_args(argv)
 
@@ -206,7 +209,9 @@ def probe_errors(args, device: str) -> tuple[list[dict], dict]:
     import loka.zoo as zoo
     from loka.probe import DEFAULT_BUDGETS, Probe, ProbeConfig
 
-    kw = {"batch_size": args.batch_size} if args.batch_size else {}
+    kw = key_values(args.zoo)
+    if args.batch_size:
+        kw["batch_size"] = args.batch_size
     setup = zoo.create(args.model, args.preset, device=device, **kw)
     config = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, queue_size=10,
                          recipes=probe_recipes(), rows=args.rows)  # fmt: skip
@@ -325,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         print("[blockwise_wgrad] no GPU: accuracy only (the CPU has no FP8 GEMM to time)")
     path = Path(args.out) / f"blockwise_wgrad_{stamp()}.json"
     meta = metadata(device, model=args.model, preset=args.preset, steps=args.steps,
-                    rows=args.rows, tokens=args.tokens)  # fmt: skip
+                    rows=args.rows, tokens=args.tokens, batch_size=args.batch_size,
+                    zoo_overrides=key_values(args.zoo))  # fmt: skip
     write_json(path, {"meta": meta, "errors": rows, "rescued": saved,
                       "full_batch": tables["full_batch"], "timings": timings})  # fmt: skip
     print(f"wrote {path}")

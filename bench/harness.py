@@ -72,6 +72,17 @@ class Budget:
         return self.elapsed() + max(self.left(), 0.0) * fraction
 
 
+def key_values(text: str) -> dict[str, Any]:
+    """'every=50,rows=128,kind=row' -> {"every": 50, "rows": 128, "kind": "row"}: integers
+    where a value reads as one, else the text."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        value = value.strip()
+        out[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
 def rel_err(out: Any, ref: Any) -> float:
     """Relative Frobenius error ``|out - ref| / |ref|`` in float64 (0/0 is 0)."""
     out, ref = out.double(), ref.double()

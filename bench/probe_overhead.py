@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import metadata, write_json
+from harness import key_values, metadata, write_json
 
 import loka.zoo as zoo
 from loka.probe import Probe, ProbeConfig
@@ -85,10 +85,7 @@ class Copy:
 def parse_overrides(text: str) -> dict:
     """'every=50,rows=128,host_error_max_size=0' -> ProbeConfig keyword arguments;
     'drop_pow2=1' keeps the default recipes without their power-of-two-scale variants."""
-    out: dict = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    out = key_values(text)
     if out.pop("drop_pow2", 0):
         defaults = ProbeConfig().recipes
         out["recipes"] = {p: tuple(r for r in rs if "/pow2" not in r) for p, rs in defaults.items()}
