@@ -212,6 +212,35 @@ def test_a_plan_that_fuses_a_norm_needs_the_sample_and_gets_the_fused_module(dhe
     assert type(dhen.model.blocks[0].fc1) is nn.Linear
 
 
+class _FsdpMixin:
+    """Stands in for FSDP2's FSDPModule: what `loka.mods.sharding` reads of a wrapped class."""
+
+    _orig_cls_mro_index = 2
+
+
+def test_an_fsdp_managed_site_applies_its_fp8_passes_in_place_without_the_norm_fusion(dhen) -> None:
+    sites, errors = probe_like_tables(dhen.model)
+    bench = synthetic_kernel_bench([(32, 32, 64)], fp8_ms=0.97, norm_shapes=[(32, 32)])
+    sites = sites.with_columns(
+        pl.col("site").replace_strict({"blocks.0.fc1": "blocks.0.norm"}, default=None).alias("norm")
+    )
+    plan = make_plan(sites, errors, bench, PlanConfig(exclude=("blocks.1.*",)))
+    assert plan.table.filter(pl.col("fuse_norm"))["site"].to_list() == ["blocks.0.fc1"]
+    linear = dhen.model.blocks[0].fc1
+    linear.__class__ = type("FSDPLinear", (_FsdpMixin, nn.Linear), {})  # as fully_shard does
+    with pytest.warns(PlanFallbackWarning, match="FSDP .fully_shard. manages it"):
+        applied = apply(dhen.model, plan, sample=next(dhen.train_batches()))
+    assert applied.sites == ["blocks.0.fc1"] and dhen.model.blocks[0].fc1 is linear
+    assert isinstance(linear, Fp8Linear) and isinstance(linear, _FsdpMixin)
+    assert type(dhen.model.blocks[0].norm) is nn.LayerNorm  # not fused
+    applied.use([])
+    assert applied.active == [] and linear.plan.all_high_precision
+    applied.use(["blocks.0.fc1"])
+    assert applied.active == ["blocks.0.fc1"] and not linear.plan.all_high_precision
+    applied.undo()
+    assert type(linear).__name__ == "FSDPLinear" and dhen.model.blocks[0].fc1 is linear
+
+
 def test_on_the_cpu_native_recipes_are_emulated_by_torch_native_and_the_rest_keep_triton(
     dhen,
 ) -> None:

@@ -7,9 +7,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # FP8 passes run in Triton's interpreter
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import polars as pl
@@ -108,25 +105,8 @@ WORKER = textwrap.dedent(
 )
 
 
-def test_ddp_with_gloo_plans_once_and_every_rank_applies_the_same_plan(tmp_path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+def test_ddp_with_gloo_plans_once_and_every_rank_applies_the_same_plan(two_gloo_ranks) -> None:
+    results = two_gloo_ranks(WORKER, timeout=240)
     r0, r1 = sorted(results, key=lambda r: r["rank"])
     assert r0["planned"] == [0] and r1["planned"] == []  # made once, on rank 0
     assert r0["plan"] == r1["plan"] and r0["types"] == r1["types"]
@@ -304,3 +284,97 @@ def test_verifying_a_compiled_model_raises_dynamos_recompile_limit() -> None:
     finally:
         torch._dynamo.config.recompile_limit = before
         session.close()
+
+
+FSDP_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    import loka.zoo as zoo
+    from loka.dispatch import PlanConfig, Session, SessionConfig
+    from loka.dispatch.integrations import GuardConfig
+    from loka.dispatch.testing import synthetic_kernel_bench
+    from loka.probe import ProbeConfig
+
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    out = {"rank": rank}
+    for layout in ("root", "per-linear"):
+        setup = zoo.create("dhen", "tiny", seed=5, batch_size=32)
+        model = setup.model
+        if layout == "per-linear":  # fully_shard on the linears themselves, then the root
+            for module in list(model.modules()):
+                if type(module) is nn.Linear:
+                    fully_shard(module)
+        fully_shard(model)
+        probe = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, min_batches=2,
+                            rows=32, queue_size=16)
+        config = SessionConfig(warmup_steps=2, probe=probe,
+                               kernel_bench=synthetic_kernel_bench([(16, 32, 64)]),
+                               plan=PlanConfig(exclude=("*blocks.1.*",)),
+                               guard=GuardConfig(check_every=1))
+        session = Session(model, config)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        batches = setup.train_batches()
+        losses = []
+
+        def step():
+            batch = {k: v.chunk(2)[rank] for k, v in next(batches).items()}
+            loss = setup.loss(model, batch)
+            opt.zero_grad(); loss.backward()
+            if session.before_optimizer_step(opt):
+                opt.step()
+            session.step(loss)
+            losses.append(loss.item())
+
+        for _ in range(4):
+            step()
+        applied = session.applied
+        site = applied.sites[0]
+        module = model.get_submodule(site)
+        row = {"sites": applied.sites, "type": type(module).__name__, "active": applied.active,
+               "norm": session.tables["sites"].filter(
+                   session.tables["sites"]["site"] == site)["norm"].to_list()}
+        applied.use([])  # the bf16 variant: the same object, switched by its config
+        row["off"] = [applied.active, model.get_submodule(site) is module,
+                      module.plan.all_high_precision]
+        step()
+        applied.use(applied.sites)
+        row["on"] = [applied.active, module.plan.all_high_precision]
+        step()
+        applied.demote(site, "test")
+        row["demoted"] = [applied.active, module.plan.all_high_precision]
+        step()
+        session.undo()
+        row["undone"] = type(model.get_submodule(site)).__name__
+        step()
+        row["finite"] = all(map(lambda v: v == v and abs(v) < 1e9, losses))
+        row["guard_events"] = len(session.guard.events)
+        out[layout] = row
+        session.close()
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    sys.stderr.flush()
+    os._exit(0)  # as the DDP worker: gloo's threads and interpreter finalization
+    """
+)
+
+
+def test_fsdp2_sharded_models_are_probed_planned_and_applied_in_place(two_gloo_ranks) -> None:
+    results = two_gloo_ranks(FSDP_WORKER)
+    for result in results:
+        for layout, fp8_type, plain_type in (("root", "Fp8Linear", "Linear"),
+                                             ("per-linear", "FSDPFp8Linear", "FSDPLinear")):  # fmt: skip
+            row = result[layout]
+            site = "blocks.0.fc1"
+            assert row["sites"] == [site] and row["type"] == fp8_type, (layout, row)
+            assert row["norm"] == ["blocks.0.norm"]  # Probe's norm trace sees through FSDP
+            assert row["active"] == [site]
+            assert row["off"] == [[], True, True]  # switched off in place, bf16 config
+            assert row["on"] == [[site], False]
+            assert row["demoted"] == [[], True]
+            assert row["undone"] == plain_type
+            assert row["finite"] and row["guard_events"] == 0, (layout, row)

@@ -34,7 +34,8 @@ from loka.kernels import registry
 from loka.mods.apply import ModsError
 from loka.mods.apply import apply as mods_apply
 from loka.mods.config import PassConfig
-from loka.mods.fp8_linear import prequantize_weights, release_prequantized_weights
+from loka.mods.fp8_linear import Fp8Linear, prequantize_weights, release_prequantized_weights
+from loka.mods.sharding import base_class, fsdp_managed
 from loka.mods.spec import ModSpec, SiteMods, site_mods_from_plan
 from loka.schema import validate
 
@@ -123,6 +124,8 @@ class Applied:
     prequantized: list[str] = field(default_factory=list)
     # The planned config of each site's FP8 linears, before any pass was switched off.
     _planned_configs: dict[int, Any] = field(default_factory=dict, repr=False)
+    # The config an in-place site ran with before `use` switched it to bf16 (`_switch`).
+    _parked: dict[int, Any] = field(default_factory=dict, repr=False)
 
     def undo(self) -> None:
         """Restore the model's original modules (the Parameters are the same objects)."""
@@ -178,8 +181,26 @@ class Applied:
                 continue
             if site not in self.variants:
                 raise RuntimeError(f"{site}: its original modules were not recorded")
-            for path, planned, original in self.variants[site]:
-                _set_module(self.model, path, planned if site in active else original)
+            self._switch(site, site in active)
+
+    def _switch(self, site: str, on: bool) -> None:
+        """Put `site`'s planned module(s) in the model (`on`) or its original one(s). A linear
+        that FSDP2 manages (`loka.mods.sharding`: converted in place, or sharded since) stays:
+        it switches by its config, bf16 being exactly the original nn.Linear's forward."""
+        from loka.mods.config import Fp8LinearConfig
+
+        for path, planned, original in self.variants[site]:
+            if _by_config(planned, original):
+                # Off parks the config it ran with (pass switches included), as a swapped-out
+                # planned module keeps its own; on restores it.
+                self._planned_configs.setdefault(id(planned), planned.fp8_config)
+                if on and id(planned) in self._parked:
+                    planned.set_config(self._parked.pop(id(planned)))
+                elif not on and not planned.plan.all_high_precision:
+                    self._parked[id(planned)] = planned.fp8_config
+                    planned.set_config(Fp8LinearConfig.bf16())
+            else:
+                _set_module(self.model, path, planned if on else original)
 
     def pass_units(self) -> list[str]:
         """The live FP8 passes as ``"site/pass"`` units, for the sites whose planned modules
@@ -228,8 +249,6 @@ class Applied:
         dropped, and the site leaves `prequantized`."""
         if site not in self.prequantized:
             return
-        from loka.mods.fp8_linear import Fp8Linear
-
         modules = [m for _, m, _ in self.variants.get(site, [])]
         if site not in self.variants:
             modules.append(self.model.get_submodule(site))
@@ -239,8 +258,6 @@ class Applied:
         self.prequantized = [s for s in self.prequantized if s != site]
 
     def _fp8_linears(self, site: str) -> list[nn.Module]:
-        from loka.mods.fp8_linear import Fp8Linear
-
         return [m for _, m, _ in self.variants.get(site, []) if isinstance(m, Fp8Linear)]
 
     def _fp8_passes(self, site: str) -> list[str] | None:
@@ -271,6 +288,7 @@ class Applied:
             s for s in self.sites
             if s not in self.demoted and s in self.variants
             and self.model.get_submodule(s) is self.variants[s][0][1]
+            and not _switched_off_in_place(self.variants[s][0])
         ]  # fmt: skip
 
     def demote(self, site: str, reason: str) -> bool:
@@ -279,14 +297,12 @@ class Applied:
         if site in self.demoted or site not in self.sites:
             return False
         if site in self.variants and not self.undone:
-            for path, _, original in self.variants[site]:
-                _set_module(self.model, path, original)
+            self._switch(site, False)
             self._release_serving_copy(site)
             self.demoted[site] = reason
             log.warning("loka: site %s demoted to bf16: %s", site, reason)
             return True
         from loka.mods.config import Fp8LinearConfig
-        from loka.mods.fp8_linear import Fp8Linear
 
         module = self.model.get_submodule(site)
         if type(module) is Fp8Linear:
@@ -315,6 +331,18 @@ class Applied:
         return text
 
 
+def _by_config(planned: nn.Module, original: nn.Module) -> bool:
+    """Whether a site's module switches to bf16 by its config rather than by a swap: it was
+    converted in place, or FSDP2 manages it since (sharded after `apply`), filling it."""
+    return planned is original or (isinstance(planned, Fp8Linear) and fsdp_managed(planned))
+
+
+def _switched_off_in_place(variant: tuple[str, nn.Module, nn.Module]) -> bool:
+    """Whether a site's module, switched by its config, runs its bf16 forward now."""
+    _, planned, original = variant
+    return _by_config(planned, original) and planned.plan.all_high_precision
+
+
 def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
     parent_name, _, child = path.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -332,6 +360,8 @@ def _variants(
     out: dict[str, list[tuple[str, nn.Module, nn.Module]]] = {}
     for site in sites:
         if site not in changed:
+            if base_class(after.get(site)) is Fp8Linear:  # converted in place (FSDP2)
+                out[site] = [(site, after[site], after[site])]
             continue
         module = changed[site]
         out[site] = [(site, module, before[site])]
@@ -368,7 +398,7 @@ def _check_site(
     module = linears.get(name)
     if module is None:
         return f"{name!r}: no nn.Linear of that name in the model"
-    if type(module) is not nn.Linear:
+    if base_class(module) is not nn.Linear:
         return f"{name!r} is a {type(module).__name__} (already converted?), not an nn.Linear"
     K, N = rows[0]["K"], rows[0]["N"]
     if (module.in_features, module.out_features) != (K, N):
@@ -543,6 +573,20 @@ def apply(
         if mods is None:
             problems[name] = reason
             continue
+        if mods.needs_norm and fsdp_managed(module):
+            # FSDP gathers this linear's weights into this very module: its FP8 passes apply
+            # in place, while a norm fusion would replace modules whose shards it manages.
+            if mods.fp8 is None:
+                problems[name] = f"{name!r}: only a norm fusion, which FSDP-managed modules skip"
+                continue
+            warnings.warn(
+                f"loka: {name}: FSDP (fully_shard) manages it: its FP8 passes apply, its norm "
+                "fusion does not (apply the plan before fully_shard to fuse)",
+                PlanFallbackWarning, stacklevel=2,
+            )  # fmt: skip
+            mods = dataclasses.replace(
+                mods, fuse_norm=False, smooth=None, fold_norm_bias=False, norm=None
+            )
         changes = {"bias_grad": config.bias_grad} if config.bias_grad is not None else {}
         changes |= {"tokens_vary": True} if name in tokens_vary else {}
         changes |= {} if config.eager_graphs else {"eager_graphs": False}

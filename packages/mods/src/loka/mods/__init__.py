@@ -41,6 +41,7 @@ __public_modules__ = (
     "grouped",
     "norm_linear",
     "reference",
+    "sharding",
     "smoothing",
     "spec",
     "static_scales",

@@ -33,6 +33,7 @@ from loka.mods.norm_linear import (
     fusable_recipe_reason,
     fuse_pair,
 )
+from loka.mods.sharding import base_class, fsdp_managed
 from loka.mods.smoothing import SmoothingError, fold_norm_bias, scale_channels, smooth
 from loka.mods.spec import GroupMods, ModSpec, SiteMods, SpecError
 from loka.mods.trace import (
@@ -175,10 +176,17 @@ def _validate(
         if module is None:
             problems[name].append(f"{name!r}: no such module")
             continue
-        if type(module) is not nn.Linear:
+        if base_class(module) is not nn.Linear:
             problems[name].append(
                 f"{name!r} is a {type(module).__name__}, not an nn.Linear (already modified, "
                 "or not a linear)"
+            )
+            continue
+        if fsdp_managed(module) and mods.needs_norm:
+            problems[name].append(
+                f"{name!r}: FSDP (fully_shard) manages its parameters, and norm fusion, "
+                "smoothing and norm-bias folding replace or rewrite modules around it: apply "
+                "them before fully_shard (its FP8 passes alone apply as they are)"
             )
             continue
         config = mods.config()
@@ -228,6 +236,14 @@ def _validate_groups(
         module = _find(model, name)
         if module is None:
             problems[name].append(f"group {name!r}: no such module")
+            continue
+        if any(fsdp_managed(m) for m in module.modules()):
+            reason = "FSDP (fully_shard) manages its linears; group them before sharding"
+            if name in spec.groups:
+                problems[name].append(f"group {name!r}: {reason}")
+            else:
+                skipped.append(("group", name, reason))
+            del groups[name]
             continue
         try:
             layout = mods.layout or detect_group_layout(model, name, sample)
@@ -279,7 +295,7 @@ def _resolve_norm(model: nn.Module, site: _SitePlan, trace: ConsumerTrace) -> li
             f"{site.name!r}: norm {norm!r} also feeds {[c for c in site.consumers if c != site.name]} "
             "or runs a different number of times: it cannot be fused into one linear"
         ]
-    others = [c for c in site.consumers if type(model.get_submodule(c)) is not nn.Linear]
+    others = [c for c in site.consumers if base_class(model.get_submodule(c)) is not nn.Linear]
     if others and (site.mods.smooth is not None or site.mods.fold_norm_bias):
         return [f"{site.name!r}: norm {norm!r} also feeds modified modules {others}"]
     return []
@@ -306,7 +322,11 @@ def apply(
     """
     sites, groups, trace, skipped = _validate(model, spec, sample)
     report = Report(model, skipped=skipped)
-    reference = run_model(model, sample) if sample is not None else None
+    # The original outputs, against which every structural change is checked; none is made
+    # for a spec of FP8 configs only (no forward: under FSDP2 a first forward without grad
+    # before training leaves the gradients of the first step wrong, in torch 2.11).
+    structural = groups or spec.auto_fuse or any(site.mods.needs_norm for site in sites)
+    reference = run_model(model, sample) if sample is not None and structural else None
     try:
         _apply_groups(model, groups, report, sample, reference, spec)
         _apply_smoothing(model, spec, sites, report, sample, reference, calibration)
@@ -441,7 +461,11 @@ def _apply_fusions(model, spec, sites, trace, report, sample, reference) -> dict
             wanted[site.name] = (site.norm_name, True)
     if spec.auto_fuse and trace is not None:
         for norm, linear in trace.exclusive_pairs():
-            if linear in wanted or type(model.get_submodule(linear)) is not nn.Linear:
+            module = model.get_submodule(linear)
+            if linear in wanted or type(module) is not nn.Linear:
+                continue
+            if fsdp_managed(module) or fsdp_managed(model.get_submodule(norm)):
+                report.skipped.append(("fuse_norm", linear, "FSDP (fully_shard) manages it"))
                 continue
             site = spec.sites.get(linear)
             reason = fusable_recipe_reason(site.config()) if site is not None else None
@@ -512,10 +536,21 @@ def _apply_final_configs(model, sites, groups, fused, report) -> None:
             continue
         if site.mods.fp8 is None:
             continue
+        if fsdp_managed(site.linear):  # FSDP fills this very object: changed in place
+            module = Fp8Linear.in_place(site.linear, config)
+
+            def revert(exact: bool, module=module) -> None:
+                module.to_linear()
+
+            report.changes.append(Change("fp8", site.name, f"{config} (in place)", revert))
+            continue
         new = Fp8Linear.from_linear(site.linear, config)
         _swap(model, site.name, new)
 
-        def restore(exact: bool, name=site.name, linear=site.linear) -> None:
-            _swap(model, name, linear)
+        def restore(exact: bool, name=site.name, linear=site.linear, new=new) -> None:
+            if fsdp_managed(new):  # sharded since: FSDP fills this object, changed back in place
+                new.to_linear()
+            else:
+                _swap(model, name, linear)
 
         report.changes.append(Change("fp8", site.name, str(config), restore))

@@ -32,6 +32,7 @@ from loka.mods.native_function import (
     quantized_weight_forward,
 )
 from loka.mods.ops import call, decode, refresh_weight_eager
+from loka.mods.sharding import base_class, fsdp_managed, swap_base_class
 from loka.mods.weight_stamp import weight_stamp
 from loka.schema.fp8 import scale_from_amax
 from loka.schema.recipe import scale_grid
@@ -101,8 +102,38 @@ class Fp8Linear(nn.Linear):
         new._init_fp8(config or Fp8LinearConfig())
         return new
 
+    @classmethod
+    def in_place(cls, linear: nn.Linear, config: Fp8LinearConfig | None = None) -> Fp8Linear:
+        """`linear` itself made an Fp8Linear: its class swapped, nothing else replaced. For a
+        linear whose identity matters: one that FSDP2 manages (`loka.mods.sharding`), which
+        sets the unsharded weights on this very object. `to_linear` swaps it back."""
+        if base_class(linear) is not nn.Linear:
+            raise TypeError(f"in_place needs an nn.Linear, got {type(linear).__name__}")
+        config = config or Fp8LinearConfig()
+        NativePlan.of(config)  # raises, before any change, on a bad native config
+        check_shape(config, linear.in_features, linear.out_features, type(linear).__name__)
+        previous = swap_base_class(linear, cls)
+        try:
+            linear._init_fp8(config)
+        except BaseException:
+            _strip_fp8_state(linear)
+            linear.__class__ = previous
+            raise
+        linear._linear_class = previous
+        return linear
+
     def to_linear(self) -> nn.Linear:
-        """A plain nn.Linear holding this module's weight and bias Parameters."""
+        """A plain nn.Linear holding this module's weight and bias Parameters. In place (this
+        module itself, its class swapped back) for one made by `in_place`, and for one that
+        FSDP2 came to manage since (sharded after conversion): FSDP fills this object."""
+        previous = vars(self).get("_linear_class")
+        if previous is not None or fsdp_managed(self):
+            _strip_fp8_state(self)
+            if previous is None:
+                swap_base_class(self, nn.Linear)
+            else:
+                self.__class__ = previous
+            return self
         linear = nn.Linear.__new__(nn.Linear)
         nn.Module.__init__(linear)
         linear.in_features, linear.out_features = self.in_features, self.out_features
@@ -233,9 +264,10 @@ class Fp8Linear(nn.Linear):
         `release_prequantized_weight()` first. A weight changed since (an optimizer step, an
         in-place write, another Parameter) makes an eager forward raise; a compiled graph
         cannot check, so call this again after changing the weight (`load_state_dict` and
-        `module.to(...)` do)."""
+        `module.to(...)` do). A weight that FSDP2 shards is not prequantized (each forward
+        gathers it anew): serve an unsharded copy of the model."""
         fwd = None if self.native_plan is None else self.native_plan.fwd
-        if fwd is None:
+        if fwd is None or fsdp_managed(self):
             return False
         self._prequantized = quantize_weight(self.weight, fwd)
         for t in self._prequantized:
@@ -365,10 +397,25 @@ class Fp8Linear(nn.Linear):
         return f"{super().extra_repr()}, config=({self.fp8_config})"
 
 
+# What `_init_fp8` adds to an nn.Linear (and `in_place` records), dropped by an in-place undo.
+_FP8_STATE = (
+    "fp8_config", "plan", "native_plan", "_prequantized", "_prequantized_stamp", "_input_amax",
+    "_input_scale", "eager_graphs", "_no_history", "_weight_key", "_weight_stamp",
+    "_weight_cache", "_linear_class",
+)  # fmt: skip
+
+
+def _strip_fp8_state(module: nn.Module) -> None:
+    for name in HISTORY_BUFFERS:
+        module._buffers.pop(name, None)
+    for name in _FP8_STATE:
+        vars(module).pop(name, None)
+
+
 def _matches(module: nn.Module) -> bool:
-    # Exactly nn.Linear: subclasses (e.g. MultiheadAttention's out_proj, which is read as a
-    # weight and never called) may not go through forward.
-    return type(module) is nn.Linear
+    # Exactly nn.Linear (or FSDP2's wrapper of it): subclasses (e.g. MultiheadAttention's
+    # out_proj, which is read as a weight and never called) may not go through forward.
+    return base_class(module) is nn.Linear
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -394,21 +441,29 @@ def convert_to_fp8_linear(
     ]
     for name, module in targets:
         check_shape(config, module.in_features, module.out_features, name or "model")
-    converted = {name: Fp8Linear.from_linear(module, config) for name, module in targets}
-    if "" in converted:
-        return converted[""]
-    for name, new in converted.items():
+    NativePlan.of(config)  # raises on a bad native config before any module changes
+    # An FSDP2-managed linear changes in place (`loka.mods.sharding`), the others are swapped.
+    in_place = [(n, m) for n, m in targets if fsdp_managed(m)]
+    swapped = {n: Fp8Linear.from_linear(m, config) for n, m in targets if not fsdp_managed(m)}
+    for _, module in in_place:
+        Fp8Linear.in_place(module, config)
+    if "" in swapped:
+        return swapped[""]
+    for name, new in swapped.items():
         _swap(model, name, new)
     return model
 
 
 def convert_to_linear(model: nn.Module) -> nn.Module:
-    """Replace every `Fp8Linear` (exactly that class) by an nn.Linear sharing its Parameters."""
-    if type(model) is Fp8Linear:
+    """Replace every `Fp8Linear` (exactly that class, or FSDP2's wrapper of it) by an
+    nn.Linear sharing its Parameters; one converted in place goes back in place."""
+    if base_class(model) is Fp8Linear:
         return model.to_linear()
-    targets = [(n, m) for n, m in model.named_modules() if type(m) is Fp8Linear]
+    targets = [(n, m) for n, m in model.named_modules() if base_class(m) is Fp8Linear]
     for name, module in targets:
-        _swap(model, name, module.to_linear())
+        plain = module.to_linear()
+        if plain is not module:
+            _swap(model, name, plain)
     return model
 
 

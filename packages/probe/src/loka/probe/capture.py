@@ -132,8 +132,10 @@ class StepCapture(Recorder):
             self.handles.append(
                 module.register_forward_pre_hook(self.guard(spec.name, self._pre(spec)))
             )
+            # First among the post-forward hooks: FSDP2's own (on a module fully_shard was
+            # called on) puts the weight's shards back, and the operands are read here.
             self.handles.append(
-                module.register_forward_hook(self.guard(spec.name, self._post(spec)))
+                module.register_forward_hook(self.guard(spec.name, self._post(spec)), prepend=True)
             )
 
     def _event(self, device: torch.device) -> Any:
@@ -261,7 +263,9 @@ class AmaxCapture(Recorder):
         self.seen: set[str] = set()
         for spec in sites:
             self.handles.append(
-                spec.module.register_forward_hook(self.guard(spec.name, self._post(spec)))
+                spec.module.register_forward_hook(
+                    self.guard(spec.name, self._post(spec)), prepend=True
+                )
             )
 
     def _post(self, spec: SiteSpec) -> Callable[..., None]:

@@ -51,7 +51,9 @@ class NormTrace(Recorder):
             elif id(module) in site_names or isinstance(module, nn.Linear):
                 watched = site_names.get(id(module), name)
                 hook = self.guard(watched, self._before_module(watched))
-                self.handles.append(module.register_forward_pre_hook(hook))
+                # Before FSDP2's pre-forward (on a module fully_shard was called on), which
+                # passes the inputs through an autograd function: new tensor objects.
+                self.handles.append(module.register_forward_pre_hook(hook, prepend=True))
 
     def _after_norm(self, name: str) -> Callable[..., None]:
         def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from loka.dispatch.apply_plan import Applied
 from loka.dispatch.integrations.distributed import is_distributed
+from loka.mods.sharding import local_tensor
 
 log = logging.getLogger("loka.dispatch")
 
@@ -87,7 +88,9 @@ class _Flags:
 def _nonfinite(t: torch.Tensor | None) -> torch.Tensor | None:
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         return None
-    return ~torch.isfinite(t).all()
+    # A DTensor (an FSDP2 gradient shard) is checked on this rank's shard: `read` raises a
+    # flag on every rank when any rank raised it.
+    return ~torch.isfinite(local_tensor(t)).all()
 
 
 def _any_nonfinite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
