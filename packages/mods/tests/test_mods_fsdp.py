@@ -142,6 +142,28 @@ WORKER = textwrap.dedent(
             state = {k: v.full_tensor().tolist() for k, v in m.state_dict().items()}
             out[f"{backend}/{order}"] = {"types": types, "losses": losses, "state": state,
                                          "after": [type(layer).__name__ for layer in m]}
+    # Compiled (each FP8 linear its own graph between FSDP's hooks, where dynamo breaks for
+    # nn.Linear alike), all three passes FP8: as the compiled unsharded model, bit for bit.
+    config = Fp8LinearConfig.from_recipes(ROW, ROW, ROW, backend="torch.native.cpu")
+    m = model()
+    for layer in (m[0], m[2]):
+        fully_shard(layer)
+    fully_shard(m)
+    m = convert_to_fp8_linear(m, config)
+    compiled = torch.compile(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    from torch._dynamo.utils import counters
+    for step in range(3):
+        loss = compiled(torch.randn(32, 32, generator=g)).square().mean()
+        loss.backward(); opt.step(); opt.zero_grad()
+        losses.append(loss.item())
+        if step == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    out["compiled"] = losses
+    out["graphs_at_step_1"] = graphs
+    out["graphs_after_step_1"] = counters["stats"]["unique_graphs"] - graphs
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
     sys.stderr.flush()
@@ -170,8 +192,30 @@ def _unsharded(config: Fp8LinearConfig) -> tuple[list[float], dict[str, torch.Te
     return losses, m.state_dict()
 
 
+def _compiled_unsharded_losses() -> list[float]:
+    config = Fp8LinearConfig.from_recipes(ROW, ROW, ROW, backend="torch.native.cpu")
+    torch.manual_seed(0)
+    m = convert_to_fp8_linear(
+        nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)), config
+    )
+    compiled = torch.compile(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        loss = compiled(torch.randn(32, 32, generator=g)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def test_fp8_linears_train_under_fsdp2_as_unsharded_in_every_order(two_gloo_ranks) -> None:
     results = two_gloo_ranks(WORKER)
+    assert results[0]["compiled"] == _compiled_unsharded_losses()
+    assert results[0]["graphs_at_step_1"] >= 2  # a graph per linear at least
+    assert results[0]["graphs_after_step_1"] == 0  # nothing compiled after the first step
     r0 = next(r for r in results if r["rank"] == 0)
     for backend, wgrad in (("torch.native.cpu", "bf16"), ("triton.fp8", ROW)):
         losses, state = _unsharded(Fp8LinearConfig.from_recipes(ROW, ROW, wgrad, backend=backend))
