@@ -172,43 +172,39 @@ WORKER = textwrap.dedent(
 )
 
 
-def _unsharded(config: Fp8LinearConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same training in one process, unsharded: what every sharded order must equal."""
+def _fp8_model(config: Fp8LinearConfig) -> nn.Module:
     torch.manual_seed(0)
-    m = convert_to_fp8_linear(
+    return convert_to_fp8_linear(
         nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)), config
     )
-    losses = []
-    for fp8 in (True, False):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3 if fp8 else 1):
-            loss = m(torch.randn(32, 32, generator=g)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        m = convert_to_linear(m)
-    return losses, m.state_dict()
 
 
-def _compiled_unsharded_losses() -> list[float]:
-    config = Fp8LinearConfig.from_recipes(ROW, ROW, ROW, backend="torch.native.cpu")
-    torch.manual_seed(0)
-    m = convert_to_fp8_linear(
-        nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)), config
-    )
-    compiled = torch.compile(m)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+def _train(model: nn.Module, steps: int, forward: nn.Module | None = None) -> list[float]:
+    """The workers' `train` in this process (`forward`: a compiled `model`)."""
+    forward = forward or model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     losses = []
-    for _ in range(3):
-        loss = compiled(torch.randn(32, 32, generator=g)).square().mean()
+    for _ in range(steps):
+        loss = forward(torch.randn(32, 32, generator=g)).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _unsharded(config: Fp8LinearConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same training in one process, unsharded: what every sharded order must equal."""
+    m = _fp8_model(config)
+    losses = _train(m, 3)
+    m = convert_to_linear(m)
+    return losses + _train(m, 1), m.state_dict()
+
+
+def _compiled_unsharded_losses() -> list[float]:
+    m = _fp8_model(Fp8LinearConfig.from_recipes(ROW, ROW, ROW, backend="torch.native.cpu"))
+    return _train(m, 3, torch.compile(m))
 
 
 def test_fp8_linears_train_under_fsdp2_as_unsharded_in_every_order(two_gloo_ranks) -> None:
