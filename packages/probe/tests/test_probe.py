@@ -394,3 +394,29 @@ def test_a_failing_site_is_reported_and_training_goes_on() -> None:
         with pytest.warns(RuntimeWarning, match="capture/analysis error"):
             tables = probe.tables()
     assert tables["site_errors"].filter(pl.col("site") == "1")["n"].max() == 3
+
+
+def test_a_checkpointed_model_is_probed_as_without_checkpointing() -> None:
+    """torch.utils.checkpoint reruns each region's forward inside the backward: Probe's
+    forward hooks skip the rerun, so the tables are those of the same run without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    tables = {}
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+        g = torch.Generator().manual_seed(1)
+        config = ProbeConfig(every=1, warmup_steps=0, rows=16, queue_size=16)
+        with Probe(model, config) as probe:
+            for _ in range(3):
+                x = torch.randn(24, 32, generator=g, requires_grad=True)
+                y = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
+                y.square().mean().backward()
+                probe.step()
+            assert probe.errors == []
+            tables[checkpointed] = probe.tables()
+    sites = tables[True]["sites"]
+    assert sites["calls"].to_list() == [3, 3]  # once a step, not twice
+    assert sites["norm"].to_list() == ["0", None]
+    for name in ("sites", "site_errors"):
+        assert tables[True][name].equals(tables[False][name]), name

@@ -34,6 +34,7 @@ __all__: list[str] = [
 # Modules whose own `__all__` is public too (CONTRIBUTING.md, "Public faces").
 __public_modules__ = (
     "apply",
+    "checkpointing",
     "config",
     "dtypes",
     "eager_graphs",

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loka.mods import checkpointing
 from loka.mods.alignment import check_shape
 from loka.mods.config import Fp8LinearConfig
 from loka.mods.eager_graphs import EagerGraphs
@@ -385,13 +386,38 @@ class Fp8Linear(nn.Linear):
             )  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)
         self.refresh_weight_cache()
+        input_history, graphs = self._history("amax_history_input"), self._graphs_for(x2d)
+        if self.plan.input_window and torch.is_grad_enabled():
+            input_history, graphs = self._checkpointed(input_history, graphs)
         y = Fp8LinearFunction.apply(
             x2d, self.weight, self.bias, self.plan, dtype,
             torch.is_grad_enabled() and self.weight.requires_grad,
-            self._history("amax_history_input"), self._history("amax_history_grad_output"),
-            self._graphs_for(x2d), *self.gemm_weights(),
+            input_history, self._history("amax_history_grad_output"), graphs,
+            *self.gemm_weights(),
         )  # fmt: skip
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _checkpointed(
+        self, history: torch.Tensor, graphs: EagerGraphs | None
+    ) -> tuple[torch.Tensor, EagerGraphs | None]:
+        """Delayed input scaling under activation checkpointing (`loka.mods.checkpointing`).
+        The forward that checkpointing reruns inside the backward must quantize x with the
+        scale its first run took, and must not record x's amax twice: it did both, which
+        shifted the history twice a step and quantized the remade activations at another
+        scale, so training drifted from the same run without checkpointing. The first run
+        keeps a copy of the input history as it found it; the rerun quantizes against that
+        copy, and its record goes into the copy. Compiled graphs recompute inside the graph,
+        not through this forward."""
+        if torch.compiler.is_compiling():
+            return history, graphs
+        frame, rerun = checkpointing.region()
+        if frame is None:
+            return history, graphs
+        kept = checkpointing.kept_before_rerun(frame, self)
+        if rerun:
+            return (kept.pop(0) if kept else history.clone()), None
+        kept.append(history.clone())
+        return history, graphs
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, config=({self.fp8_config})"

@@ -84,10 +84,19 @@ class Recorder:
         self.handles: list[Any] = []
         self.closed = False
 
-    def guard(self, where: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def guard(
+        self, where: str, fn: Callable[..., Any], *, forward: bool = False
+    ) -> Callable[..., Any]:
+        """`fn` as a hook that never raises into training. `forward`: a module's forward
+        hook, skipped inside a backward, where only activation checkpointing's rerun of
+        the forward calls it (its operands were read on the first run; read again they
+        doubled the site's calls and added gradient hooks on tensors no backward reaches)."""
+
         # None of the ops used here is autocast-eligible, so autocast needs no handling.
         def wrapped(*args: Any) -> None:
             if self.closed:  # e.g. a backward that runs after Probe.step() closed the step
+                return
+            if forward and torch._C._current_graph_task_id() != -1:
                 return
             try:
                 with torch.no_grad():
@@ -130,12 +139,16 @@ class StepCapture(Recorder):
         for spec in sites:
             module = spec.module
             self.handles.append(
-                module.register_forward_pre_hook(self.guard(spec.name, self._pre(spec)))
+                module.register_forward_pre_hook(
+                    self.guard(spec.name, self._pre(spec), forward=True)
+                )
             )
             # First among the post-forward hooks: FSDP2's own (on a module fully_shard was
             # called on) puts the weight's shards back, and the operands are read here.
             self.handles.append(
-                module.register_forward_hook(self.guard(spec.name, self._post(spec)), prepend=True)
+                module.register_forward_hook(
+                    self.guard(spec.name, self._post(spec), forward=True), prepend=True
+                )
             )
 
     def _event(self, device: torch.device) -> Any:
@@ -264,7 +277,7 @@ class AmaxCapture(Recorder):
         for spec in sites:
             self.handles.append(
                 spec.module.register_forward_hook(
-                    self.guard(spec.name, self._post(spec)), prepend=True
+                    self.guard(spec.name, self._post(spec), forward=True), prepend=True
                 )
             )
 

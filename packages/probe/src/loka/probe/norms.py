@@ -46,11 +46,11 @@ class NormTrace(Recorder):
         site_names = {id(spec.module): spec.name for spec in sites}
         for name, module in model.named_modules():
             if isinstance(module, NORM_TYPES):
-                hook = self.guard(name, self._after_norm(name))
+                hook = self.guard(name, self._after_norm(name), forward=True)
                 self.handles.append(module.register_forward_hook(hook))
             elif id(module) in site_names or isinstance(module, nn.Linear):
                 watched = site_names.get(id(module), name)
-                hook = self.guard(watched, self._before_module(watched))
+                hook = self.guard(watched, self._before_module(watched), forward=True)
                 # Before FSDP2's pre-forward (on a module fully_shard was called on), which
                 # passes the inputs through an autograd function: new tensor objects.
                 self.handles.append(module.register_forward_pre_hook(hook, prepend=True))
