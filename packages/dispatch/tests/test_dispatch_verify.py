@@ -405,6 +405,36 @@ def test_verify_drives_training_steps_demotes_and_records_in_the_plan(tmp_path) 
     copy.deepcopy(summary)  # plain data
 
 
+class _FsdpMixin:
+    """Stands in for FSDP2's FSDPModule: what `loka.mods.sharding` reads of a wrapped class."""
+
+    _orig_cls_mro_index = 2
+
+
+def test_verify_switches_fsdp_managed_sites_by_their_config_in_place() -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    for name in ("fc1", "fc2"):  # as fully_shard(linear) leaves them
+        linear = model.get_submodule(name)
+        linear.__class__ = type("FSDPLinear", (_FsdpMixin, nn.Linear), {})
+    originals = dict(model.named_modules())
+    applied = apply(model, tiny_plan(model))
+    assert applied.sites == ["fc1", "fc2"] and all(
+        model.get_submodule(s) is originals[s] and isinstance(originals[s], Fp8Linear)
+        for s in applied.sites
+    )
+    planned = {s: originals[s].fp8_config for s in applied.sites}
+    fake = FakeStep({"fc1": 0.9, "fc2": 1.2})
+    fake.time = lambda: 0.1 * math.prod(fake.factors[s] for s in applied.active)
+    result = verify(sgd_step(model), applied, SHORT, fake)
+    assert result.kept == ["fc1"] and list(result.demoted) == ["fc2"]
+    assert dict(model.named_modules()) == originals  # nothing swapped, ever
+    assert model.fc1.fp8_config == planned["fc1"] and model.fc2.plan.all_high_precision
+    assert applied.active == ["fc1"]
+    applied.undo()
+    assert type(model.fc1).__name__ == type(model.fc2).__name__ == "FSDPLinear"
+
+
 def test_serving_is_verified_on_the_forward_and_a_demoted_site_frees_its_fp8_weight() -> None:
     from loka.dispatch.verify import verifier_for
 
