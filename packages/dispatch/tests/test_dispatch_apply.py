@@ -212,6 +212,28 @@ def test_a_plan_that_fuses_a_norm_needs_the_sample_and_gets_the_fused_module(dhe
     assert type(dhen.model.blocks[0].fc1) is nn.Linear
 
 
+def test_a_saved_plan_carries_its_demotions_and_apply_makes_them_again(dhen, tmp_path) -> None:
+    applied = apply(dhen.model, fc1_plan(dhen.model))
+    assert applied.sites == ["blocks.0.fc1", "blocks.1.fc1"]
+    assert applied.demote_pass("blocks.0.fc1", "wgrad", "verify: slower")
+    assert applied.demote("blocks.1.fc1", "step 7: forward output non-finite")
+    applied.record_demotions()
+    applied.plan.write(tmp_path / "plan.parquet")
+    fresh = zoo.create("dhen", "tiny", seed=1, batch_size=32)
+    again = apply(fresh.model, read_plan(tmp_path / "plan.parquet"))
+    assert again.demoted == {"blocks.1.fc1": "step 7: forward output non-finite"}
+    assert again.demoted_passes == {"blocks.0.fc1/wgrad": "verify: slower"}
+    assert type(fresh.model.blocks[1].fc1) is nn.Linear
+    passes = fresh.model.blocks[0].fc1.fp8_config.passes()
+    assert passes["wgrad"].is_bf16 and not passes["fwd"].is_bf16
+    broken = read_plan(tmp_path / "plan.parquet")
+    broken.metadata["demoted"] = "{not json"
+    untouched = zoo.create("dhen", "tiny", seed=1, batch_size=32).model
+    with pytest.raises(PlanMismatchError, match="recorded demotions are unreadable"):
+        apply(untouched, broken)
+    assert not any(isinstance(m, Fp8Linear) for m in untouched.modules())  # read first
+
+
 class _FsdpMixin:
     """Stands in for FSDP2's FSDPModule: what `loka.mods.sharding` reads of a wrapped class."""
 

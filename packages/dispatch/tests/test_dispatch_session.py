@@ -7,6 +7,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # FP8 passes run in Triton's interpreter
 
+import json
 import textwrap
 
 import polars as pl
@@ -17,6 +18,8 @@ from torch import nn
 import loka.zoo as zoo
 from loka.dispatch import PlanConfig, Session, SessionConfig
 from loka.dispatch.integrations import GuardConfig
+from loka.dispatch.integrations.guard import GuardEvent
+from loka.dispatch.tables import read_plan
 from loka.dispatch.testing import synthetic_kernel_bench
 from loka.dispatch.verify import VerifyConfig
 from loka.mods.fp8_linear import Fp8Linear
@@ -54,6 +57,49 @@ def test_plain_loop_session_plans_applies_guards_and_reprobes(tmp_path) -> None:
     assert not any(isinstance(m, Fp8Linear) for m in setup.model.modules())
     with pytest.raises(ValueError, match="reprobe_every"):
         SessionConfig(reprobe_every=5, reprobe_steps=5)
+
+
+def test_a_resumed_session_applies_the_saved_plan_as_it_ran(tmp_path) -> None:
+    from loka.dispatch.apply_plan import PlanMismatchError
+
+    setup = zoo.create("dhen", "tiny", seed=2, batch_size=32)
+    config = SessionConfig(warmup_steps=2, probe=PROBE, kernel_bench=BENCH, out_dir=tmp_path)
+    session = Session(setup.model, config)
+    zoo.train(setup, 2, on_step=lambda step, loss: session.step(loss))
+    assert session.applied.sites == ["blocks.0.fc1", "blocks.1.fc1"]
+    guard_step = session.guard.step
+
+    def overflowing(step: int) -> list[GuardEvent]:  # the guard finds an FP8 overflow
+        guard_step(step)
+        session.applied.demote("blocks.1.fc1", "step 2: a test demotion")
+        return [GuardEvent(step, "blocks.1.fc1", "demoted", "step 2: a test demotion")]
+
+    session.guard.step = overflowing
+    zoo.train(setup, 1, on_step=lambda step, loss: session.step(loss))
+    session.close()
+    saved = json.loads(read_plan(tmp_path / "plan.parquet").metadata["demoted"])
+    assert saved["sites"] == {"blocks.1.fc1": "step 2: a test demotion"}  # saved at once
+
+    again = zoo.create("dhen", "tiny", seed=2, batch_size=32)  # a restarted job
+    events = []
+    resumed = Session(again.model, SessionConfig(resume=tmp_path), on_event=events.append)
+    assert resumed.phase == "applied" and resumed.probe is None
+    assert resumed.applied.sites == ["blocks.0.fc1", "blocks.1.fc1"]
+    assert resumed.applied.demoted == {"blocks.1.fc1": "step 2: a test demotion"}
+    assert type(again.model.blocks[0].fc1) is Fp8Linear
+    assert type(again.model.blocks[1].fc1) is nn.Linear
+    assert events[0].startswith(f"resumed from {tmp_path / 'plan.parquet'}: 2 site(s) in FP8")
+    losses = zoo.train(again, 2, on_step=lambda step, loss: resumed.step(loss))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    with pytest.raises(RuntimeError, match="already applied"):
+        resumed.plan_and_apply()
+
+    other = zoo.create("wukong", "tiny", seed=2)
+    with pytest.raises(PlanMismatchError, match="made for another model"):
+        Session(other.model, SessionConfig(resume=tmp_path))
+    assert not any(isinstance(m, Fp8Linear) for m in other.model.modules())
+    with pytest.raises(FileNotFoundError, match=r"SessionConfig\.resume: no plan at"):
+        Session(other.model, SessionConfig(resume=tmp_path / "missing"))
 
 
 WORKER = textwrap.dedent(

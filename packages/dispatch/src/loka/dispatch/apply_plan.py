@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("loka.dispatch")
+DEMOTED_KEY = "demoted"  # plan metadata: what a run demoted (`Applied.record_demotions`)
 
 
 class PlanMismatchError(ValueError):
@@ -134,6 +135,14 @@ class Applied:
         if self.report is not None:
             self.report.undo()
         self.undone = True
+
+    def record_demotions(self) -> None:
+        """Write the sites and passes demoted since `apply` (verification's and the runtime
+        guard's, with their reasons) into the plan's metadata, so that a saved plan is the
+        plan as it runs: `apply` of that plan demotes them again (a resumed run)."""
+        self.plan.metadata[DEMOTED_KEY] = json.dumps(
+            {"sites": self.demoted, "passes": self.demoted_passes}, sort_keys=True
+        )
 
     def release_prequantized(self) -> list[str]:
         """Drop the serving copies of the weights (`prequantized`), so that the model can
@@ -331,6 +340,32 @@ class Applied:
         return text
 
 
+def _recorded_demotions(plan: Plan) -> tuple[dict[str, str], dict[str, str]]:
+    """(sites, passes) the plan's metadata records as demoted by the run that saved it
+    (`Applied.record_demotions`); read before the model is touched."""
+    text = plan.metadata.get(DEMOTED_KEY)
+    if not text:
+        return {}, {}
+    try:
+        recorded = json.loads(text)
+        return dict(recorded["sites"]), dict(recorded["passes"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PlanMismatchError(
+            f"the plan's recorded demotions are unreadable ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _demote_as_recorded(applied: Applied, sites: dict[str, str], passes: dict[str, str]) -> None:
+    """Demote again what the run that saved the plan had demoted, with its reasons."""
+    for site, reason in sites.items():
+        if site in applied.sites:
+            applied.demote(site, str(reason))
+    for unit, reason in passes.items():
+        site, _, pass_ = unit.rpartition("/")
+        if site in applied.sites and site not in applied.demoted:
+            applied.demote_pass(site, pass_, str(reason))
+
+
 def _by_config(planned: nn.Module, original: nn.Module) -> bool:
     """Whether a site's module switches to bf16 by its config rather than by a swap: it was
     converted in place, or FSDP2 manages it since (sharded after `apply`), filling it."""
@@ -521,6 +556,7 @@ def apply(
     model = getattr(model, "_orig_mod", model)
     config = config or ApplyConfig()
     plan = _as_plan(plan)
+    recorded = _recorded_demotions(plan)
     table = plan.table
     device = _model_device(model)
     linears = _linear_sites(model)
@@ -640,6 +676,7 @@ def apply(
     applied = Applied(model, plan, sorted(sites), fallbacks, report,
                       emulated=sorted(set(emulated) & set(sites)))  # fmt: skip
     applied.variants = _variants(before, model, set(sites))
+    _demote_as_recorded(applied, *recorded)
     prequantize = config.prequantize_weights
     if prequantize is None:
         prequantize = plan.metadata.get("inference") == "True"

@@ -53,6 +53,7 @@ from loka.dispatch.integrations.distributed import is_distributed, plan_once, ra
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
 from loka.dispatch.planner import Plan, PlanConfig, make_plan
 from loka.dispatch.step_timers import StepTimer
+from loka.dispatch.tables import read_plan
 from loka.dispatch.verify import (
     Verifier,
     VerifyConfig,
@@ -98,7 +99,14 @@ class SessionConfig:
     verify: time the real step, planned against bf16, after applying and demote sites until
         the planned step is not slower than bf16 with confidence (`VerifyConfig`); None: off.
         A model on the CPU is verified only with ``VerifyConfig(on_cpu=True)``.
-    out_dir: write the probe tables, kernel_bench, plan and report there (rank 0).
+    out_dir: write the probe tables, kernel_bench, plan and report there (rank 0); the plan
+        is written again after verification and after every runtime demotion, so that it
+        is always the plan as it runs (`Applied.record_demotions`).
+    resume: a plan an earlier Session wrote (its `out_dir`, or the `plan.parquet` in it): the
+        Session applies it at once, with the sites and passes that run had demoted demoted
+        again, and skips warm-up, planning and verification. A restarted job (preemption, a
+        resumed checkpoint) then trains with the same FP8 sites as before it stopped. Under
+        torch.distributed rank 0 reads it and sends it to the others.
     """
 
     warmup_steps: int = 100
@@ -114,6 +122,7 @@ class SessionConfig:
     reprobe_steps: int = 50
     verify: VerifyConfig | None = field(default_factory=VerifyConfig)
     out_dir: str | os.PathLike[str] | None = None
+    resume: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 1:
@@ -187,6 +196,10 @@ class Session:
         self.nonfinite_losses = 0
         self.skipped_steps = 0  # optimizer steps skipped for non-finite gradients
         self._reprobe_start: int | None = None
+        self.probe = None
+        if self.config.resume is not None:
+            self._resume(self.config.resume)
+            return
         self.probe = self._attach_probe()
         self._event(f"warm-up: {self.config.warmup_steps} bf16 step(s) with Probe")
 
@@ -239,9 +252,13 @@ class Session:
                 self._settle()
         if self.guard is not None:
             checking = self.guard._armed_step is not None
-            for event in self.guard.step(step):
+            events = self.guard.step(step)
+            for event in events:
                 what = event.site or "optimizer step"  # "": the step itself was skipped
                 self._event(f"step {event.step}: {what} {event.action}: {event.reason}")
+            demoted = any(e.action == "demoted" for e in events)
+            if demoted and self.config.out_dir is not None and rank() == 0:
+                self.save(self.config.out_dir)  # the saved plan stays the plan as it runs
             if checking and loss is not None:
                 value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
                 if not math.isfinite(value):
@@ -318,8 +335,11 @@ class Session:
             paths["kernel_bench"] = write_table(
                 self.kernel_bench, directory / "kernel_bench.parquet", "kernel_bench"
             )
+        if self.applied is not None:
+            self.applied.record_demotions()
         if self.plan is not None:
             paths["plan"] = self.plan.write(directory / "plan.parquet")
+        if self.plan is not None and "sites" in self.tables:
             paths["report"] = write_report(
                 directory / "report.html", sites=self.tables["sites"],
                 site_errors=self.tables["site_errors"], plan=self.plan.table,
@@ -328,6 +348,25 @@ class Session:
         return paths
 
     # -- internals --------------------------------------------------------------------
+
+    def _resume(self, source: str | os.PathLike[str]) -> None:
+        """Apply the plan an earlier Session saved (`SessionConfig.resume`), as it ran."""
+        path = Path(source)
+        path = path / "plan.parquet" if path.is_dir() else path
+
+        def load() -> Plan:
+            if not path.exists():
+                raise FileNotFoundError(f"SessionConfig.resume: no plan at {path}")
+            return read_plan(path)
+
+        self.plan = plan_once(load)
+        self.applied = apply(self.model, self.plan, self.config.apply, sample=self.sample)
+        self.phase = "applied"
+        self._verified_at = 0
+        self._event(f"resumed from {path}: {self.applied.summary()}")
+        if self.config.guard is not None:
+            self.guard = RuntimeGuard(self.applied, self.config.guard)
+            self.guard.arm(self.steps)
 
     def _start_verifying(self) -> None:
         config = self.config.verify
