@@ -76,3 +76,24 @@ def test_a_checkpointed_fp8_model_trains_bit_for_bit_as_without(layout, recipe, 
     assert not checkpointing._KEPT  # each region's kept histories went with the region
     if "delayed" in recipe:
         assert any("amax_history_input" in name for name in state)
+
+
+def test_other_saved_tensor_hooks_leave_the_forward_alone() -> None:
+    """Hooks that are not checkpointing's (a callable object, a builtin) are not a region."""
+
+    class Keep:
+        def __call__(self, t):
+            return t
+
+    assert checkpointing.region() == (None, False)
+    with torch.autograd.graph.saved_tensors_hooks(Keep(), Keep()):
+        assert checkpointing.region() == (None, False)
+    with torch.autograd.graph.saved_tensors_hooks(torch.clone, torch.clone):
+        assert checkpointing.region() == (None, False)
+    with torch.autograd.graph.save_on_cpu():
+        assert checkpointing.region() == (None, False)
+        model = convert_to_fp8_linear(
+            nn.Linear(32, 16),
+            Fp8LinearConfig.from_recipes(DELAYED, DELAYED, DELAYED, backend="triton.fp8"),
+        )
+        model(torch.randn(8, 32, requires_grad=True)).sum().backward()

@@ -32,9 +32,9 @@ def region() -> tuple[Any | None, bool]:
     if hooks is None:
         return None, False
     pack = hooks[0]
-    cells = dict(
-        zip(getattr(pack.__code__, "co_freevars", ()), pack.__closure__ or (), strict=False)
-    )
+    # Any callable can be a pack hook (a partial, an object): only a closure can be ours.
+    names = getattr(getattr(pack, "__code__", None), "co_freevars", ())
+    cells = dict(zip(names, getattr(pack, "__closure__", None) or (), strict=False))
     if "target_frame_ref" in cells:  # torch.utils.checkpoint's _recomputation_hook
         return cells["target_frame_ref"].cell_contents(), True
     if "frame" in cells and torch._C._current_graph_task_id() == -1:  # its _checkpoint_hook
