@@ -8,6 +8,9 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel backend runs in the interpreter
 
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -97,3 +100,71 @@ def test_other_saved_tensor_hooks_leave_the_forward_alone() -> None:
             Fp8LinearConfig.from_recipes(DELAYED, DELAYED, DELAYED, backend="triton.fp8"),
         )
         model(torch.randn(8, 32, requires_grad=True)).sum().backward()
+
+
+FSDP_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    sys.path.insert(0, sys.argv[2])
+    from test_mods_checkpoint import DELAYED, Blocks, train_blocks
+
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+
+    def shard(model):
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+
+    print(json.dumps({"losses": train_blocks(checkpointed=True, prepare=shard)}), flush=True)
+    dist.destroy_process_group()
+    sys.stderr.flush()
+    os._exit(0)
+    """
+)
+
+
+class Blocks(nn.Module):
+    """Two residual MLP blocks, each its own checkpoint region (and FSDP unit)."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2)
+        )
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + (checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x))
+        return x
+
+
+def train_blocks(checkpointed: bool, prepare=None) -> list[float]:
+    torch.manual_seed(0)
+    config = Fp8LinearConfig.from_recipes(DELAYED, DELAYED, DELAYED, backend="triton.fp8")
+    model = convert_to_fp8_linear(Blocks(checkpointed), config)
+    if prepare is not None:
+        prepare(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(4):
+        loss = model(torch.randn(16, 32, generator=g, requires_grad=True)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fsdp2_with_checkpointing_trains_as_neither(two_gloo_ranks) -> None:
+    """FSDP2 gathers a block's weights anew for the rerun: the rerun keeps the weight's FP8
+    copy its first run made instead of re-making it (which recorded the weight's amax twice
+    a step: delayed scaling drifted from step 3)."""
+    source = FSDP_WORKER.replace("sys.argv[2]", repr(str(Path(__file__).parent)))
+    results = two_gloo_ranks(source)
+    assert results[0]["losses"] == results[1]["losses"] == train_blocks(checkpointed=False)

@@ -47,6 +47,7 @@ __all__ = [
     "release_prequantized_weights",
 ]
 
+_NO_STAMP = (-1, -1, -1)  # the weight cache was never filled
 HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -183,7 +184,7 @@ class Fp8Linear(nn.Linear):
         device = self.weight.device
         self._no_history = torch.zeros(0, device=device)
         self._weight_key = torch.full((3,), -1, dtype=torch.int64)
-        self._weight_stamp = (-1, -1, -1)
+        self._weight_stamp = _NO_STAMP
         N, K = self.out_features, self.in_features
         _, Kp, Np = self.plan.multiples.pad(1, K, N)
         cache: list[torch.Tensor] = []
@@ -385,7 +386,8 @@ class Fp8Linear(nn.Linear):
                 torch.is_grad_enabled() and self.weight.requires_grad,
             )  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)
-        self.refresh_weight_cache()
+        if not self._rerun_with_cached_weight():
+            self.refresh_weight_cache()
         input_history, graphs = self._history("amax_history_input"), self._graphs_for(x2d)
         if self.plan.input_window and torch.is_grad_enabled():
             input_history, graphs = self._checkpointed(input_history, graphs)
@@ -396,6 +398,19 @@ class Fp8Linear(nn.Linear):
             *self.gemm_weights(),
         )  # fmt: skip
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _rerun_with_cached_weight(self) -> bool:
+        """Whether this forward is activation checkpointing's rerun, inside the backward, of a
+        forward that filled the weight cache: no optimizer step came between, so the cache
+        holds this very weight. Re-made anyway when FSDP2 had gathered the weight anew for
+        the rerun (a new stamp), it recorded the weight's amax a second time (delayed
+        scaling drifted from step 3)."""
+        return (
+            not torch.compiler.is_compiling()  # first: dynamo cannot trace the task id
+            and torch.is_grad_enabled()
+            and torch._C._current_graph_task_id() != -1
+            and self._weight_stamp != _NO_STAMP
+        )
 
     def _checkpointed(
         self, history: torch.Tensor, graphs: EagerGraphs | None
