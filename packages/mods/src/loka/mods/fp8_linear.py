@@ -48,6 +48,13 @@ __all__ = [
 ]
 
 _NO_STAMP = (-1, -1, -1)  # the weight cache was never filled
+
+
+def _inside_backward() -> bool:
+    """Whether this forward runs inside a backward (activation checkpointing's rerun)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
 HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -230,6 +237,12 @@ class Fp8Linear(nn.Linear):
             stamp = weight_stamp(self.weight)
             if stamp == self._weight_stamp:
                 return
+            if self._weight_stamp != _NO_STAMP and _inside_backward():
+                # Activation checkpointing's rerun of a forward that filled the cache: no
+                # optimizer step came between, so the cache holds this weight. The stamp
+                # differs only because FSDP2 gathered the weight anew; re-made, the copy
+                # recorded the weight's amax twice a step (delayed scaling drifted).
+                return
             self._weight_stamp = stamp
         _, Kp, Np = plan.multiples.pad(1, self.in_features, self.out_features)
         args = (self.weight, self._weight_key, self._weight_cache,
@@ -386,8 +399,7 @@ class Fp8Linear(nn.Linear):
                 torch.is_grad_enabled() and self.weight.requires_grad,
             )  # fmt: skip
             return y.view(*x.shape[:-1], self.out_features)
-        if not self._rerun_with_cached_weight():
-            self.refresh_weight_cache()
+        self.refresh_weight_cache()
         input_history, graphs = self._history("amax_history_input"), self._graphs_for(x2d)
         if self.plan.input_window and torch.is_grad_enabled():
             input_history, graphs = self._checkpointed(input_history, graphs)
@@ -398,19 +410,6 @@ class Fp8Linear(nn.Linear):
             *self.gemm_weights(),
         )  # fmt: skip
         return y.view(*x.shape[:-1], self.out_features)
-
-    def _rerun_with_cached_weight(self) -> bool:
-        """Whether this forward is activation checkpointing's rerun, inside the backward, of a
-        forward that filled the weight cache: no optimizer step came between, so the cache
-        holds this very weight. Re-made anyway when FSDP2 had gathered the weight anew for
-        the rerun (a new stamp), it recorded the weight's amax a second time (delayed
-        scaling drifted from step 3)."""
-        return (
-            not torch.compiler.is_compiling()  # first: dynamo cannot trace the task id
-            and torch.is_grad_enabled()
-            and torch._C._current_graph_task_id() != -1
-            and self._weight_stamp != _NO_STAMP
-        )
 
     def _checkpointed(
         self, history: torch.Tensor, graphs: EagerGraphs | None
