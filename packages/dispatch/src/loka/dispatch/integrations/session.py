@@ -258,7 +258,9 @@ class Session:
                 self._event(f"step {event.step}: {what} {event.action}: {event.reason}")
             demoted = any(e.action == "demoted" for e in events)
             if demoted and self.config.out_dir is not None and rank() == 0:
-                self.save(self.config.out_dir)  # the saved plan stays the plan as it runs
+                # The saved plan stays the plan as it runs (the tables did not change).
+                self.applied.record_demotions()
+                self.plan.write(Path(self.config.out_dir) / "plan.parquet")
             if checking and loss is not None:
                 value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
                 if not math.isfinite(value):
