@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None,
                    help="training batch for the probe (default: the preset's)")  # fmt: skip
     p.add_argument("--steps", type=int, default=12, help="probed training steps")
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="unprobed training steps first (a trained model's gradients)")  # fmt: skip
     p.add_argument("--rows", type=int, default=1024,
                    help="token rows Probe samples per GEMM call (the wgrad error's M)")  # fmt: skip
     p.add_argument("--tokens", type=int, default=16384,
@@ -216,12 +218,15 @@ def probe_errors(args, device: str) -> tuple[list[dict], dict]:
     config = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, queue_size=10,
                          recipes=probe_recipes(), rows=args.rows)  # fmt: skip
     autocast = torch.bfloat16 if device == "cuda" else None
+    if args.train_steps:
+        zoo.train(setup, args.train_steps, autocast_dtype=autocast)
     with Probe(setup.model, config) as probe:
         zoo.train(setup, args.steps, on_step=lambda step, loss: probe.step(),
                   autocast_dtype=autocast)  # fmt: skip
         tables = probe.tables()
     rows = error_rows(tables["site_errors"], dict(DEFAULT_BUDGETS))
-    full = full_batch_errors(setup, capture_names(tables["sites"], args.capture), autocast)
+    names = capture_names(tables["sites"], args.capture)
+    full = full_batch_errors(setup, names, autocast, args.rows)
     return rows, {"sites": tables["sites"], "full_batch": full}
 
 
@@ -272,13 +277,23 @@ def capture_operands(setup, names: list[str], autocast) -> dict[str, tuple]:
     return {name: (x, dy) for name, (x, dy) in captured.items() if dy is not None}
 
 
-def wgrad_errors(x, dy) -> dict[str, float]:
+def wgrad_errors(x, dy, rows: int | None = None) -> dict[str, float]:
     """Relative error of ``dY^T x`` over the whole batch, quantized rowwise (a scale per
     channel over all M tokens) and 1x128 blockwise (a scale per 128 tokens), against
-    float32; M is zero-padded to a multiple of 128 (exact: a zero token adds nothing)."""
+    float32; M is zero-padded to a multiple of 128 (exact: a zero token adds nothing).
+
+    With `rows`, also Probe's own statistic (the balanced error, `loka.probe.gemm_error`) of
+    the rowwise wgrad three ways: on the whole batch (`row_balanced`), on a sample of `rows`
+    tokens as the sample's own GEMM (`row_balanced_sample`, what Probe read before it
+    extrapolated), and estimated for the whole batch from that sample
+    (`row_balanced_estimate`, what Probe reads now)."""
     import torch.nn.functional as F
 
-    pad = (-x.shape[0]) % TILE
+    M = x.shape[0]
+    out: dict[str, float] = {"M": int(M)}
+    if rows:
+        out.update(probe_statistics(x, dy, rows))
+    pad = (-M) % TILE
     x, dy = F.pad(x.float(), (0, 0, 0, pad)), F.pad(dy.float(), (0, 0, 0, pad))
     want = dy.t() @ x
     norm = want.norm()
@@ -288,15 +303,39 @@ def wgrad_errors(x, dy) -> dict[str, float]:
     bq, bi = quantize_1x128_transposed(dy, scale_layout=False)
     bx, bxi = quantize_1x128_transposed(x, scale_layout=False)
     block = wgrad_reference(bq, bi, bx, bxi)
-    return {"M": int(x.shape[0] - pad), "row": float((row - want).norm() / norm),
+    return {**out, "row": float((row - want).norm() / norm),
             "block": float((block - want).norm() / norm)}  # fmt: skip
 
 
-def full_batch_errors(setup, names: list[str], autocast) -> list[dict]:
+def probe_statistics(x, dy, rows: int) -> dict[str, float]:
+    """`wgrad_errors`' three readings of Probe's balanced rowwise wgrad error."""
+    import torch
+
+    from loka.probe.gemm_error import PassOperands, pass_error_sums, relative_errors
+    from loka.schema import Recipe
+
+    M = x.shape[0]
+    recipe = [Recipe.parse(ROW)]
+    amaxes = dict(a_amax=dy.abs().amax(), b_amax=x.abs().amax(),
+                  a_row_amax=dy.abs().amax(dim=0), b_row_amax=x.abs().amax(dim=0))  # fmt: skip
+
+    def balanced(keep, m_total) -> float:
+        d, v = (dy, x) if keep is None else (dy[keep], x[keep])
+        ops = PassOperands(d.T, v.T, False, False, m_total=m_total, **amaxes)
+        sums, _ = pass_error_sums(ops, recipe, out_dtype=dy.dtype)
+        return float(relative_errors(sums)[0][1])
+
+    g = torch.Generator(device=x.device).manual_seed(0)
+    keep = torch.randperm(M, generator=g, device=x.device)[: min(rows, M)].sort().values
+    return {"row_balanced": balanced(None, None), "row_balanced_sample": balanced(keep, None),
+            "row_balanced_estimate": balanced(keep, M), "rows": int(keep.numel())}  # fmt: skip
+
+
+def full_batch_errors(setup, names: list[str], autocast, rows: int | None = None) -> list[dict]:
     """`wgrad_errors` of every captured site (`capture_operands`), one at a time."""
     out = []
     for name, (x, dy) in capture_operands(setup, names, autocast).items():
-        out.append({"site": name, **wgrad_errors(x, dy)})
+        out.append({"site": name, **wgrad_errors(x, dy, rows)})
     return out
 
 
@@ -314,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}")
     for r in tables["full_batch"]:
         print(f"[blockwise_wgrad] {r['site']}: whole-batch wgrad error (M = {r['M']}) "
-              f"rowwise {r['row']:.4f}, blockwise {r['block']:.4f}", flush=True)  # fmt: skip
+              f"rowwise {r['row']:.4f}, blockwise {r['block']:.4f}; Probe's balanced "
+              f"rowwise: whole batch {r['row_balanced']:.4f}, {r['rows']}-token sample "
+              f"{r['row_balanced_sample']:.4f}, estimated from it "
+              f"{r['row_balanced_estimate']:.4f}", flush=True)  # fmt: skip
     timings = []
     if device == "cuda":
         for N, K, M in wgrad_shapes(tables["sites"], args.tokens):
@@ -330,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         print("[blockwise_wgrad] no GPU: accuracy only (the CPU has no FP8 GEMM to time)")
     path = Path(args.out) / f"blockwise_wgrad_{stamp()}.json"
     meta = metadata(device, model=args.model, preset=args.preset, steps=args.steps,
+                    train_steps=args.train_steps,
                     rows=args.rows, tokens=args.tokens, batch_size=args.batch_size,
                     zoo_overrides=key_values(args.zoo))  # fmt: skip
     write_json(path, {"meta": meta, "errors": rows, "rescued": saved,

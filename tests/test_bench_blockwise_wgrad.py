@@ -87,6 +87,24 @@ def test_accuracy_runs_on_the_cpu(tmp_path, monkeypatch):
     full = record["full_batch"]
     assert len(full) == 8  # auto: the 8 sites with the most wgrad work
     assert full and all(r["M"] > 0 and 0 < r["block"] < 1 and 0 < r["row"] < 1 for r in full)
+    # Probe's statistic three ways: whole batch, the sample's own, estimated from the sample.
+    for r in full:
+        assert r["rows"] == min(256, r["M"])
+        assert all(0 < r[k] < 1 for k in ("row_balanced", "row_balanced_sample",
+                                         "row_balanced_estimate"))  # fmt: skip
+        if r["rows"] == r["M"]:  # nothing sampled: all three the same GEMM
+            assert r["row_balanced_estimate"] == r["row_balanced_sample"] == r["row_balanced"]
+
+
+def test_probe_statistics_estimate_the_whole_batch_from_a_sample():
+    """A gradient that adds up over the tokens: the sample's own error is ~sqrt(M / m) the
+    whole batch's, the estimate from the same sample is near the whole batch's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 64, generator=g)
+    dy = 2 * x @ (torch.randn(64, 96, generator=g) / 8) + torch.randn(4096, 96, generator=g)
+    r = script.probe_statistics(x, dy, rows=256)
+    assert r["row_balanced_sample"] > 2.5 * r["row_balanced"]
+    assert r["row_balanced_estimate"] == pytest.approx(r["row_balanced"], rel=0.25)
 
 
 def test_whole_batch_errors_pad_the_tokens_and_favour_blocks_on_drifting_magnitudes():

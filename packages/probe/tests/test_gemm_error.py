@@ -106,3 +106,91 @@ def test_real_fp8_gemm_matches_emulation() -> None:
     emulated, _ = pass_error_sums(_fwd(x, w), recipes, out_dtype=torch.bfloat16)
     assert not emulated_flags[0], "tensorwise e4m3 should run on torch._scaled_mm"
     assert torch.allclose(relative_errors(real)[0], relative_errors(emulated)[0], rtol=0.03)
+
+
+def _wgrad(dy: torch.Tensor, x: torch.Tensor, m_total: int | None = None) -> PassOperands:
+    """Wgrad operands in pass layout; the amaxes are those of the tensors given (callers pass
+    the whole batch's when they sample)."""
+    return PassOperands(
+        dy.T, x.T, False, False, dy.abs().amax(), x.abs().amax(),
+        a_row_amax=dy.abs().amax(dim=0), b_row_amax=x.abs().amax(dim=0), m_total=m_total,
+    )  # fmt: skip
+
+
+def _sampled_wgrad(dy: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> PassOperands:
+    whole = _wgrad(dy, x)
+    return PassOperands(
+        dy[rows].T, x[rows].T, False, False, whole.a_amax, whole.b_amax,
+        a_row_amax=whole.a_row_amax, b_row_amax=whole.b_row_amax, m_total=dy.shape[0],
+    )  # fmt: skip
+
+
+def _batch(coherent: float, M: int = 2048, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, 48] and dY [M, 40]; `coherent` of dY follows x through a fixed map, so dW = dY^T x
+    has a part that adds up over the tokens, and the rest is independent per token."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, 48, generator=g)
+    link = torch.randn(48, 40, generator=g) / 48**0.5
+    dy = coherent * (x @ link) + torch.randn(M, 40, generator=g)
+    return dy, x
+
+
+ROW = [Recipe.parse("e4m3:e4m3/row/dynamic")]
+
+
+@pytest.mark.parametrize("coherent", [0.0, 0.3, 2.0])
+def test_sampled_wgrad_error_is_not_optimistic_on_average(coherent: float) -> None:
+    """Over random samples of m of M tokens, the estimated relative error of the whole batch
+    averages at or a little above the true one, whatever the gradient's coherence: the
+    estimate may err on the safe side, never far below. (This output has 40 x 48 entries: the
+    pair term's noise, which the estimate guards against, is far larger than a real layer's.)"""
+    dy, x = _batch(coherent)
+    M, m = dy.shape[0], 128
+    exact = relative_errors(pass_error_sums(_wgrad(dy, x), ROW, out_dtype=torch.float32)[0])
+    g = torch.Generator().manual_seed(11)
+    estimates = []
+    for _ in range(100):
+        rows = torch.randperm(M, generator=g)[:m].sort().values
+        sums = pass_error_sums(_sampled_wgrad(dy, x, rows), ROW, out_dtype=torch.float32)[0]
+        estimates.append(torch.stack(relative_errors(sums))[:, 1])
+    mean = torch.stack(estimates).mean(dim=0)
+    for stat in (0, 1):  # balanced, plain
+        assert 0.95 < mean[stat].item() / exact[stat][1].item() < 1.6
+
+
+def test_sampled_wgrad_error_follows_the_whole_batch_not_the_sample() -> None:
+    """Where the gradient adds up over the tokens and the errors do not, a 128-token sample's
+    relative error is about sqrt(M / m) = 3x the whole batch's: the estimate is not."""
+    dy, x = _batch(coherent=2.0)
+    M, m = dy.shape[0], 256
+    rows = torch.randperm(M, generator=torch.Generator().manual_seed(3))[:m].sort().values
+    exact = relative_errors(pass_error_sums(_wgrad(dy, x), ROW, out_dtype=torch.float32)[0])
+    naive_ops = _sampled_wgrad(dy, x, rows)
+    naive_ops.m_total = None
+    naive = relative_errors(pass_error_sums(naive_ops, ROW, out_dtype=torch.float32)[0])
+    est = relative_errors(
+        pass_error_sums(_sampled_wgrad(dy, x, rows), ROW, out_dtype=torch.float32)[0]
+    )
+    for stat in (0, 1):  # balanced, plain
+        truth = exact[stat][1].item()
+        assert naive[stat][1].item() > 2 * truth
+        assert est[stat][1].item() == pytest.approx(truth, rel=0.3)
+
+
+def test_independent_tokens_keep_their_relative_error() -> None:
+    """No coherent part: error and reference both grow like M, so the sample's relative
+    error is already the whole batch's, and the estimate stays there."""
+    dy, x = _batch(coherent=0.0)
+    rows = torch.randperm(dy.shape[0], generator=torch.Generator().manual_seed(4))[:256]
+    exact = relative_errors(pass_error_sums(_wgrad(dy, x), ROW, out_dtype=torch.float32)[0])
+    est = relative_errors(
+        pass_error_sums(_sampled_wgrad(dy, x, rows.sort().values), ROW, out_dtype=torch.float32)[0]
+    )
+    assert est[0][1].item() == pytest.approx(exact[0][1].item(), rel=0.25)
+
+
+def test_an_unsampled_wgrad_is_measured_as_before() -> None:
+    dy, x = _batch(coherent=1.0, M=96)
+    plain = pass_error_sums(_wgrad(dy, x), RECIPES, out_dtype=torch.bfloat16)[0]
+    told = pass_error_sums(_wgrad(dy, x, m_total=96), RECIPES, out_dtype=torch.bfloat16)[0]
+    assert torch.equal(plain, told)

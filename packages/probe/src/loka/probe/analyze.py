@@ -63,7 +63,7 @@ def pass_operands(
         out["wgrad"] = PassOperands(
             gemm.dy.T, gemm.x.T, False, False, gemm.dy_amax, gemm.x_amax,
             a_row_amax=gemm.dy_col_amax, b_row_amax=gemm.x_col_amax,
-            history=hist("grad_output", "input"),
+            history=hist("grad_output", "input"), m_total=gemm.m_total,
         )  # fmt: skip
     return out
 
