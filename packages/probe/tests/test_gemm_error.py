@@ -177,6 +177,19 @@ def test_sampled_wgrad_error_follows_the_whole_batch_not_the_sample() -> None:
         assert est[stat][1].item() == pytest.approx(truth, rel=0.3)
 
 
+def test_the_outputs_own_rounding_is_carried_over_as_a_relative_error() -> None:
+    """bf16 operands, bf16 output: the bf16 GEMM's only error is its output's rounding,
+    relative to the output whatever M; as a sum over tokens it would read ~5x low here."""
+    dy, x = _batch(coherent=2.0, M=8192)
+    dy, x = dy.bfloat16(), x.bfloat16()
+    rows = torch.randperm(8192, generator=torch.Generator().manual_seed(6))[:256].sort().values
+    exact = pass_error_sums(_wgrad(dy, x), ROW, out_dtype=torch.bfloat16)[0]
+    est = pass_error_sums(_sampled_wgrad(dy, x, rows), ROW, out_dtype=torch.bfloat16)[0]
+    truth, got = relative_errors(exact)[0], relative_errors(est)[0]
+    assert got[0].item() == pytest.approx(truth[0].item(), rel=0.2)  # ~1.7e-3: bf16 output
+    assert got[1].item() == pytest.approx(truth[1].item(), rel=0.3)
+
+
 def test_independent_tokens_keep_their_relative_error() -> None:
     """No coherent part: error and reference both grow like M, so the sample's relative
     error is already the whole batch's, and the estimate stays there."""

@@ -26,10 +26,9 @@ Probe keeps a sample of m of a call's M tokens. Fwd and dgrad reduce over featur
 sampled token's output is the real one. Wgrad reduces over the tokens themselves, and the
 sample's m-token sum misstates the M-token GEMM: quantization errors that are independent
 from token to token grow like M, while the coherent part of the gradient grows like M^2.
-Measured on InterFormer xl at M = 16384, the relative error of a 1024-token sample sat up
-to 15x above the whole batch's, which kept accurate FP8 wgrad passes in bf16. So
-`pass_error_sums` estimates the M-token sums when `PassOperands.m_total` says more tokens
-were there (`extrapolate_sums`).
+Measured on the xl presets at M = 16384 (H200), a 1024-token sample read up to 2.4x the
+whole batch's error. So `pass_error_sums` estimates the M-token sums when
+`PassOperands.m_total` says more tokens were there (`extrapolate_sums`).
 """
 
 from __future__ import annotations
@@ -143,6 +142,7 @@ def split_halves(m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def extrapolate_sums(
     out_halves: Sequence[torch.Tensor],
+    exact_halves: Sequence[torch.Tensor],
     ref_halves: Sequence[torch.Tensor],
     weights: torch.Tensor,
     m_total: int,
@@ -150,28 +150,32 @@ def extrapolate_sums(
 ) -> torch.Tensor:
     """Error sums of the whole M-token GEMM estimated from two halves of an m-token sample.
 
-    For one output entry, write the sample's sum as T = T_A + T_B over the halves. Over the
-    random sample, ``s T^2 + c T_A T_B`` with s = M/m and c = M(M-m)/(m_A m_B) is an unbiased
-    estimate of the M-token T_M^2: s scales the tokens' own squares (independent errors),
-    and the across-halves product stands for every pair of distinct tokens (the coherent
-    part, which grows like M^2). Applied to the error (out - ref) and to the reference.
+    Each half has three outputs: `ref` (float64 of the true operands), `exact` (float64 of
+    the rounded or quantized operands) and `out` (what the GEMM returns). Their differences
+    are two errors that grow differently with M:
+
+    - the operands' rounding, ``exact - ref``, is a sum over tokens. For one output entry,
+      write the sample's sum as T = T_A + T_B over the halves. Over the random sample,
+      ``s T^2 + c T_A T_B`` with s = M/m and c = M(M-m)/(m_A m_B) is an unbiased estimate
+      of the M-token T_M^2: s scales the tokens' own squares (independent errors), and the
+      across-halves product stands for every pair of distinct tokens (the coherent part,
+      which grows like M^2). The reference is estimated the same way.
+    - the output's own rounding and accumulation, ``out - exact``, is relative to the output:
+      its relative size on the halves is carried over to the M-token reference.
 
     The pair part is noisy: it stands for M^2 pairs from m^2 / 4, so its spread shrinks only
     with the number of output entries summed (for a wide layer at m = 1024 of M = 16384 it
     is ~1% of the total, for a narrow one it can exceed it). The estimate is therefore kept
     on the safe side: the reference counts only the part of its pair term that stands
     `PAIR_Z` standard deviations above zero (a coherent gradient the sample cannot show is
-    not assumed; without one the sample's own relative error is kept), and the error counts
-    its pair term whenever it is positive (errors are not assumed to cancel). The balanced
-    weights come from the sample (their M-token values differ by the common factor s, taken
-    out so that the sums stay comparable with an unsampled GEMM's)."""
+    not assumed; without one the sample's own relative error is kept), and the operands'
+    error counts its pair term whenever it is positive (errors are not assumed to cancel).
+    The balanced weights come from the sample (their M-token values differ by the common
+    factor s, taken out so that the sums stay comparable with an unsampled GEMM's)."""
     m_a, m_b = sizes
     m = m_a + m_b
     s = m_total / m
     c = m_total * (m_total - m) / (m_a * m_b)
-    ref_a, ref_b = ref_halves
-    err_a, err_b = (o.double() - r for o, r in zip(out_halves, ref_halves, strict=True))
-    err = err_a + err_b
     w2 = (weights / s).pow(2)
 
     def whole(t_a: torch.Tensor, t_b: torch.Tensor, w: torch.Tensor | None, error: bool):
@@ -184,15 +188,22 @@ def extrapolate_sums(
         spread = (pairs.pow(2).sum()).sqrt()
         return s * own.sum() + c * (pairs.sum() - PAIR_Z * spread).clamp(min=0)
 
-    return torch.stack(
-        [
-            whole(err_a, err_b, w2, True),
-            whole(ref_a, ref_b, w2, False),
-            whole(err_a, err_b, None, True),
-            whole(ref_a, ref_b, None, False),
-            err.abs().amax() if err.numel() else err.new_zeros(()),
-        ]
-    )
+    ref_a, ref_b = ref_halves
+    exact_halves = [e.double() for e in exact_halves]
+    op_a, op_b = (e - r for e, r in zip(exact_halves, ref_halves, strict=True))
+    rounding = [o.double() - e for o, e in zip(out_halves, exact_halves, strict=True)]
+    sums = []
+    for w in (w2, None):
+        ref = whole(ref_a, ref_b, w, False)
+        shares = [(r.pow(2), e.pow(2)) for r, e in zip(rounding, exact_halves, strict=True)]
+        if w is not None:
+            shares = [(w * r, w * e) for r, e in shares]
+        out_num, out_den = (sum(t[i].sum() for t in shares) for i in (0, 1))
+        relative = out_num / out_den if out_den > 0 else out_num.new_zeros(())
+        sums += [whole(op_a, op_b, w, True) + relative * ref, ref]
+    err = sum(o.double() - r for o, r in zip(out_halves, ref_halves, strict=True))
+    sums.append(err.abs().amax() if err.numel() else err.new_zeros(()))
+    return torch.stack(sums)
 
 
 def pass_error_sums(
@@ -222,13 +233,23 @@ def pass_error_sums(
     refs = [columns(ops.a, p).double() @ columns(ops.b, p).double().T for p in parts]
     weights = balance_weights(ops.a, ops.b)
 
-    def sums(outs: list[torch.Tensor]) -> torch.Tensor:
+    def sums(halves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Error sums from each part's (GEMM output, exact product of its operands)."""
         if not sampled:
-            return error_sums(outs[0], refs[0], weights)
+            return error_sums(halves[0][0], refs[0], weights)
+        outs, exacts = ([h[i] for h in halves] for i in (0, 1))
         sizes = (len(parts[0]), len(parts[1]))
-        return extrapolate_sums(outs, refs, weights, ops.m_total, sizes)
+        return extrapolate_sums(outs, exacts, refs, weights, ops.m_total, sizes)
 
-    rows = [sums([bf16_gemm(columns(ops.a, p), columns(ops.b, p)) for p in parts])]
+    def bf16_halves() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for p in parts:
+            a, b = columns(ops.a, p).bfloat16().double(), columns(ops.b, p).bfloat16().double()
+            exact = a @ b.T
+            out.append((exact.bfloat16(), exact))
+        return out
+
+    rows = [sums(bf16_halves())]
     emulated: list[bool] = []
     quantized = _Quantized(ops)
     for recipe in recipes:
@@ -239,16 +260,19 @@ def pass_error_sums(
             continue
         a_q, a_scale = quantized.get("a", recipe, history)
         b_q, b_scale = quantized.get("b", recipe, history)
-        outs: list[torch.Tensor] = []
+        halves: list[tuple[torch.Tensor, torch.Tensor]] = []
         emulated.append(False)
         for p in parts:
             qa, sa, qb, sb = (columns(t, p) for t in (a_q, a_scale, b_q, b_scale))
             out = scaled_mm(qa, sa, qb, sb, recipe.granularity, out_dtype) if real_fp8 else None
+            exact = None
+            if out is None or sampled:  # the sampled estimate needs the operands' own product
+                exact = dequantize(qa, sa) @ dequantize(qb, sb).T
             if out is None:
                 emulated[-1] = True
-                out = (dequantize(qa, sa) @ dequantize(qb, sb).T).to(out_dtype)
-            outs.append(out)
-        rows.append(sums(outs))
+                out = exact.to(out_dtype)
+            halves.append((out, exact))
+        rows.append(sums(halves))
     return torch.stack(rows), emulated
 
 
