@@ -40,7 +40,8 @@ KEPT = ("step_ms", "fwd_ms", "blocks_ms", "ratio_min", "ratio_max", "quality", "
         "embedding_update", "dynamic", "quality_band", "quality_vs_own_seed", "seed",
         "output_rel_err", "output_spread", "fp8_calls", "g", "serving_estimated")  # fmt: skip
 # One trained draw of a variant's quality (realized.py's quality phase).
-QUALITY_FIELDS = ("seed", "quality", "quality_ok", "quality_band", "quality_vs_own_seed")
+QUALITY_FIELDS = ("seed", "quality", "quality_ok", "quality_band", "quality_vs_own_seed",
+                  "loss_last", "loss_max_rise", "loss_max_rise_step")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None):

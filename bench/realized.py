@@ -24,7 +24,8 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    same held-out batches (NE for CTR models, NDCG@10 for HSTU); `quality_ok`: not worse
    than the bf16 seeds' band; `quality_vs_own_seed`: the difference from the bf16 seed the
    variant started from (``loka@seed=1`` trains the plan from seed 1's init and batches, so a
-   plan is judged seed by seed, not on one draw). The timed models are not used (verification gives LoKA's more
+   plan is judged seed by seed, not on one draw); each draw's training loss goes with it
+   (`loss_curve`, `loss_max_rise`: a divergence tells from a drift). The timed models are not used (verification gives LoKA's more
    steps, over a few cycled batches) and all but bf16's are freed first: time only
    `bf16,loka` where four timed xl models do not fit (InterFormer's did not).
 7. Inference (`--inference`): the bf16 seed-0 model's weights served in bf16, forward only,
@@ -69,6 +70,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import itertools
 import os
 import platform
 import re
@@ -732,6 +734,9 @@ def quality_phase(args, rows, name, mode, dynamic, loka_plans, loka_apply) -> No
             free_device_memory()  # the fresh model's, before the next
             r["quality"] = r["eval"].get(key)
             r["quality_steps"] = args.quality_steps
+            for field in ("loss_curve", "loss_max_rise", "loss_max_rise_step", "loss_last"):
+                if field in r["eval"]:
+                    r[field] = r["eval"].pop(field)
     quality_rows(rows, key)
 
 
@@ -1131,11 +1136,33 @@ def train_and_evaluate(
     if mode != "eager":
         model = torch.compile(setup.model, **compile_kwargs(mode, dynamic, variant))
     opt = zoo.make_optimizer(setup.model, zoo.OptimizerConfig(lr=1e-3, fused=gpu))
+    losses = []
     for _, batch in zip(range(args.quality_steps), setup.train_batches(), strict=False):
         if mode == "cudagraphs":
             torch.compiler.cudagraph_mark_step_begin()
-        zoo.training_step(setup, model, opt, batch, autocast_dtype=autocast, check_finite=False)
-    return evaluate(setup, autocast)
+        loss = zoo.training_step(setup, model, opt, batch, autocast_dtype=autocast,
+                                 check_finite=False)  # fmt: skip
+        losses.append(loss.float().clone())  # read once at the end: no sync per step
+    return evaluate(setup, autocast) | loss_curve(torch.stack(losses).tolist() if losses else [])
+
+
+def loss_curve(losses: list[float], points: int = 30) -> dict:
+    """The training loss of a quality run, to tell a divergence from a slow drift when a
+    variant ends outside the bf16 band: the mean loss over `points` equal windows of steps
+    (`loss_curve`), and the largest rise of one step's loss over the mean of the 10 before
+    it (`loss_max_rise`, a spike) with its step."""
+    if not losses:
+        return {}
+    n = len(losses)
+    edges = [round(i * n / points) for i in range(points + 1)]
+    curve = [sum(losses[a:b]) / (b - a) for a, b in itertools.pairwise(edges) if b > a]
+    rise, at = 0.0, None
+    for i in range(10, n):
+        before = sum(losses[i - 10 : i]) / 10
+        if losses[i] - before > rise:
+            rise, at = losses[i] - before, i
+    return {"loss_curve": curve, "loss_max_rise": rise, "loss_max_rise_step": at,
+            "loss_last": sum(losses[-10:]) / len(losses[-10:])}  # fmt: skip
 
 
 def evaluate(setup, autocast) -> dict[str, float]:

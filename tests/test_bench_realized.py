@@ -128,6 +128,15 @@ class _DetachedHead(torch.nn.Module):
         return self.inner[1](self.inner[0](x).detach())
 
 
+def test_the_loss_curve_names_a_spike_and_averages_windows():
+    losses = [1.0] * 40 + [3.0] + [0.9] * 19
+    out = realized.loss_curve(losses, points=3)
+    assert out["loss_curve"] == pytest.approx([1.0, 1.0, (3.0 + 19 * 0.9) / 20])
+    assert out["loss_max_rise"] == pytest.approx(2.0) and out["loss_max_rise_step"] == 40
+    assert out["loss_last"] == pytest.approx(0.9)
+    assert realized.loss_curve([]) == {}
+
+
 def test_quality_trains_every_bf16_seed_even_when_only_bf16_was_timed():
     rows = [
         {"model": "interformer", "mode": "compiled", "variant": "bf16", "step_ms": 120.0},
@@ -166,6 +175,8 @@ def test_quality_only_trains_and_evaluates_without_timing(tmp_path, capsys, monk
     loka = runs[1]
     assert loka["quality_band"] == [min(seeds), max(seeds)] and "fp8_layers" in loka
     assert loka["quality_ok"] == (loka["quality"] <= max(seeds))
+    # Each trained draw keeps its loss: 2 steps, 2 windows (the eval metrics stay apart).
+    assert all(len(r["loss_curve"]) == 2 and "loss_curve" not in r["eval"] for r in runs)
     assert "not timed; quality" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         realized.parse_args(["--quality-only"])
