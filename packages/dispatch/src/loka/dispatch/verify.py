@@ -40,7 +40,8 @@ weights prequantized by `apply`), `step_fn` is one served forward (under `torch.
 at the serving batch, compiled as it will be served), the "step" time is the forward's, and
 there is no gradient check. A demoted site serves bf16 and its prequantized copy is freed.
 A plan faster by its kernels can be slower served: InterFormer large's 8-site serving plan,
-predicted 1.006x, measured 0.996x (`bench/results/realized_20261204T210324Z`).
+predicted 1.006x, measured 0.996x (`bench/results/realized_20261204T210324Z`); verified, it
+kept 4 sites and served 1.004x (`realized_20261205T023328Z`).
 """
 
 from __future__ import annotations
