@@ -98,11 +98,6 @@ def missing_sums(like: torch.Tensor) -> torch.Tensor:
     return torch.full((N_SUMS,), float("nan"), dtype=torch.float64, device=like.device)
 
 
-def bf16_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The bf16 GEMM as a GPU runs it: bf16 operands, wide accumulation, bf16 output."""
-    return (a.bfloat16().double() @ b.bfloat16().double().T).bfloat16()
-
-
 class _Quantized:
     """Quantized operands of one pass, shared between recipes that scale an operand alike."""
 
@@ -177,33 +172,35 @@ def extrapolate_sums(
     s = m_total / m
     c = m_total * (m_total - m) / (m_a * m_b)
     w2 = (weights / s).pow(2)
-
-    def whole(t_a: torch.Tensor, t_b: torch.Tensor, w: torch.Tensor | None, error: bool):
-        own, pairs = (t_a + t_b).pow(2), t_a * t_b
-        if w is not None:
-            own, pairs = w * own, w * pairs
-        if error:
-            return s * own.sum() + c * pairs.sum().clamp(min=0)
-        # The halves' sums are independent given the sample: Var(T_A T_B) ~ T_A^2 T_B^2.
-        spread = (pairs.pow(2).sum()).sqrt()
-        return s * own.sum() + c * (pairs.sum() - PAIR_Z * spread).clamp(min=0)
-
-    ref_a, ref_b = ref_halves
+    ref = pair_moments(*ref_halves, w2)
     exact_halves = [e.double() for e in exact_halves]
-    op_a, op_b = (e - r for e, r in zip(exact_halves, ref_halves, strict=True))
+    op = pair_moments(*(e - r for e, r in zip(exact_halves, ref_halves, strict=True)), w2)
     rounding = [o.double() - e for o, e in zip(out_halves, exact_halves, strict=True)]
+    rounding_sq = sum(r.square() for r in rounding)
+    exact_sq = sum(e.square() for e in exact_halves)
     sums = []
-    for w in (w2, None):
-        ref = whole(ref_a, ref_b, w, False)
-        shares = [(r.pow(2), e.pow(2)) for r, e in zip(rounding, exact_halves, strict=True)]
-        if w is not None:
-            shares = [(w * r, w * e) for r, e in shares]
-        out_num, out_den = (sum(t[i].sum() for t in shares) for i in (0, 1))
+    for w, (own, pairs, pairs_sq) in ((w2, (0, 1, 2)), (None, (3, 4, 5))):
+        # The halves' sums are independent given the sample: Var(T_A T_B) ~ T_A^2 T_B^2.
+        coherent = (ref[pairs] - PAIR_Z * ref[pairs_sq].sqrt()).clamp(min=0)
+        reference = s * ref[own] + c * coherent
+        operands = s * op[own] + c * op[pairs].clamp(min=0)
+        out_num, out_den = (
+            (t if w is None else w * t).sum() for t in (rounding_sq, exact_sq)
+        )
         relative = out_num / out_den if out_den > 0 else out_num.new_zeros(())
-        sums += [whole(op_a, op_b, w, True) + relative * ref, ref]
+        sums += [operands + relative * reference, reference]
     err = sum(o.double() - r for o, r in zip(out_halves, ref_halves, strict=True))
     sums.append(err.abs().amax() if err.numel() else err.new_zeros(()))
     return torch.stack(sums)
+
+
+def pair_moments(t_a: torch.Tensor, t_b: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Over the output entries of a sum split in halves T = T_A + T_B: sum of w2 T^2, of
+    w2 T_A T_B and of (w2 T_A T_B)^2, then the same three unweighted."""
+    own, pairs = (t_a + t_b).square(), t_a * t_b
+    weighted = w2 * pairs
+    return torch.stack([(w2 * own).sum(), weighted.sum(), weighted.square().sum(),
+                        own.sum(), pairs.sum(), pairs.square().sum()])  # fmt: skip
 
 
 def pass_error_sums(
@@ -242,6 +239,8 @@ def pass_error_sums(
         return extrapolate_sums(outs, exacts, refs, weights, ops.m_total, sizes)
 
     def bf16_halves() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if ops.a.dtype == ops.b.dtype == torch.bfloat16:  # autocast: the reference already is
+            return [(ref.bfloat16(), ref) for ref in refs]
         out = []
         for p in parts:
             a, b = columns(ops.a, p).bfloat16().double(), columns(ops.b, p).bfloat16().double()
@@ -262,12 +261,17 @@ def pass_error_sums(
         b_q, b_scale = quantized.get("b", recipe, history)
         halves: list[tuple[torch.Tensor, torch.Tensor]] = []
         emulated.append(False)
+        dequantized: list[torch.Tensor] = []  # made once per recipe, when first needed
         for p in parts:
-            qa, sa, qb, sb = (columns(t, p) for t in (a_q, a_scale, b_q, b_scale))
-            out = scaled_mm(qa, sa, qb, sb, recipe.granularity, out_dtype) if real_fp8 else None
+            out = None
+            if real_fp8:
+                qa, sa, qb, sb = (columns(t, p) for t in (a_q, a_scale, b_q, b_scale))
+                out = scaled_mm(qa, sa, qb, sb, recipe.granularity, out_dtype)
             exact = None
             if out is None or sampled:  # the sampled estimate needs the operands' own product
-                exact = dequantize(qa, sa) @ dequantize(qb, sb).T
+                if not dequantized:
+                    dequantized = [dequantize(a_q, a_scale), dequantize(b_q, b_scale)]
+                exact = columns(dequantized[0], p) @ columns(dequantized[1], p).T
             if out is None:
                 emulated[-1] = True
                 out = exact.to(out_dtype)
