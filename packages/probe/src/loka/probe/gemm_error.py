@@ -184,9 +184,7 @@ def extrapolate_sums(
         coherent = (ref[pairs] - PAIR_Z * ref[pairs_sq].sqrt()).clamp(min=0)
         reference = s * ref[own] + c * coherent
         operands = s * op[own] + c * op[pairs].clamp(min=0)
-        out_num, out_den = (
-            (t if w is None else w * t).sum() for t in (rounding_sq, exact_sq)
-        )
+        out_num, out_den = ((t if w is None else w * t).sum() for t in (rounding_sq, exact_sq))
         relative = out_num / out_den if out_den > 0 else out_num.new_zeros(())
         sums += [operands + relative * reference, reference]
     err = sum(o.double() - r for o, r in zip(out_halves, ref_halves, strict=True))
