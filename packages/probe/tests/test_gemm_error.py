@@ -207,3 +207,18 @@ def test_an_unsampled_wgrad_is_measured_as_before() -> None:
     plain = pass_error_sums(_wgrad(dy, x), RECIPES, out_dtype=torch.bfloat16)[0]
     told = pass_error_sums(_wgrad(dy, x, m_total=96), RECIPES, out_dtype=torch.bfloat16)[0]
     assert torch.equal(plain, told)
+
+
+def test_only_the_wgrad_pass_is_told_how_many_tokens_were_sampled_from() -> None:
+    from loka.probe.analyze import pass_operands
+    from loka.probe.capture import GemmSample
+
+    x, w, dy = torch.randn(64, 32), torch.randn(16, 32), torch.randn(64, 16)
+    gemm = GemmSample(
+        x=x, weight=w, x_amax=x.abs().amax(), x_col_amax=x.abs().amax(0),
+        w_amax=w.abs().amax(), m_total=4096, rows=torch.arange(64), dy=dy,
+        dy_amax=dy.abs().amax(), dy_col_amax=dy.abs().amax(0),
+    )  # fmt: skip
+    ops = pass_operands(gemm, {})
+    assert ops["wgrad"].m_total == 4096  # the reduction ran over 4096 tokens, 64 kept
+    assert ops["fwd"].m_total is None and ops["dgrad"].m_total is None  # per token: exact
