@@ -33,7 +33,7 @@ def hard_matrix() -> torch.Tensor:
     x *= torch.exp2(torch.randint(-30, 30, (ROWS, 1), generator=g).float())
     x[0] = 0.0  # an all-zero row: scale 1
     x[1, ::7] = float("nan")  # NaN passes through, amax ignores it
-    x[2, 5], x[2, 200] = float("inf"), -float("inf")  # saturate; amax ignores them
+    x[2, 5], x[2, 200] = float("inf"), -float("inf")  # NaN (not hidden); amax ignores them
     x[3] = float("nan")  # nothing finite: scale 1
     x[4] = torch.linspace(-1e-20, 1e-20, COLS)  # amax below the floor (1e-12)
     x[5] = torch.linspace(-3e38, 3e38, COLS)  # a scale far below 1

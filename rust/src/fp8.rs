@@ -3,7 +3,10 @@
 //! Quantization follows the project's convention: `q = saturate(x * scale)` cast to FP8 with
 //! round-to-nearest-even, the product rounded to float32 first; this is bit-exact with
 //! `torch.clamp(x * scale, -max, max).to(torch.float8_e4m3fn)` (and `float8_e5m2`), NaN
-//! included (NaN keeps its sign and becomes the all-ones code).
+//! included (NaN keeps its sign and becomes the all-ones code). An infinite `x` is the
+//! exception: it becomes the positive NaN code, as `loka.schema.fp8.saturate_cast` makes
+//! it (an overflow upstream must not turn into a finite number); a finite `x` whose product
+//! overflows saturates.
 
 /// One FP8 encoding.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -57,9 +60,13 @@ impl Fp8Format {
         0x7f | ((negative as u8) << 7)
     }
 
-    /// FP8 bits of `x * scale` (both float32): saturating, round-to-nearest-even.
+    /// FP8 bits of `x * scale` (both float32): saturating, round-to-nearest-even; an
+    /// infinite `x` gives NaN.
     #[inline]
     pub fn quantize(&self, x: f32, scale: f32) -> u8 {
+        if x.is_infinite() {
+            return self.nan_code(false);
+        }
         let y = x * scale;
         let bits = y.to_bits();
         let sign = ((bits >> 31) as u8) << 7;
@@ -247,8 +254,11 @@ mod tests {
         assert_eq!(E4M3.quantize(2f32.powi(-10), 1.0), 0);
         assert_eq!(E4M3.quantize(2f32.powi(-10) * 1.0001, 1.0), 1);
         assert_eq!(E4M3.quantize(1e9, 1.0), 0x7e);
-        assert_eq!(E4M3.quantize(f32::NEG_INFINITY, 1.0), 0xfe);
-        assert_eq!(E5M2.quantize(f32::INFINITY, 1.0), 0x7b);
+        // A product that overflows saturates.
+        assert_eq!(E4M3.quantize(3e38, 10.0), 0x7e);
+        // An infinite input is an overflow upstream: NaN, whatever its sign.
+        assert_eq!(E4M3.quantize(f32::NEG_INFINITY, 1.0), 0x7f);
+        assert_eq!(E5M2.quantize(f32::INFINITY, 1.0), E5M2.nan_code(false));
         assert_eq!(E4M3.quantize(f32::NAN, 1.0), 0x7f);
         assert_eq!(E4M3.quantize(-0.0, 1.0), 0x80);
     }

@@ -117,7 +117,9 @@ def test_eager_quantization_creates_no_tensor_from_host_data_and_stays_short():
     # Eager FP8 passes pay host time per op (an FP8 linear's fwd + bwd cost 0.6-1.0 ms of
     # host on the H200 against nn.Linear's 0.31): a scale from torch.tensor(v, device=...)
     # copied from the host on every call, and the saturation took four ops for a clamp's one
-    # (24 ops per operand then, 14 now).
+    # (24 ops per operand then, 14 after). Two more since: an infinite input becomes NaN
+    # (`isinf`, `masked_fill_`) instead of saturating, so that an fp16 overflow reaches
+    # GradScaler (16 now).
     from collections import Counter
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -136,7 +138,7 @@ def test_eager_quantization_creates_no_tensor_from_host_data_and_stays_short():
         with Ops() as ops:
             quantize_native(x, "e4m3", granularity, scale_ub=scale_ub)
         assert "lift_fresh" not in ops.seen, ops.seen
-        assert sum(ops.seen.values()) <= 15, ops.seen
+        assert sum(ops.seen.values()) <= 16, ops.seen
 
 
 RECIPES = [

@@ -147,8 +147,10 @@ def _quantize_traced(
 
 def _saturate_traced(t: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     m = FP8_MAX[fmt]
-    y = t.float() * scale
-    return torch.where(y > m, m, torch.where(y < -m, -m, y)).to(fp8_dtype(fmt))
+    t32 = t.float()
+    y = t32 * scale
+    y = torch.where(y > m, m, torch.where(y < -m, -m, y))
+    return torch.where(t32.isinf(), float("nan"), y).to(fp8_dtype(fmt))
 
 
 def saturate_cast_native(t: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -52,13 +52,16 @@ def finite_abs_tl(x):
 
 @triton.jit
 def saturate_cast_tl(x, scale, FMT: tl.constexpr, SOFT_FP8: tl.constexpr, out_dtype: tl.constexpr):
-    """Triton twin of `loka.schema.fp8.saturate_cast`: the comparisons are False for NaN, so NaN passes.
+    """Triton twin of `loka.schema.fp8.saturate_cast`: the comparisons are False for NaN, so NaN
+    passes; an infinite input becomes NaN (an overflow upstream is not hidden).
 
     With SOFT_FP8 (the interpreter) it returns uint8 codes for a uint8 view of the output.
     """
     FP8_MAX_VALUE: tl.constexpr = 448.0 if FMT == 0 else 57344.0
-    y = x.to(tl.float32) * scale
+    x = x.to(tl.float32)
+    y = x * scale
     y = tl.where(y > FP8_MAX_VALUE, FP8_MAX_VALUE, tl.where(y < -FP8_MAX_VALUE, -FP8_MAX_VALUE, y))
+    y = tl.where(tl.abs(x) == float("inf"), float("nan"), y)
     if SOFT_FP8:
         return fp8_encode_tl(y, FMT)
     else:

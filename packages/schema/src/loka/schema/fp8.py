@@ -98,9 +98,15 @@ def scale_from_amax(
 
 
 def saturate_cast(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``saturate(x * scale)`` cast to FP8 (`scale` broadcasts against `x`)."""
+    """``saturate(x * scale)`` cast to FP8 (`scale` broadcasts against `x`): a finite value
+    beyond the format's range becomes its largest value, NaN stays NaN, and an infinite
+    value becomes NaN. Inf is an overflow upstream (an fp16 gradient under `GradScaler`);
+    saturated, it would reach the GEMM's output as a finite number and the scaler, which
+    skips a step only on a non-finite gradient, would apply garbage."""
     m = FP8_MAX[fmt]
-    return (x.float() * scale).clamp_(-m, m).to(fp8_dtype(fmt))  # NaN stays NaN
+    x32 = x.float()
+    y = (x32 * scale).clamp_(-m, m).masked_fill_(x32.isinf(), float("nan"))
+    return y.to(fp8_dtype(fmt))
 
 
 def group_amax(x: torch.Tensor, granularity: str, block: tuple[int, int] | None) -> torch.Tensor:
