@@ -145,9 +145,9 @@ def extrapolate_sums(
 ) -> torch.Tensor:
     """Error sums of the whole M-token GEMM estimated from two halves of an m-token sample.
 
-    Each half has three outputs: `ref` (float64 of the true operands), `exact` (float64 of
-    the rounded or quantized operands) and `out` (what the GEMM returns). Their differences
-    are two errors that grow differently with M:
+    Each half has three outputs: `ref` (float64 of the true operands), `exact` (the product
+    of the rounded or dequantized operands, float32 or wider) and `out` (what the GEMM
+    returns). Their differences are two errors that grow differently with M:
 
     - the operands' rounding, ``exact - ref``, is a sum over tokens. For one output entry,
       write the sample's sum as T = T_A + T_B over the halves. Over the random sample,
@@ -161,8 +161,8 @@ def extrapolate_sums(
     The pair part is noisy: it stands for M^2 pairs from m^2 / 4, so its spread shrinks only
     with the number of output entries summed (for a wide layer at m = 1024 of M = 16384 it
     is ~1% of the total, for a narrow one it can exceed it). The estimate is therefore kept
-    on the safe side: the reference counts only the part of its pair term that stands
-    `PAIR_Z` standard deviations above zero (a coherent gradient the sample cannot show is
+    on the safe side: the reference's pair term counts only as far as it stands above
+    `PAIR_Z` of its standard deviations (a coherent gradient the sample cannot show is
     not assumed; without one the sample's own relative error is kept), and the operands'
     error counts its pair term whenever it is positive (errors are not assumed to cancel).
     The balanced weights come from the sample (their M-token values differ by the common
