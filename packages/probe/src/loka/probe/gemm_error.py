@@ -180,7 +180,6 @@ def extrapolate_sums(
     exact_sq = sum(e.square() for e in exact_halves)
     sums = []
     for w, (own, pairs, pairs_sq) in ((w2, (0, 1, 2)), (None, (3, 4, 5))):
-        # The halves' sums are independent given the sample: Var(T_A T_B) ~ T_A^2 T_B^2.
         coherent = (ref[pairs] - PAIR_Z * ref[pairs_sq].sqrt()).clamp(min=0)
         reference = s * ref[own] + c * coherent
         operands = s * op[own] + c * op[pairs].clamp(min=0)
@@ -194,11 +193,18 @@ def extrapolate_sums(
 
 def pair_moments(t_a: torch.Tensor, t_b: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Over the output entries of a sum split in halves T = T_A + T_B: sum of w2 T^2, of
-    w2 T_A T_B and of (w2 T_A T_B)^2, then the same three unweighted."""
+    w2 T_A T_B and of w2^2 Var(T_A T_B), then the same three unweighted.
+
+    Var(T_A T_B) of one entry, for halves of mean mu and variance v each, is 2 mu^2 v + v^2;
+    (T_A - T_B)^2 / 2 estimates v free of the mean, and T_A T_B estimates mu^2. (The plain
+    square (T_A T_B)^2 would count mu^4 as spread: where a few entries carry a strong
+    coherent gradient, the very case worth extrapolating, it hid the pair term.)"""
     own, pairs = (t_a + t_b).square(), t_a * t_b
+    v = (t_a - t_b).square() / 2
+    spread = 2 * pairs.clamp(min=0) * v + v.square() / 3  # E[v^2] = 3 v^2 (chi-square)
     weighted = w2 * pairs
-    return torch.stack([(w2 * own).sum(), weighted.sum(), weighted.square().sum(),
-                        own.sum(), pairs.sum(), pairs.square().sum()])  # fmt: skip
+    return torch.stack([(w2 * own).sum(), weighted.sum(), (w2.square() * spread).sum(),
+                        own.sum(), pairs.sum(), spread.sum()])  # fmt: skip
 
 
 def pass_error_sums(
