@@ -201,7 +201,8 @@ def pair_moments(t_a: torch.Tensor, t_b: torch.Tensor, w2: torch.Tensor) -> torc
     coherent gradient, the very case worth extrapolating, it hid the pair term.)"""
     own, pairs = (t_a + t_b).square(), t_a * t_b
     v = (t_a - t_b).square() / 2
-    spread = 2 * pairs.clamp(min=0) * v + v.square() / 3  # E[v^2] = 3 v^2 (chi-square)
+    # v^2 / 3: the square of a one-degree chi-square estimate is 3x the square it estimates.
+    spread = 2 * pairs.clamp(min=0) * v + v.square() / 3
     weighted = w2 * pairs
     return torch.stack([(w2 * own).sum(), weighted.sum(), (w2.square() * spread).sum(),
                         own.sum(), pairs.sum(), spread.sum()])  # fmt: skip
