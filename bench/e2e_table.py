@@ -38,7 +38,8 @@ LOKA_FIELDS = ("predicted_speedup", "predicted_from_step", "ceiling", "ceiling_s
 KEPT = ("step_ms", "fwd_ms", "blocks_ms", "ratio_min", "ratio_max", "quality", "quality_ok",
         "grad_ok", "grad_min_cosine", "fp8_layers", "error", "skipped", "batch_size",
         "embedding_update", "dynamic", "quality_band", "quality_vs_own_seed", "seed",
-        "output_rel_err", "output_spread", "fp8_calls", "g", "serving_estimated")  # fmt: skip
+        "output_rel_err", "output_rel_err_note", "output_spread", "fp8_calls", "g",
+        "serving_estimated")  # fmt: skip
 # One trained draw of a variant's quality (realized.py's quality phase).
 QUALITY_FIELDS = ("seed", "quality", "quality_ok", "quality_band", "quality_vs_own_seed",
                   "loss_last", "loss_max_rise", "loss_max_rise_step")  # fmt: skip

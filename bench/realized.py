@@ -1197,6 +1197,8 @@ def served_error(models: dict, batch, extra: dict, autocasting) -> None:
                     got = model(batch)
                 extra[variant] |= {"output_rel_err": rel_err(got, want),
                                    "output_spread": output_spread(want)}  # fmt: skip
+                if note := uninformative_output(want):
+                    extra[variant]["output_rel_err_note"] = note
                 if variant.startswith("infer-loka"):  # torchao's FP8 is not our modules'
                     extra[variant]["fp8_calls"] = calls["fp8"]
 
@@ -1225,6 +1227,26 @@ def output_spread(out) -> float:
     the same value, so no error can show)."""
     out = out.double()
     return float(out.std() / out.abs().mean().clamp_min(1e-300)) if out.numel() > 1 else 0.0
+
+
+def uninformative_output(out) -> str | None:
+    """Why the served error cannot show anything, or None. An under-trained CTR model serves
+    nearly the base rate to every example; when the values vary by less than one step of
+    the output dtype around their mean, they round to a handful of values and an FP8
+    error smaller than that step rounds away with them (InterFormer large, compiled: every
+    served value equal, error exactly 0; `realized_20261205T023328Z`)."""
+    import torch
+
+    if out.numel() < 2 or not out.is_floating_point():
+        return None
+    mean = out.double().abs().mean()
+    step = torch.finfo(out.dtype).eps * mean
+    if float(out.double().std()) < float(step):
+        return (
+            f"the served output varies by less than one {str(out.dtype).removeprefix('torch.')} "
+            "step over the batch: an error below that step cannot show"
+        )
+    return None
 
 
 def serving_sizes(text: str | None) -> list[int | None]:

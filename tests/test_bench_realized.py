@@ -558,6 +558,10 @@ def test_the_served_error_check_says_whether_fp8_ran_and_the_output_varied():
     assert calls == {"fp8": 2}  # the hooks are gone once the block closed
     assert realized.output_spread(torch.full((8,), 0.3)) == 0.0
     assert realized.output_spread(torch.tensor([1.0, -1.0])) > 1.0
+    # Nearly the base rate everywhere: in bf16 every value rounds alike, so must an error.
+    near = (0.26 + 1e-4 * torch.randn(64)).bfloat16()
+    assert "less than one bfloat16 step" in realized.uninformative_output(near)
+    assert realized.uninformative_output(near.float() + 0.01 * torch.randn(64)) is None
 
 
 def test_serving_plans_are_verified_on_the_served_forward(tmp_path, monkeypatch):
