@@ -48,6 +48,9 @@ Adagrad on the tables of presets with sparse embeddings such as `xl`; bf16 autoc
    (`inference_need_s`). `--infer-variants loka` serves LoKA alone beside bf16 (torchao's
    serving compile took 276 s at DHEN xl). At the xl presets give serving a call of its own:
    `--variants bf16 --inference --infer-variants loka --infer-batch 16384`.
+   `--infer-variants loka,loka-off` also times the plan applied and switched off (every
+   site its original module, as verification's bf16 blocks run it) against the separate
+   bf16 model: whether verification's reference is bf16's twin in speed.
 On a machine without a GPU (`--device cpu`, implied there) it runs the tiny presets as a
 smoke test of the script itself (a `--preset` given is honoured, slowly); its times say
 nothing of GPU speed.
@@ -106,7 +109,11 @@ LIGHT_SERVING_MIN_S = 45
 LIGHT_SERVING_FACTOR = 0.75
 
 
-INFER_VARIANTS = ("torchao", "loka")
+# `loka-off`: the plan applied, then every site switched back to its original module
+# (`Applied.use(set())`), as verification's bf16 blocks run it: timed beside the separate
+# bf16 model, it shows whether the switched-back model is that model's twin in speed
+# (InterFormer large, CUDA graphs: verification measured 1.005x, the final blocks 0.999x).
+INFER_VARIANTS = ("torchao", "loka", "loka-off")
 PROFILE_STEPS = 4  # steps each profile covers
 
 
@@ -184,7 +191,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "once (torchao's FP8 weights, LoKA's prequantized ones)")  # fmt: skip
     p.add_argument("--infer-variants", default="torchao,loka", type=infer_variants,
                    help="the FP8 variants served beside infer-bf16: comma list of torchao, "
-                        "loka (torchao's rowwise serving compile took 276 s at DHEN xl)")  # fmt: skip
+                        "loka (torchao's rowwise serving compile took 276 s at DHEN xl), "
+                        "loka-off (the plan applied and switched off: verification's "
+                        "reference)")  # fmt: skip
     p.add_argument("--infer-batch", default=None,
                    help="serving batch sizes, comma list (multiples of the training batch; "
                         "HSTU counts sequences; default: the training batch)")  # fmt: skip
@@ -1388,8 +1397,9 @@ def inference_rows(
         except Exception as exc:  # torchao absent or refusing these shapes: said in the row
             extra["infer-torchao-rowwise"] = {"error": repr(exc)[:500]}
     loka_variants = [v for v in args.infer_variants if v.split("+")[0] == "loka"]
+    switched_off = "loka-off" in args.infer_variants
     applieds: dict = {}
-    if loka_variants:
+    if loka_variants or switched_off:
         plan = make_plan(tables["sites"], tables["site_errors"], bench.table,
                          PlanConfig(inference=True, mode=mode))  # fmt: skip
         s = plan.summary
@@ -1418,6 +1428,12 @@ def inference_rows(
                 amax = calibrate_input_scales(loka_model, calibration_batches(setup, batch_rows(batch)),
                                               margin=opts["static_input_margin"])  # fmt: skip
             extra[f"infer-{variant}"]["static_scales"] = len(amax)
+    if switched_off:
+        off_model = copy.deepcopy(served)
+        off = apply(off_model, plan, ApplyConfig())
+        off.use(set())  # every site its original module again, the weights' FP8 copies held
+        models["infer-loka-off"] = off_model
+        extra["infer-loka-off"] = {"fp8_layers": 0, "switched_off": len(off.sites)}
     eager_models = dict(models)
     if mode != "eager":
         torch._inductor.config.freezing = args.infer_freezing == "on"

@@ -406,6 +406,7 @@ def test_model_options_parse_literals_and_refuse_what_is_not_key_value():
 def test_serving_variants_default_to_both_and_refuse_unknown_names():
     assert realized.parse_args([]).infer_variants == ("torchao", "loka")
     assert realized.parse_args(["--infer-variants", "loka"]).infer_variants == ("loka",)
+    assert realized.infer_variants("loka,loka-off") == ("loka", "loka-off")
     with pytest.raises(argparse.ArgumentTypeError, match="unknown serving variant"):
         realized.infer_variants("loka,bf16x")
 
@@ -570,7 +571,7 @@ def test_serving_plans_are_verified_on_the_served_forward(tmp_path, monkeypatch)
     monkeypatch.syspath_prepend(str(_PATH.parent))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     realized.main(["--device", "cpu", "--models", "dhen", "--modes", "eager", "--variants",
-                   "bf16", "--inference", "--infer-variants", "loka", "--verify",
+                   "bf16", "--inference", "--infer-variants", "loka,loka-off", "--verify",
                    "--infer-batch", "512", "--no-grad-check", "--blocks", "3",
                    "--block-steps", "1", "--out", str(tmp_path)])  # fmt: skip
     (path,) = tmp_path.glob("realized_*.json")
@@ -586,6 +587,10 @@ def test_serving_plans_are_verified_on_the_served_forward(tmp_path, monkeypatch)
     # Two training batches served: the share and ceiling from kernel times scaled by 2, said.
     assert row["batch_size"] == 512 and row["serving_estimated"] is True
     assert row["g"] > 0 and row["ceiling_step"] >= 1.0
+    # The plan applied and switched off, timed beside bf16: no FP8 call, bf16's output.
+    (off,) = [r for r in json.loads(path.read_text())["runs"] if r["variant"] == "infer-loka-off"]
+    assert off["switched_off"] == row["passes_fp8"] and off["fp8_calls"] == 0
+    assert off["output_rel_err"] == 0.0 and off["fwd_ms"] > 0 and "demoted" not in off
 
 
 def test_the_cpu_defaults_to_tiny_but_honours_a_preset_given():
