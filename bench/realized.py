@@ -1248,9 +1248,7 @@ def uninformative_output(out) -> str | None:
 
     if out.numel() < 2 or not out.is_floating_point():
         return None
-    mean = out.double().abs().mean()
-    step = torch.finfo(out.dtype).eps * mean
-    if float(out.double().std()) < float(step):
+    if output_spread(out) < torch.finfo(out.dtype).eps:  # std over mean below one step
         return (
             f"the served output varies by less than one {str(out.dtype).removeprefix('torch.')} "
             "step over the batch: an error below that step cannot show"

@@ -17,10 +17,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["kept_before_rerun", "region"]
+__all__ = ["in_backward", "kept_before_rerun", "region"]
 
 # region -> id(module) -> values kept by the module's first runs in that region, in order
 _KEPT: weakref.WeakKeyDictionary[Any, dict[int, list[Any]]] = weakref.WeakKeyDictionary()
+
+
+def in_backward() -> bool:
+    """Whether the caller runs inside an autograd backward (where a module's forward runs
+    only as checkpointing's rerun)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def region() -> tuple[Any | None, bool]:
@@ -37,7 +43,7 @@ def region() -> tuple[Any | None, bool]:
     cells = dict(zip(names, getattr(pack, "__closure__", None) or (), strict=False))
     if "target_frame_ref" in cells:  # torch.utils.checkpoint's _recomputation_hook
         return cells["target_frame_ref"].cell_contents(), True
-    if "frame" in cells and torch._C._current_graph_task_id() == -1:  # its _checkpoint_hook
+    if "frame" in cells and not in_backward():  # its _checkpoint_hook
         return cells["frame"].cell_contents, False
     return None, False
 

@@ -50,11 +50,6 @@ __all__ = [
 _NO_STAMP = (-1, -1, -1)  # the weight cache was never filled
 
 
-def _inside_backward() -> bool:
-    """Whether this forward runs inside a backward (activation checkpointing's rerun)."""
-    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
-
-
 HISTORY_BUFFERS = ("amax_history_input", "amax_history_weight", "amax_history_grad_output")
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -237,7 +232,8 @@ class Fp8Linear(nn.Linear):
             stamp = weight_stamp(self.weight)
             if stamp == self._weight_stamp:
                 return
-            if self._weight_stamp != _NO_STAMP and _inside_backward():
+            rerun = torch.is_grad_enabled() and checkpointing.in_backward()
+            if self._weight_stamp != _NO_STAMP and rerun:
                 # Activation checkpointing's rerun of a forward that filled the cache: no
                 # optimizer step came between, so the cache holds this weight. The stamp
                 # differs only because FSDP2 gathered the weight anew; re-made, the copy

@@ -33,6 +33,7 @@ whole batch's error. So `pass_error_sums` estimates the M-token sums when
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -122,13 +123,15 @@ class _Quantized:
         return self._cache[key]
 
 
+@functools.lru_cache(maxsize=8)
 def split_halves(m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed random split of `m` sampled tokens into two halves (index tensors, sorted).
 
     Random, not first and second half: the sample is sorted by position, and tokens that sit
     together (one example's sequence) are alike; a random split makes every pair of sampled
     tokens equally likely to fall across the halves, which `extrapolate_sums` needs.
-    Fixed (seeded by m), so that a measurement repeats."""
+    Fixed (seeded by m), so that a measurement repeats; made once per m (CPU tensors: do not
+    modify)."""
     g = torch.Generator().manual_seed(104729 + m)
     order = torch.randperm(m, generator=g)
     half = m // 2
@@ -224,13 +227,14 @@ def pass_error_sums(
     """
     m = ops.a.shape[1]
     sampled = ops.m_total is not None and ops.m_total > m and m >= 4
-    parts = split_halves(m) if sampled else (None,)
+    # The halves' indices moved to the operands' device once, not at every slice.
+    parts = tuple(p.to(ops.a.device) for p in split_halves(m)) if sampled else (None,)
 
     def columns(t: torch.Tensor, part: torch.Tensor | None) -> torch.Tensor:
         if part is None:
             return t
         # Row and tensor scales broadcast over the columns; expanded block scales are sliced.
-        return t.index_select(1, part.to(t.device)) if t.shape[1] == m else t
+        return t.index_select(1, part) if t.shape[1] == m else t
 
     refs = [columns(ops.a, p).double() @ columns(ops.b, p).double().T for p in parts]
     weights = balance_weights(ops.a, ops.b)
