@@ -364,3 +364,22 @@ def test_an_undecided_all_bf16_plan_says_so_and_how_many_batches_would_decide() 
     # Decided verdicts leave no such line.
     decided = make_plan(sites, _errors(8, 0.01, 0.001, "safe"), bench)
     assert decided.summary.sites_fp8 == 1 and decided.summary.undecided is None
+
+
+def test_a_pass_refused_for_its_varying_error_says_so() -> None:
+    sites = sites_table(("fc", 1024, 4096, 8192, None))
+    errors = errors_table([("fc", ROW, "fwd", 0.7, "unsafe"), ("fc", TENSOR, "fwd", 0.08, "unsafe")])
+    # Probe's extra columns: the row recipe errs 0.02 overall and 2.8 on what varies.
+    extra = pl.DataFrame({"balanced_rel_err": [0.02, 0.07], "varying_rel_err": [2.8, 0.1]})
+    errors = pl.concat([errors, extra], how="horizontal")
+    bench = bench_table(
+        [*BF16_ROWS, ("torch.scaled_mm", ROW, "fwd", 0.5, 0.1), ("torch.scaled_mm", TENSOR, "fwd", 0.4, 0.1)]
+    )  # fmt: skip
+    fwd = plan_rows(make_plan(sites, errors, bench))["fwd"]
+    assert fwd["recipe"] == "bf16"
+    reasons = {(r["backend"], r["recipe"]): r["reason"] for r in fwd["rejected"]}
+    row = reasons[("torch.scaled_mm", ROW)]
+    assert row.startswith("unsafe: error bound 0.7 > budget 0.06 from its varying error")
+    assert "adds 2.8 to the part of the output that varies" in row
+    # Over budget by its balanced error: no varying note.
+    assert "varying" not in reasons[("torch.scaled_mm", TENSOR)]

@@ -34,7 +34,7 @@ def test_normal_data_reproduces_the_h200_anchor_errors() -> None:
     x = torch.randn(256, 512, generator=g).bfloat16()
     w = (torch.randn(512, 512, generator=g) / 512**0.5).bfloat16()
     sums, emulated = pass_error_sums(_fwd(x, w), RECIPES, out_dtype=torch.bfloat16)
-    balanced, frob = relative_errors(sums)
+    balanced, frob, _ = relative_errors(sums)
     # anchors/h200_gemm_bf16_vs_fp8: bf16 about 1.7e-3, e4m3 about 3.7e-2 on normal data
     assert balanced[0] == pytest.approx(1.7e-3, rel=0.25)
     assert balanced[1:4] == pytest.approx([3.7e-2] * 3, rel=0.08)
@@ -247,3 +247,39 @@ def test_a_coherent_gradient_carried_by_a_few_entries_is_still_extrapolated() ->
     assert sample > 2.5 * truth[0][1].item()
     assert mean[0] == pytest.approx(truth[0][1].item(), rel=0.25)  # balanced: what decides
     assert 0.9 < mean[1] / truth[1][1].item() < 1.6  # plain: on the safe side
+
+
+def _collapsed_states(spread: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states that are one shared vector plus a small per-token part (a model on a
+    loss plateau), and a weight."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(1, 512, generator=g)
+    x = (shared + spread * torch.randn(512, 512, generator=g)).bfloat16()
+    w = (torch.randn(256, 512, generator=g) / 512**0.5).bfloat16()
+    return x, w
+
+
+def test_the_varying_error_sees_states_that_barely_vary_over_the_batch() -> None:
+    row = [Recipe.parse("e4m3:e4m3/row/dynamic")]
+    x, w = _collapsed_states(0.01)
+    ops = PassOperands(x, w, False, True, x.abs().amax(), w.abs().amax(), token_rows=True)
+    sums, _ = pass_error_sums(ops, row, out_dtype=torch.bfloat16)
+    balanced, _, varying = relative_errors(sums)
+    # Overall the rowwise error is the usual few percent: within any fwd budget ...
+    assert float(balanced[1]) < 0.06
+    # ... but it is larger than the whole token-to-token part of the output.
+    assert float(varying[1]) > 1.0
+    # The bf16 GEMM loses some of it too (its output rounds the shared part), far less.
+    assert float(varying[0]) < 0.2
+    # States that vary about as much as they are large: the two are alike.
+    x, w = _collapsed_states(1.0)
+    ops = PassOperands(x, w, False, True, x.abs().amax(), w.abs().amax(), token_rows=True)
+    balanced, _, varying = relative_errors(pass_error_sums(ops, row, out_dtype=torch.float32)[0])
+    assert float(balanced[1]) <= float(varying[1]) < 1.5 * float(balanced[1])
+
+
+def test_without_token_rows_the_varying_sums_are_the_balanced_ones() -> None:
+    x, w = _collapsed_states(0.003)
+    sums, _ = pass_error_sums(_fwd(x, w), RECIPES[:2], out_dtype=torch.bfloat16)
+    balanced, _, varying = relative_errors(sums)
+    assert torch.equal(balanced, varying)

@@ -420,3 +420,33 @@ def test_a_checkpointed_model_is_probed_as_without_checkpointing() -> None:
     assert sites["norm"].to_list() == ["0", None]
     for name in ("sites", "site_errors"):
         assert tables[True][name].equals(tables[False][name]), name
+
+
+def test_a_site_whose_inputs_barely_vary_is_unsafe_in_fwd() -> None:
+    # Hidden states that are one shared vector plus 1% per token (a model on a loss plateau):
+    # rowwise e4m3 errs ~4% overall, inside the fwd budget, and more than the whole
+    # token-to-token part of the output, which is what the model learns from.
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 128, bias=False)
+    shared = torch.randn(1, 256)
+    config = ProbeConfig(
+        every=1, warmup_steps=0, rows=256, queue_size=64,
+        recipes={"fwd": ["e4m3:e4m3/row/dynamic"]},
+    )  # fmt: skip
+    with Probe(layer, config) as probe:
+        for _ in range(8):
+            x = shared + 0.01 * torch.randn(512, 256)
+            layer(x).square().mean().backward()
+            probe.step()
+        errors = probe.tables()["site_errors"]
+    fwd = errors.filter(pl.col("pass") == "fwd").row(0, named=True)
+    allowance = config.varying_allowance
+    assert fwd["balanced_rel_err"] < fwd["budget"] < fwd["varying_rel_err"] / allowance
+    assert fwd["mean_rel_err"] == pytest.approx(fwd["varying_rel_err"] / allowance)
+    assert fwd["verdict"] == "unsafe"
+    assert fwd["bf16_varying_rel_err"] < fwd["varying_rel_err"] / 5
+
+
+def test_the_varying_allowance_is_checked() -> None:
+    with pytest.raises(ValueError, match="varying_allowance is a factor >= 1"):
+        ProbeConfig(varying_allowance=0.5)

@@ -51,13 +51,13 @@ def pass_operands(
     out = {
         "fwd": PassOperands(
             gemm.x, gemm.weight, False, True, gemm.x_amax, gemm.w_amax,
-            history=hist("input", "weight"),
+            history=hist("input", "weight"), token_rows=True,
         )
     }  # fmt: skip
     if gemm.dy is not None:
         out["dgrad"] = PassOperands(
             gemm.dy, gemm.weight.T, False, True, gemm.dy_amax, gemm.w_amax,
-            history=hist("grad_output", "weight"),
+            history=hist("grad_output", "weight"), token_rows=True,
         )  # fmt: skip
         # wgrad reduces over all M rows: rowwise scales come from the full column amaxes.
         out["wgrad"] = PassOperands(

@@ -69,6 +69,10 @@ class ProbeConfig:
     site_budgets: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     confidence: float = 0.95
     min_batches: int = 5
+    # How much more than the budget FP8 may err on the output's token-to-token part (the
+    # varying error, README "The part of the output that tells examples apart"): a batch's
+    # error is max(balanced, varying excess / varying_allowance).
+    varying_allowance: float = 4.0
     # A site whose |x| tail (p99.9, amax) or mean error moves by more than this factor
     # between two windows is flagged and re-verified from the newer window on.
     drift_tolerance: float = 2.0
@@ -114,6 +118,11 @@ class ProbeConfig:
             )
         if self.max_sites_per_step is not None and self.max_sites_per_step < 1:
             raise ValueError("ProbeConfig.max_sites_per_step must be >= 1 or None")
+        if not (isinstance(self.varying_allowance, int | float) and self.varying_allowance >= 1):
+            raise ValueError(
+                "ProbeConfig.varying_allowance is a factor >= 1 (1: the varying error counts "
+                f"like the balanced one), got {self.varying_allowance!r}"
+            )
         if not 0.5 <= self.confidence < 1:
             raise ValueError(f"ProbeConfig.confidence must be in [0.5, 1), got {self.confidence}")
         if not self.drift_tolerance > 1:

@@ -45,8 +45,8 @@ from loka.schema import QuantConfig, Recipe
 from loka.schema.fp8 import dequantize
 
 # Columns of the per-GEMM error sums.
-BAL_NUM, BAL_DEN, ERR_SQ, REF_SQ, MAX_ABS = range(5)
-N_SUMS = 5
+BAL_NUM, BAL_DEN, ERR_SQ, REF_SQ, MAX_ABS, VAR_NUM, VAR_DEN = range(7)
+N_SUMS = 7
 # How far above zero (in its standard deviations) a sampled wgrad's pair term must stand
 # before the reference counts it as coherent (`extrapolate_sums`).
 PAIR_Z = 2.0
@@ -68,6 +68,9 @@ class PassOperands:
     # Wgrad only: the tokens the reduction ran over, of which the columns of a and b are a
     # uniform sample. None: the reduction is not sampled.
     m_total: int | None = None
+    # Fwd and dgrad: the output's rows are tokens, so the varying sums (`error_sums`) take
+    # the part of each output channel that varies from token to token.
+    token_rows: bool = False
     # history length H -> (max amax of A, of B) over the H steps before this one
     history: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -80,18 +83,32 @@ def balance_weights(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return inv[0][:, None] * inv[1][None, :]
 
 
-def error_sums(out: torch.Tensor, ref: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """[balanced error^2, balanced reference^2, error^2, reference^2, max |error|]."""
+def error_sums(
+    out: torch.Tensor, ref: torch.Tensor, weights: torch.Tensor, token_rows: bool = False
+) -> torch.Tensor:
+    """[balanced error^2, balanced reference^2, error^2, reference^2, max |error|, varying
+    error^2, varying reference^2].
+
+    The varying sums are the balanced ones after each output channel's mean over the tokens
+    is taken out (`token_rows`; otherwise they repeat the balanced sums). They are what
+    tells examples apart: a layer whose output is nearly the same for every token (a model
+    on a loss plateau, whose hidden states collapse towards one vector) can show a 1-2%
+    error overall and 300% of the part that varies (DHEN large, `blocks.1-3.fc1` fwd
+    rowwise e4m3), an error the plain statistic never shows."""
     err = out.double() - ref
-    return torch.stack(
-        [
-            (err * weights).pow(2).sum(),
-            (ref * weights).pow(2).sum(),
-            err.pow(2).sum(),
-            ref.pow(2).sum(),
-            err.abs().amax() if err.numel() else err.new_zeros(()),
-        ]
-    )
+    bal_err, bal_ref = err * weights, ref * weights
+    sums = [
+        bal_err.pow(2).sum(),
+        bal_ref.pow(2).sum(),
+        err.pow(2).sum(),
+        ref.pow(2).sum(),
+        err.abs().amax() if err.numel() else err.new_zeros(()),
+    ]
+    if token_rows and err.shape[0] > 1:
+        sums += [(t - t.mean(dim=0)).pow(2).sum() for t in (bal_err, bal_ref)]
+    else:
+        sums += sums[:2]
+    return torch.stack(sums)
 
 
 def missing_sums(like: torch.Tensor) -> torch.Tensor:
@@ -191,7 +208,7 @@ def extrapolate_sums(
         sums += [operands + relative * reference, reference]
     err = sum(o.double() - r for o, r in zip(out_halves, ref_halves, strict=True))
     sums.append(err.abs().amax() if err.numel() else err.new_zeros(()))
-    return torch.stack(sums)
+    return torch.stack(sums + sums[:2])  # no token rows: the varying sums are the balanced
 
 
 def pair_moments(t_a: torch.Tensor, t_b: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -242,7 +259,7 @@ def pass_error_sums(
     def sums(halves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Error sums from each part's (GEMM output, exact product of its operands)."""
         if not sampled:
-            return error_sums(halves[0][0], refs[0], weights)
+            return error_sums(halves[0][0], refs[0], weights, ops.token_rows)
         outs, exacts = ([h[i] for h in halves] for i in (0, 1))
         sizes = (len(parts[0]), len(parts[1]))
         return extrapolate_sums(outs, exacts, refs, weights, ops.m_total, sizes)
@@ -289,9 +306,10 @@ def pass_error_sums(
     return torch.stack(rows), emulated
 
 
-def relative_errors(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(balanced, plain Frobenius) relative errors from error sums `[..., N_SUMS]`."""
+def relative_errors(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(balanced, plain Frobenius, varying) relative errors from error sums `[..., N_SUMS]`."""
     return (
         (sums[..., BAL_NUM] / sums[..., BAL_DEN]).sqrt(),
         (sums[..., ERR_SQ] / sums[..., REF_SQ]).sqrt(),
+        (sums[..., VAR_NUM] / sums[..., VAR_DEN]).sqrt(),
     )

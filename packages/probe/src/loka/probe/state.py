@@ -7,16 +7,24 @@ from typing import Any
 
 import numpy as np
 
-from loka.probe.gemm_error import BAL_DEN, BAL_NUM, ERR_SQ, MAX_ABS, REF_SQ
+from loka.probe.gemm_error import BAL_DEN, BAL_NUM, ERR_SQ, MAX_ABS, REF_SQ, VAR_DEN, VAR_NUM
 from loka.probe.verdict import Bounds, decide, mean_bounds
 from loka.stats import Sketch
 
-_SERIES_FIELDS = ("steps", "balanced", "frobenius", "ref_sq", "err_sq", "max_abs")
+_SERIES_FIELDS = ("steps", "balanced", "frobenius", "ref_sq", "err_sq", "max_abs", "varying")
 
 
 @dataclass
 class ErrorSeries:
-    """Per-batch errors of one (site, recipe, pass), in step order."""
+    """Per-batch errors of one (site, recipe, pass), in step order.
+
+    A batch's error, the one the bounds and verdicts read (`errors`), is the larger of
+    its balanced error and its *varying excess* divided by `ProbeConfig.varying_allowance`.
+    The excess is how much the recipe adds, beyond the bf16 GEMM of the same batch, to the
+    error of the output's token-to-token variation, ``sqrt(max(0, varying^2 - bf16
+    varying^2))``: the bf16 GEMM's share is taken out because its output rounding, the same
+    in every recipe, is no cost of FP8; the squares subtract because the two roundings are
+    independent."""
 
     steps: list[int] = field(default_factory=list)
     balanced: list[float] = field(default_factory=list)
@@ -24,6 +32,7 @@ class ErrorSeries:
     ref_sq: list[float] = field(default_factory=list)
     err_sq: list[float] = field(default_factory=list)
     max_abs: list[float] = field(default_factory=list)
+    varying: list[float] = field(default_factory=list)
     emulated: bool = False
 
     def add(self, step: int, sums: np.ndarray, emulated: bool) -> None:
@@ -33,15 +42,37 @@ class ErrorSeries:
         self.ref_sq.append(float(sums[REF_SQ]))
         self.err_sq.append(float(sums[ERR_SQ]))
         self.max_abs.append(float(sums[MAX_ABS]))
+        # An output that does not vary over the batch at all: its balanced error stands in.
+        varies = sums[VAR_DEN] > 0 and np.isfinite(sums[VAR_NUM] / sums[VAR_DEN])
+        self.varying.append(
+            float(np.sqrt(sums[VAR_NUM] / sums[VAR_DEN])) if varies else self.balanced[-1]
+        )
         self.emulated |= emulated
+
+    def excess(self, bf16: ErrorSeries | None) -> np.ndarray:
+        """Per batch, the varying error beyond bf16's on the same step (the varying error
+        itself where bf16 has no batch of that step, or for the bf16 series itself)."""
+        varying = np.nan_to_num(np.asarray(self.varying, dtype=np.float64))
+        if bf16 is None or bf16 is self:
+            return varying
+        base = dict(zip(bf16.steps, bf16.varying, strict=True))
+        own = np.nan_to_num(np.array([base.get(s, 0.0) for s in self.steps], dtype=np.float64))
+        return np.sqrt(np.maximum(varying**2 - own**2, 0.0))
+
+    def errors(self, bf16: ErrorSeries | None, allowance: float) -> np.ndarray:
+        """Per batch, the error a verdict reads: max(balanced, varying excess / allowance)."""
+        balanced = np.asarray(self.balanced, dtype=np.float64)
+        return np.maximum(balanced, self.excess(bf16) / allowance)
 
     def mask(self, first_step: int, last_step: int | None = None) -> np.ndarray:
         steps = np.asarray(self.steps, dtype=np.int64)
         keep = steps >= first_step
         return keep if last_step is None else keep & (steps <= last_step)
 
-    def bounds(self, first_step: int, confidence: float) -> Bounds:
-        return mean_bounds(np.asarray(self.balanced)[self.mask(first_step)], confidence)
+    def bounds(self, first_step: int, config: Any, bf16: ErrorSeries | None) -> Bounds:
+        """Bounds at `config.confidence` of the errors from `first_step` on."""
+        errors = self.errors(bf16, config.varying_allowance)
+        return mean_bounds(errors[self.mask(first_step)], config.confidence)
 
     def to_dict(self) -> dict[str, Any]:
         return {**{f: list(getattr(self, f)) for f in _SERIES_FIELDS}, "emulated": self.emulated}
@@ -55,7 +86,9 @@ class ErrorSeries:
         )
         for _, k, i in rows:
             for f in _SERIES_FIELDS:
-                getattr(out, f).append(parts[k][f][i])
+                # a part saved before the varying error existed: its balanced error
+                values = parts[k].get(f, parts[k]["balanced"]) if f == "varying" else parts[k][f]
+                getattr(out, f).append(values[i])
         out.emulated = any(p["emulated"] for p in parts)
         return out
 
@@ -111,7 +144,7 @@ class SiteState:
     def verdicts(self, config: Any) -> dict[tuple[str, str], tuple[Bounds, str]]:
         out = {}
         for (recipe, pass_), series in self.errors.items():
-            bounds = series.bounds(self.verify_from, config.confidence)
+            bounds = series.bounds(self.verify_from, config, self.bf16.get(pass_))
             budget = config.budget(self.name, pass_)
             out[(recipe, pass_)] = (bounds, decide(bounds, budget, config.min_batches))
         return out

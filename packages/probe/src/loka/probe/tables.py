@@ -24,6 +24,9 @@ SITES_EXTRA = {
 }
 ERRORS_EXTRA = {
     "frob_rel_err": pl.Float64(),
+    "balanced_rel_err": pl.Float64(),
+    "varying_rel_err": pl.Float64(),
+    "bf16_varying_rel_err": pl.Float64(),
     "first_step": pl.Int64(),
 }
 
@@ -73,14 +76,16 @@ def _error_rows(state: SiteState, config: ProbeConfig) -> list[dict[str, Any]]:
         keep = series.mask(state.verify_from)
         if not keep.any():
             continue
-        bounds = series.bounds(state.verify_from, config.confidence)
+        bf16 = state.bf16.get(pass_)
+        bounds = series.bounds(state.verify_from, config, bf16)
         budget = config.budget(state.name, pass_)
         err_sq = float(np.asarray(series.err_sq)[keep].sum())
         ref_sq = float(np.asarray(series.ref_sq)[keep].sum())
-        bf16 = state.bf16.get(pass_)
-        bf16_err = None
+        bf16_err = bf16_varying = None
         if bf16 is not None and bf16.mask(state.verify_from).any():
-            bf16_err = float(np.asarray(bf16.balanced)[bf16.mask(state.verify_from)].mean())
+            bf16_keep = bf16.mask(state.verify_from)
+            bf16_err = float(np.asarray(bf16.balanced)[bf16_keep].mean())
+            bf16_varying = float(np.asarray(bf16.varying)[bf16_keep].mean())
         steps = np.asarray(series.steps)[keep]
         rows.append(
             {
@@ -102,6 +107,9 @@ def _error_rows(state: SiteState, config: ProbeConfig) -> list[dict[str, Any]]:
                 "emulated": series.emulated,
                 "step_last": int(steps.max()),
                 "frob_rel_err": float(np.asarray(series.frobenius)[keep].mean()),
+                "balanced_rel_err": float(np.asarray(series.balanced)[keep].mean()),
+                "varying_rel_err": float(series.excess(bf16)[keep].mean()),
+                "bf16_varying_rel_err": bf16_varying,
                 "first_step": int(steps.min()),
             }
         )

@@ -232,6 +232,19 @@ def _checked_verdict(err: dict, bound: float | None, budget: float) -> tuple[str
     return verdict, ""
 
 
+def _varying_note(err: dict, budget: float) -> str:
+    """Why a row whose balanced error is within budget is unsafe: its varying error (Probe's
+    `varying_rel_err`: what FP8 adds to the output's token-to-token part), if the table says
+    so (tables written before Probe measured it have no such column)."""
+    balanced, varying = err.get("balanced_rel_err"), err.get("varying_rel_err")
+    if balanced is None or varying is None or not balanced <= budget:
+        return ""
+    return (
+        f" from its varying error: FP8 adds {varying:.3g} to the part of the output that "
+        f"varies over the batch (balanced error {balanced:.3g}: within budget)"
+    )
+
+
 def site_candidates(
     site: dict,
     errors: dict[str, list[dict]],
@@ -312,7 +325,10 @@ def site_candidates(
                 elif verdict == "unsafe" and bound <= budget:  # a label stricter than its bound
                     reason = f"labelled unsafe (error bound {bound:.4g}, budget {budget:.4g})"
                 elif verdict == "unsafe":
-                    reason = f"unsafe: error bound {bound:.4g} > budget {budget:.4g}{why}"
+                    reason = (
+                        f"unsafe: error bound {bound:.4g} > budget {budget:.4g}{why}"
+                        f"{_varying_note(err, budget)}"
+                    )
                 elif verdict == UNDECIDED and not config.allow_undecided:
                     reason = (
                         f"undecided after {err['n']} batch(es): error bound {bound:.4g} vs "
