@@ -477,3 +477,36 @@ def test_native_quantization_is_timed_per_operand_whatever_its_format(monkeypatc
     other = PassTimer(64, 64, 48, "cpu", native_quant=shared)
     other.quant_ms(Recipe.parse("e4m3:e4m3/row/dynamic"), "fwd", traceable=True)
     assert len(shared.measured) == 4  # x[64, 64] and W[48, 64] row-major are new
+
+
+def test_a_centering_recipe_is_its_own_speed_and_runs_natively_in_fwd_and_dgrad(
+    monkeypatch,
+) -> None:
+    import loka.dispatch.bench.timing as timing
+    from loka.kernels.native import quantize_native
+    from loka.schema import Recipe
+
+    center = "e4m3:e4m3/row/dynamic/center"
+    assert speed_key("e4m3:e4m3/row/dynamic/pow2/center") == center
+    by_pass = recipes_by_pass(
+        {"fwd": ["e4m3:e4m3/row/dynamic", "e4m3:e4m3/row/dynamic/pow2/center"]}
+    )
+    assert [str(r) for r in by_pass["fwd"]] == ["bf16", "e4m3:e4m3/row/dynamic", center]
+    found = candidates(4096, 1024, 512, {"fwd": [center], "dgrad": [center], "wgrad": [center]})
+    refused = {(s.candidate.backend, s.candidate.pass_): s.refusal for s in found}
+    assert refused[("torch.native", "fwd")] is None and refused[("torch.native", "dgrad")] is None
+    assert "center is for fwd and dgrad" in refused[("torch.native", "wgrad")]
+    assert "does not run a recipe's center" in refused[("torch.scaled_mm", "fwd")]
+    # Timed with its mean and GEMV: an operand of its own beside the plain recipe's.
+    monkeypatch.setattr(timing, "_compiled_native_quantize", lambda: quantize_native)
+    monkeypatch.setattr(
+        timing, "_compiled_native_centered_quantize", lambda: timing.centered_quantize
+    )
+    shared = NativeQuantTimes()
+    timer = PassTimer(32, 64, 48, "cpu", native_quant=shared)
+    plain = timer.quant_ms(Recipe.parse("e4m3:e4m3/row/dynamic"), "fwd", traceable=True)
+    centered = timer.quant_ms(Recipe.parse(center), "fwd", traceable=True)
+    assert plain > 0 and centered > 0
+    assert {(o.rows, o.cols, o.centered) for o in shared.measured} == {
+        (32, 64, False), (32, 64, True), (48, 64, False),  # x twice, the weight once
+    }  # fmt: skip

@@ -368,7 +368,9 @@ def test_an_undecided_all_bf16_plan_says_so_and_how_many_batches_would_decide() 
 
 def test_a_pass_refused_for_its_varying_error_says_so() -> None:
     sites = sites_table(("fc", 1024, 4096, 8192, None))
-    errors = errors_table([("fc", ROW, "fwd", 0.7, "unsafe"), ("fc", TENSOR, "fwd", 0.08, "unsafe")])
+    errors = errors_table(
+        [("fc", ROW, "fwd", 0.7, "unsafe"), ("fc", TENSOR, "fwd", 0.08, "unsafe")]
+    )
     # Probe's extra columns: the row recipe errs 0.02 overall and 2.8 on what varies.
     extra = pl.DataFrame({"balanced_rel_err": [0.02, 0.07], "varying_rel_err": [2.8, 0.1]})
     errors = pl.concat([errors, extra], how="horizontal")

@@ -283,3 +283,20 @@ def test_without_token_rows_the_varying_sums_are_the_balanced_ones() -> None:
     sums, _ = pass_error_sums(_fwd(x, w), RECIPES[:2], out_dtype=torch.bfloat16)
     balanced, _, varying = relative_errors(sums)
     assert torch.equal(balanced, varying)
+
+
+def test_a_centered_recipe_keeps_what_varies_and_the_product():
+    row, centered = (
+        Recipe.parse(t) for t in ("e4m3:e4m3/row/dynamic", "e4m3:e4m3/row/dynamic/center")
+    )
+    x, w = _collapsed_states(0.01)
+    ops = PassOperands(x, w, False, True, x.abs().amax(), w.abs().amax(), token_rows=True)
+    sums, emulated = pass_error_sums(ops, [row, centered], out_dtype=torch.float32)
+    balanced, _, varying = relative_errors(sums)
+    assert float(varying[1]) > 1.0 and float(varying[2]) < 0.06  # e4m3 of what varies only
+    assert float(balanced[2]) < float(balanced[1]) / 5  # and the shared part exactly
+    assert emulated[1]  # always emulated: _scaled_mm adds no mean product
+    # Not where the rows are not tokens (wgrad): no measurement.
+    ops = PassOperands(x, w, False, True, x.abs().amax(), w.abs().amax())
+    sums, _ = pass_error_sums(ops, [centered], out_dtype=torch.float32)
+    assert torch.isnan(sums[1]).all() and not torch.isnan(sums[0]).any()

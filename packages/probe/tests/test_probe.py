@@ -450,3 +450,8 @@ def test_a_site_whose_inputs_barely_vary_is_unsafe_in_fwd() -> None:
 def test_the_varying_allowance_is_checked() -> None:
     with pytest.raises(ValueError, match="varying_allowance is a factor >= 1"):
         ProbeConfig(varying_allowance=0.5)
+
+
+def test_center_is_refused_for_wgrad() -> None:
+    with pytest.raises(ValueError, match="center is for fwd and dgrad"):
+        ProbeConfig(recipes={"wgrad": ["e4m3:e4m3/row/dynamic/center"]})

@@ -32,6 +32,7 @@ def recipes(draw):
         history=draw(st.integers(1, 1024)) if delayed else 0,
         pow2=draw(st.booleans()),
         scale_ub=draw(st.none() | st.floats(1e-6, 1e30)),
+        center=not delayed and draw(st.booleans()),
     )
 
 
@@ -53,11 +54,24 @@ def test_string_roundtrip(recipe):
         ("e4m3:e4m3/row/dynamic/ub=abc", "bad scale bound"),
         ("e4m3:e4m3/row/dynamic/ub=-1", "finite and positive"),
         ("e4m3:e4m3/row", "expected"),
+        ("e4m3:e4m3/tensor/delayed16/center", "center takes dynamic scaling"),
+        ("e4m3:e4m3/row/dynamic/center/center", "repeated option"),
     ],
 )
 def test_bad_recipes_name_the_problem(text, match):
     with pytest.raises(RecipeError, match=match):
         Recipe.parse(text)
+
+
+def test_center_is_a_recipe_option_not_an_operands():
+    r = Recipe.parse("e4m3:e4m3/row/dynamic/pow2/center")
+    assert r.center and r.pow2 and str(r) == "e4m3:e4m3/row/dynamic/pow2/center"
+    assert not Recipe.parse("e4m3:e4m3/row/dynamic").center
+    assert r.operand("a", False) == QuantConfig.parse("e4m3/row/pow2")
+    with pytest.raises(RecipeError, match="unknown or repeated option 'center'"):
+        QuantConfig.parse("e4m3/row/center")
+    with pytest.raises(RecipeError, match="takes no FP8 options"):
+        Recipe(center=True)
 
 
 def test_non_string_and_bf16_with_options_are_refused():

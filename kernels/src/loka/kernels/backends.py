@@ -151,6 +151,7 @@ def _register_builtins() -> None:
         scalings=frozenset({"dynamic"}),
         priority=1,
         check=_native_check,
+        centers=True,
     )
     registry.register(native, replace=True)
     native_fast = _fp8_backend(
@@ -165,6 +166,7 @@ def _register_builtins() -> None:
         scalings=frozenset({"dynamic"}),
         priority=0,
         check=_native_check,
+        centers=True,
     )
     registry.register(native_fast, replace=True)
     native_cpu = _fp8_backend(
@@ -178,6 +180,7 @@ def _register_builtins() -> None:
         min_capability=(99, 0),
         scalings=frozenset({"dynamic"}),
         check=_native_check,
+        centers=True,
     )
     registry.register(native_cpu, replace=True)
     grouped_formats = FP8_PAIRS | {(BF16, BF16)}

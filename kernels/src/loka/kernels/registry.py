@@ -131,6 +131,9 @@ class Backend:
     # Quantization and GEMM in plain torch ops, run inside the model's own graph: under
     # torch.compile inductor fuses the quantization with its neighbours (`loka.kernels.native`).
     traceable: bool = False
+    # Runs a recipe's `center` (fwd, dgrad): the first operand's token mean taken out before
+    # quantizing, its product added back in the GEMM's bias (`loka.mods.native_function`).
+    centers: bool = False
     # A linear on this backend zero-pads its GEMM dims to `align` itself (exact: the torch-
     # native linear does), so `supports` takes any linear shape; its GEMM alone (`refuse`,
     # `fp8_mm`) still needs them aligned.
@@ -181,6 +184,10 @@ class Backend:
                 f"{self.name}: {recipe.scaling} scaling not supported "
                 f"(only {sorted(self.scalings)})"
             )
+        if recipe.center and not self.centers:
+            return f"{self.name}: does not run a recipe's center (the torch-native backends do)"
+        if recipe.center and pass_ == "wgrad":
+            return f"{self.name}: center is for fwd and dgrad (wgrad reduces over the tokens)"
         dims = self.linear_dims(M, K, N)
         if self.pads_only and dims == (M, K, N):
             return f"{self.name}: dims ({M}, {K}, {N}) are aligned already, nothing to pad"

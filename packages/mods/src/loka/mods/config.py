@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from loka.kernels import registry
+from loka.kernels.native import NATIVE_BACKEND, NATIVE_CPU_BACKEND, NATIVE_FAST_BACKEND
 from loka.mods.bias_grad import BIAS_GRADS
 from loka.schema import BF16, PASSES, Recipe
 
@@ -57,6 +58,23 @@ class PassConfig:
 
     def __str__(self) -> str:
         return f"{self.recipe}@{self.backend or 'auto'}"
+
+
+CENTER_BACKENDS = (NATIVE_BACKEND, NATIVE_FAST_BACKEND, NATIVE_CPU_BACKEND)
+"""The backends that run a recipe's ``center`` (its mean product rides in the GEMM's bias)."""
+
+
+def _check_center(pass_: str, config: PassConfig) -> None:
+    if pass_ == "wgrad":
+        raise ValueError(
+            f"wgrad: {config.recipe} centers its first operand over the tokens, and wgrad "
+            "reduces over the tokens (center is for fwd and dgrad)"
+        )
+    if config.backend not in CENTER_BACKENDS:
+        raise ValueError(
+            f"{pass_}: {config.recipe} runs on a torch-native backend {CENTER_BACKENDS}, named "
+            f"in its PassConfig; got {config.backend or 'none (auto)'}"
+        )
 
 
 def _as_pass(value: PassConfig | Recipe | str) -> PassConfig:
@@ -115,6 +133,9 @@ class Fp8LinearConfig:
             raise TypeError(f"eager_graphs must be a bool, got {self.eager_graphs!r}")
         if self.bias_grad not in BIAS_GRADS:
             raise ValueError(f"bias_grad must be one of {BIAS_GRADS}, got {self.bias_grad!r}")
+        for pass_, config in self.passes().items():
+            if config.recipe.center:
+                _check_center(pass_, config)
 
     @classmethod
     def bf16(cls) -> Fp8LinearConfig:

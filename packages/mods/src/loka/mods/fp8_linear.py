@@ -314,6 +314,12 @@ class Fp8Linear(nn.Linear):
         if not (0.0 < amax < float("inf")):
             raise ValueError(f"static input amax must be finite and > 0, got {amax}")
         fwd = self.native_plan.fwd
+        if fwd.center:
+            raise ValueError(
+                f"{type(self).__name__}({self.in_features} -> {self.out_features}): a centering "
+                f"forward ({self.fp8_config.fwd.recipe}) measures each batch's mean; a static "
+                "input scale is for the input as it comes (use a recipe without center)"
+            )
         scale = scale_from_amax(torch.tensor(amax, device=self.weight.device), fwd.a_fmt,
                                 fwd.pow2, fwd.scale_ub)  # fmt: skip
         self._input_amax, self._input_scale = amax, (scale, scale.reciprocal())
@@ -353,7 +359,7 @@ class Fp8Linear(nn.Linear):
         wq, w_inv = self._prequantized
         return quantized_weight_forward(
             x2d, wq, w_inv, self.bias, self.native_plan.fwd, dtype, self.out_features,
-            input_scale=self._input_scale,
+            input_scale=self._input_scale, weight=self.weight,
         )  # fmt: skip
 
     def _load_from_state_dict(

@@ -53,6 +53,23 @@ class NativePass:
     scale_ub: float | None
     fast_accum: bool = False  # torch.native.fast: the GEMM accumulates in reduced precision
     tokens_vary: bool = False  # Fp8LinearConfig.tokens_vary: M may be symbolic when compiled
+    center: bool = False  # the recipe's `center`: the first operand's token mean taken out
+
+    def centered(
+        self, t: torch.Tensor, other: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`t` [M, C] as the pass quantizes it, the product of its token mean with `other`
+        [C, width] padded to `width`: the term the GEMM's epilogue adds back as a bias), or
+        (`t`, None) for a pass that does not center. The mean is float32 and the product
+        (a GEMV) is taken with the high-precision `other`, so what every token shares is
+        exact up to the output's own rounding and FP8 rounds only what varies."""
+        if not self.center:
+            return t, None
+        t = t.float()
+        mean = t.mean(dim=0, keepdim=True)
+        shared = (mean @ other.float()).squeeze(0)
+        pad = width - shared.shape[0]
+        return t - mean, shared if statically_known_true(pad == 0) else F.pad(shared, (0, pad))
 
     def quantize(self, t: torch.Tensor, side: str, transpose: bool = False, tokens: bool = True):
         """`t` quantized as operand `side` of this pass; `tokens`: its rows are the batch's
@@ -74,7 +91,7 @@ def _native_pass(name: str, linear: Fp8LinearConfig) -> NativePass | None:
         raise ValueError(f"{name}: {reason}")
     fast = config.backend == NATIVE_FAST_BACKEND
     return NativePass(r.a_format, r.b_format, r.granularity, r.pow2, r.scale_ub, fast,
-                      linear.tokens_vary)  # fmt: skip
+                      linear.tokens_vary, r.center)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -156,7 +173,7 @@ class NativeFp8LinearFunction(torch.autograd.Function):
         fwd = plan.fwd
         if fwd is not None:
             wq, w_inv = quantize_weight(weight, fwd)
-            y = quantized_weight_forward(x, wq, w_inv, bias, fwd, compute_dtype, N)
+            y = quantized_weight_forward(x, wq, w_inv, bias, fwd, compute_dtype, N, weight=weight)
         else:
             b = None if bias is None else cast(bias, compute_dtype)
             y = F.linear(cast(x, compute_dtype), cast(weight, compute_dtype), b)
@@ -185,9 +202,11 @@ class NativeFp8LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         dgrad = plan.dgrad
         if need_dx and dgrad is not None:
-            dyq, dy_inv = dgrad.quantize(_pad_to(dy, M, Np), "a")
+            dy_q, shared = dgrad.centered(dy, weight, Kp)
+            dyq, dy_inv = dgrad.quantize(_pad_to(dy_q, M, Np), "a")
             wt, wt_inv = dgrad.quantize(_pad_to(weight, Np, Kp), "b", transpose=True, tokens=False)
-            dx = native_mm(dyq, dy_inv, wt, wt_inv, fast_accum=dgrad.fast_accum)
+            shared = None if shared is None else shared.to(torch.bfloat16)
+            dx = native_mm(dyq, dy_inv, wt, wt_inv, shared, fast_accum=dgrad.fast_accum)
             dx = cast(_cols(dx, K), x_dtype)
         elif need_dx:
             dx = cast(cast(dy, compute_dtype) @ cast(weight, compute_dtype), x_dtype)
@@ -213,21 +232,32 @@ def quantized_weight_forward(
     compute_dtype: torch.dtype,
     out_features: int,
     input_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The FP8 forward GEMM of a native linear given its quantized weight (`quantize_weight`:
     ``[Np, Kp]``, padded), quantized in this call or once for serving
     (`Fp8Linear.prequantize_weight`): x is quantized, multiplied, and the output cast.
     `input_scale`: (scale, inverse) of a static input scale (`Fp8Linear.set_static_input_amax`):
-    x is then scaled and cast without an amax; a row recipe repeats it for every row."""
+    x is then scaled and cast without an amax; a row recipe repeats it for every row.
+    `weight`: the high-precision weight, which a centering forward (`NativePass.centered`)
+    multiplies x's token mean with."""
     M = x.shape[0]
     Np, Kp = weight_fp8.shape
+    shared = None
     if input_scale is None:
+        if fwd.center and weight is None:
+            raise ValueError("a centering forward needs the high-precision weight")
+        x, shared = fwd.centered(x, None if weight is None else weight.t(), Np)
         xq, x_inv = fwd.quantize(_pad_to(x, M, Kp), "a")
     else:
         scale, inv = input_scale
         xq = saturate_cast_native(_pad_to(x, M, Kp), scale, fwd.a_fmt)
         x_inv = inv.reshape(1, 1).expand(M, 1).contiguous() if fwd.granularity == "row" else inv
     b = bias if bias is None or Np == out_features else F.pad(bias, (0, Np - out_features))
+    if shared is not None:
+        # bf16, so that _scaled_mm adds it in its epilogue (rounded once, like a bias): what
+        # every token shares loses only the output's rounding
+        b = (shared if b is None else shared + b.float()).to(torch.bfloat16)
     # Every FP8 GEMM writes bf16 (rowwise _scaled_mm writes nothing else); cast after.
     y = native_mm(xq, x_inv, weight_fp8, weight_inv_scale, b, torch.bfloat16,
                   fast_accum=fwd.fast_accum)  # fmt: skip

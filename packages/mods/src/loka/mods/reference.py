@@ -32,12 +32,19 @@ def _pass(
     b_is_weight: bool,
     amax: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> torch.Tensor:
-    """``a @ b.T`` in float32, quantized as `config` says (or exactly, for bf16 passes)."""
+    """``a @ b.T`` in float32, quantized as `config` says (or exactly, for bf16 passes); a
+    ``center`` recipe quantizes ``a`` less its column means over the tokens (its rows) and
+    adds their exact product with ``b``."""
     if config.is_bf16:
         return (a.double() @ b.double().T).float()
+    shared = None
+    if config.recipe.center:
+        mean = a.float().mean(dim=0, keepdim=True)
+        a, shared = a.float() - mean, (mean.double() @ b.double().T).float()
     qa = quantize_reference(a, config.recipe.operand("a", False), amax[0])
     qb = quantize_reference(b, config.recipe.operand("b", b_is_weight), amax[1])
-    return mm_reference(qa, qb, out_dtype=torch.float32)
+    out = mm_reference(qa, qb, out_dtype=torch.float32)
+    return out if shared is None else out + shared
 
 
 def fp8_linear_reference(

@@ -20,6 +20,9 @@ DEFAULT_RECIPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
             "e4m3:e4m3/row/dynamic/pow2",
             "e4m3:e4m3/block/dynamic/pow2",
             "e4m3:e4m3/tensor/delayed16",
+            # where the inputs collapse towards one vector (README: "The part of the output
+            # that tells examples apart"), only a centered forward keeps what varies
+            "e4m3:e4m3/row/dynamic/center",
         ),
         # The gradient is the first operand of both backward passes.
         "dgrad": (
@@ -143,6 +146,12 @@ class ProbeConfig:
                 if Recipe.parse(text).is_bf16:
                     raise ValueError(
                         f"ProbeConfig.recipes[{pass_!r}]: bf16 is the reference, not a candidate"
+                    )
+                if Recipe.parse(text).center and pass_ == "wgrad":
+                    raise ValueError(
+                        f"ProbeConfig.recipes['wgrad']: {text!r} centers its first operand over "
+                        "the tokens, and wgrad reduces over the tokens (center is for fwd and "
+                        "dgrad)"
                     )
         for budgets in (self.budgets, *self.site_budgets.values()):
             for pass_, value in budgets.items():

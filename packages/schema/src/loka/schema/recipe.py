@@ -2,14 +2,18 @@
 operands is quantized. The one typed vocabulary of every LoKA package; both types print
 to and parse from short strings.
 
-`Recipe` (a pass): ``bf16`` or ``A:B/granularity/scaling[/pow2][/ub=<max scale>]`` where A
-and B are the FP8 formats of the pass's first and second operand (``e4m3`` or ``e5m2``),
-granularity is ``tensor``, ``row`` or ``block``, and scaling is ``dynamic`` (scale from the
-current amax) or ``delayed<H>`` (scale from the largest amax of the last H steps). ``pow2``
-rounds each scale down to a power of two; ``ub=`` caps the scale.
+`Recipe` (a pass): ``bf16`` or ``A:B/granularity/scaling[/pow2][/ub=<max scale>][/center]``
+where A and B are the FP8 formats of the pass's first and second operand (``e4m3`` or
+``e5m2``), granularity is ``tensor``, ``row`` or ``block``, and scaling is ``dynamic`` (scale
+from the current amax) or ``delayed<H>`` (scale from the largest amax of the last H steps).
+``pow2`` rounds each scale down to a power of two; ``ub=`` caps the scale. ``center``
+(dynamic scaling, a pass whose first operand's rows are tokens: fwd, dgrad) takes each
+column's mean over the tokens out of the first operand before it is quantized and adds its
+product back in high precision, ``A B^T = (A - 1 mu) B^T + 1 (mu B^T)``: FP8 then rounds the
+part that varies from token to token, not a vector every token shares.
 
     >>> Recipe.parse("e5m2:e4m3/tensor/delayed16/pow2")
-    Recipe(a_format='e5m2', b_format='e4m3', granularity='tensor', scaling='delayed', history=16, pow2=True, scale_ub=None)
+    Recipe(a_format='e5m2', b_format='e4m3', granularity='tensor', scaling='delayed', history=16, pow2=True, scale_ub=None, center=False)
 
 `QuantConfig` (an operand): ``fmt/granularity[/RxC][/pow2][/ub=<max scale>]``, e.g.
 ``e4m3/row`` or ``e5m2/block/128x128/pow2``; `Recipe.operands(pass_)` gives the two of a
@@ -83,12 +87,17 @@ def _checked_scale_ub(scale_ub: object) -> float | None:
     return ub
 
 
-def _parse_options(text: str, options: list[str]) -> tuple[bool, float | None]:
-    """(pow2, scale_ub) from the trailing ``pow2`` and ``ub=X`` parts of a string."""
-    pow2, scale_ub = False, None
+def _parse_options(
+    text: str, options: list[str], center_allowed: bool = False
+) -> tuple[bool, float | None, bool]:
+    """(pow2, scale_ub, center) from the trailing ``pow2``, ``ub=X`` (and, for a recipe,
+    ``center``) parts of a string."""
+    pow2, scale_ub, center = False, None, False
     for opt in options:
         if opt == "pow2" and not pow2:
             pow2 = True
+        elif opt == "center" and center_allowed and not center:
+            center = True
         elif opt.startswith("ub=") and scale_ub is None:
             try:
                 scale_ub = float(opt[3:])
@@ -96,11 +105,15 @@ def _parse_options(text: str, options: list[str]) -> tuple[bool, float | None]:
                 raise RecipeError(f"{text!r}: bad scale bound {opt!r}") from None
         else:
             raise RecipeError(f"{text!r}: unknown or repeated option {opt!r}")
-    return pow2, scale_ub
+    return pow2, scale_ub, center
 
 
-def _options_text(pow2: bool, scale_ub: float | None) -> str:
-    return ("/pow2" if pow2 else "") + ("" if scale_ub is None else f"/ub={scale_ub!r}")
+def _options_text(pow2: bool, scale_ub: float | None, center: bool = False) -> str:
+    return (
+        ("/pow2" if pow2 else "")
+        + ("" if scale_ub is None else f"/ub={scale_ub!r}")
+        + ("/center" if center else "")
+    )
 
 
 def scale_grid(
@@ -182,7 +195,7 @@ def _parse_quant_config(text: str) -> QuantConfig:
     if options and (m := _BLOCK.fullmatch(options[0])):
         block = (int(m.group(1)), int(m.group(2)))
         options = options[1:]
-    pow2, scale_ub = _parse_options(f"operand config {text}", options)
+    pow2, scale_ub, _ = _parse_options(f"operand config {text}", options)
     try:
         return QuantConfig(fmt, granularity, block, pow2, scale_ub)
     except RecipeError as exc:
@@ -201,12 +214,14 @@ class Recipe:
     history: int = 0
     pow2: bool = False
     scale_ub: float | None = None
+    center: bool = False
 
     def __post_init__(self) -> None:
         if self.a_format == _HIGH or self.b_format == _HIGH:
-            fp8_options = (self.granularity, self.scaling, self.history, self.pow2, self.scale_ub)
+            fp8_options = (self.granularity, self.scaling, self.history, self.pow2, self.scale_ub,
+                           self.center)  # fmt: skip
             if (self.a_format, self.b_format) != (_HIGH, _HIGH) or fp8_options != (
-                "none", "none", 0, False, None,
+                "none", "none", 0, False, None, False,
             ):  # fmt: skip
                 raise RecipeError("a bf16 recipe takes no FP8 options (and two bf16 operands)")
             return
@@ -227,6 +242,10 @@ class Recipe:
             raise RecipeError(f"scaling must be 'dynamic' or 'delayed', got {self.scaling!r}")
         if not isinstance(self.pow2, bool):
             raise RecipeError(f"pow2 must be a bool, got {type(self.pow2).__name__}")
+        if not isinstance(self.center, bool):
+            raise RecipeError(f"center must be a bool, got {type(self.center).__name__}")
+        if self.center and self.scaling != "dynamic":
+            raise RecipeError("center takes dynamic scaling (a delayed amax is of other data)")
         object.__setattr__(self, "scale_ub", _checked_scale_ub(self.scale_ub))
 
     @property
@@ -280,7 +299,7 @@ class Recipe:
             return _HIGH
         scaling = f"delayed{self.history}" if self.delayed else self.scaling
         text = f"{self.a_format}:{self.b_format}/{self.granularity}/{scaling}"
-        return text + _options_text(self.pow2, self.scale_ub)
+        return text + _options_text(self.pow2, self.scale_ub, self.center)
 
 
 BF16 = Recipe()
@@ -292,7 +311,9 @@ def _parse_recipe(text: str) -> Recipe:
         return BF16
     parts = text.split("/")
     if len(parts) < 3:
-        raise RecipeError(f"recipe {text!r}: expected 'A:B/granularity/scaling[/pow2][/ub=X]'")
+        raise RecipeError(
+            f"recipe {text!r}: expected 'A:B/granularity/scaling[/pow2][/ub=X][/center]'"
+        )
     formats, granularity, scaling, *options = parts
     a_format, sep, b_format = formats.partition(":")
     if not sep:
@@ -302,8 +323,8 @@ def _parse_recipe(text: str) -> Recipe:
         scaling, history = "delayed", int(m.group(1))
     elif scaling == "none":  # the constructor's default only: a string names its scaling
         raise RecipeError(f"recipe {text!r}: scaling must be 'dynamic' or 'delayed', got 'none'")
-    pow2, scale_ub = _parse_options(f"recipe {text}", options)
+    pow2, scale_ub, center = _parse_options(f"recipe {text}", options, center_allowed=True)
     try:
-        return Recipe(a_format, b_format, granularity, scaling, history, pow2, scale_ub)
+        return Recipe(a_format, b_format, granularity, scaling, history, pow2, scale_ub, center)
     except RecipeError as exc:
         raise RecipeError(f"recipe {text!r}: {exc}") from None

@@ -59,11 +59,14 @@ def m_bucket(m: int) -> int:
 
 
 def speed_key(recipe: str | Recipe) -> str:
-    """What decides a recipe's speed: 'bf16' or 'A:B/granularity/dynamic|delayed'."""
+    """What decides a recipe's speed: 'bf16' or 'A:B/granularity/dynamic|delayed', with
+    '/center' for a recipe that centers (a mean and its product more to compute)."""
     r = recipe if isinstance(recipe, Recipe) else Recipe.parse(recipe)
     if r.is_bf16:
         return "bf16"
-    return f"{r.a_format}:{r.b_format}/{r.granularity}/{r.scaling}"
+    return f"{r.a_format}:{r.b_format}/{r.granularity}/{r.scaling}" + (
+        "/center" if r.center else ""
+    )
 
 
 def timing_recipe(recipe: str | Recipe) -> Recipe:
@@ -71,7 +74,7 @@ def timing_recipe(recipe: str | Recipe) -> Recipe:
     r = recipe if isinstance(recipe, Recipe) else Recipe.parse(recipe)
     if r.is_bf16:
         return BF16
-    return Recipe(r.a_format, r.b_format, r.granularity, r.scaling, r.history)
+    return Recipe(r.a_format, r.b_format, r.granularity, r.scaling, r.history, center=r.center)
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,10 @@ class CandidateStatus:
 
 
 def fusable(recipe: str | Recipe) -> bool:
-    """Whether the fused norm+quantize kernel runs this forward recipe (rowwise, dynamic)."""
+    """Whether the fused norm+quantize kernel runs this forward recipe (rowwise, dynamic,
+    not centered: the kernel quantizes each row as the norm writes it)."""
     r = recipe if isinstance(recipe, Recipe) else Recipe.parse(recipe)
-    return not r.is_bf16 and r.granularity == "row" and r.scaling == "dynamic"
+    return not r.is_bf16 and r.granularity == "row" and r.scaling == "dynamic" and not r.center
 
 
 def recipes_by_pass(

@@ -31,6 +31,7 @@ On the CPU the same calls are timed with a wall clock: that checks the machinery
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -67,6 +68,9 @@ class QuantOperand:
     element_bytes: int
     granularity: str
     transpose: bool
+    # a recipe's center: the token mean taken out first and its product with the weight
+    # taken (`loka.mods.native_function.NativePass.centered`)
+    centered: bool = False
 
     @property
     def bytes(self) -> int:
@@ -98,7 +102,8 @@ class NativeQuantTimes:
         points = [
             (o.bytes, ms)
             for o, ms in self.measured.items()
-            if (o.granularity, o.transpose) == (operand.granularity, operand.transpose)
+            if (o.granularity, o.transpose, o.centered)
+            == (operand.granularity, operand.transpose, operand.centered)
         ]
         if len({b for b, _ in points}) < 2:
             return None
@@ -153,28 +158,47 @@ def _median_wall(fn: Callable[[], object], repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-_NATIVE_QUANTIZE = None
+def _static_graphs(fn: Callable[..., tuple]) -> Callable[..., tuple]:
+    """`fn` under torch.compile, one static graph per shape and layout: a dynamic-shape
+    graph serves every shape but its reductions ran 3-8x slower on the H200 (tensorwise amax
+    1.1-1.5 ms instead of ~0.1 ms at 16384 x 4096), which is not what a compiled model
+    (static shapes) runs."""
+    compiled = torch.compile(fn, dynamic=False)
+
+    def run(*args, **kwargs):
+        # Every (shape, format, granularity, layout) is its own graph: more than dynamo's
+        # default of 8 per function, so lift the limit for these calls only.
+        with torch._dynamo.config.patch(recompile_limit=1024):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
+@functools.cache
 def _compiled_native_quantize() -> Callable[..., tuple]:
-    """`quantize_native` under torch.compile, one static graph per shape and layout: a
-    dynamic-shape graph serves every shape but its reductions ran 3-8x slower on the H200
-    (tensorwise amax 1.1-1.5 ms instead of ~0.1 ms at 16384 x 4096), which is not what a
-    compiled model (static shapes) runs."""
-    global _NATIVE_QUANTIZE
-    if _NATIVE_QUANTIZE is None:
-        from loka.kernels.native import quantize_native
+    """`quantize_native`, compiled (`_static_graphs`)."""
+    from loka.kernels.native import quantize_native
 
-        compiled = torch.compile(quantize_native, dynamic=False)
+    return _static_graphs(quantize_native)
 
-        def run(*args, **kwargs):
-            # Every (shape, format, granularity, layout) is its own graph: more than dynamo's
-            # default of 8 per function, so lift the limit for these calls only.
-            with torch._dynamo.config.patch(recompile_limit=1024):
-                return compiled(*args, **kwargs)
 
-        _NATIVE_QUANTIZE = run
-    return _NATIVE_QUANTIZE
+def centered_quantize(
+    t: torch.Tensor, other: torch.Tensor, fmt: str, granularity: str
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A centering pass's first operand as the native linear prepares it: the token mean
+    taken out, what is left quantized, and the mean's product with `other` (the GEMV whose
+    result the GEMM adds as its bias)."""
+    from loka.kernels.native import quantize_native
+
+    t = t.float()
+    mean = t.mean(dim=0, keepdim=True)
+    return quantize_native(t - mean, fmt, granularity), mean @ other.float()
+
+
+@functools.cache
+def _compiled_native_centered_quantize() -> Callable[..., tuple]:
+    """`centered_quantize`, compiled (`_static_graphs`)."""
+    return _static_graphs(centered_quantize)
 
 
 class _Rotation:
@@ -296,7 +320,7 @@ class PassTimer:
     @staticmethod
     def _quant_key(recipe: Recipe, pass_: str, traceable: bool) -> tuple:
         return (pass_, recipe.a_format, recipe.b_format, recipe.granularity, recipe.scaling,
-                traceable)  # fmt: skip
+                traceable, recipe.center)  # fmt: skip
 
     def quant_ms(self, recipe: Recipe, pass_: str, traceable: bool = False) -> float:
         key = self._quant_key(recipe, pass_, traceable)
@@ -324,10 +348,27 @@ class PassTimer:
         over its operands (each measured once per bench, or fitted: `NativeQuantTimes`)."""
         quant = _compiled_native_quantize()
         total = 0.0
-        for source, fmt, transpose in self._native_operands(recipe, pass_):
+        for i, (source, fmt, transpose) in enumerate(self._native_operands(recipe, pass_)):
             sample = source if isinstance(source, torch.Tensor) else source.items[0][0]
+            centered = recipe.center and i == 0  # fwd's x, dgrad's dY
             operand = QuantOperand(*sample.shape, sample.element_size(), recipe.granularity,
-                                   transpose)  # fmt: skip
+                                   transpose, centered)  # fmt: skip
+            if centered:
+                # the product of the mean [1, C] with the weight as [C, width]
+                other = self._master_w.t() if pass_ == "fwd" else self._master_w
+                center = _compiled_native_centered_quantize()
+
+                def measure(source=source, fmt=fmt, other=other, center=center) -> float:
+                    def get() -> torch.Tensor:
+                        return source if isinstance(source, torch.Tensor) else source.next()[0]
+
+                    return self._measure(lambda: center(get(), other, fmt, recipe.granularity))
+
+                ms, fitted = self.native_quant.time(operand, measure)
+                total += ms
+                if fitted:
+                    self._fitted.add(key)
+                continue
 
             # The static graph's form: a jagged site (Fp8LinearConfig.tokens_vary) runs its
             # two-stage amax with M symbolic at about the static one-stage speed (0.199 vs
