@@ -1,12 +1,13 @@
 """Which FP8 passes of a zoo model err on the part of the output that tells examples apart.
 
-Trains a zoo model in bf16 autocast under Probe (every step sampled, the rowwise and
-tensorwise fwd and dgrad recipes) and writes, per site x recipe x pass, the balanced error,
-the varying excess over bf16 (`packages/probe/README.md`, "the part of the output that
-tells examples apart"), the verdict Probe gives now and whether the balanced error alone
-was within budget (by its mean). The rows within budget by the balanced error and beyond
-budget x `varying_allowance` by the varying excess are passes a plan made before the varying error could have run
-in FP8 although FP8 drowns what varies over the batch.
+Trains a zoo model in bf16 autocast under Probe (every step sampled; the rowwise and
+tensorwise fwd and dgrad recipes, and the centered rowwise fwd) and writes, per site x
+recipe x pass, the balanced error, the varying excess over bf16 (`packages/probe/README.md`,
+"the part of the output that tells examples apart"), the verdict Probe gives now and
+whether the balanced error alone was within budget (by its mean). The rows within budget
+by the balanced error and beyond budget x `varying_allowance` by the varying excess are
+passes a plan made before the varying error could have run in FP8 although FP8 drowns
+what varies over the batch; the centered recipe's rows show what centering keeps.
 
     python bench/varying_error.py --models dhen --preset large --batch 1024 --steps 12
 
@@ -38,7 +39,7 @@ from loka.schema.fp8 import dequantize
 ROWWISE = QuantConfig("e4m3", "row")
 
 RECIPES = {
-    "fwd": ["e4m3:e4m3/row/dynamic", "e4m3:e4m3/tensor/dynamic"],
+    "fwd": ["e4m3:e4m3/row/dynamic", "e4m3:e4m3/tensor/dynamic", "e4m3:e4m3/row/dynamic/center"],
     "dgrad": ["e4m3:e4m3/row/dynamic", "e5m2:e4m3/tensor/dynamic"],
 }
 
