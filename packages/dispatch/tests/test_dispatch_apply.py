@@ -513,3 +513,40 @@ def test_eager_graphs_are_an_apply_option(dhen) -> None:
         flags = {dhen.model.get_submodule(s).fp8_config.eager_graphs for s in applied.sites}
         applied.undo()
         assert flags == {want}
+
+
+def test_a_plan_takes_the_centered_forward_where_the_plain_one_is_unsafe_and_applies_it(
+    dhen,
+) -> None:
+    # Probe's rows for a collapsed site: the plain rowwise forward unsafe for its varying
+    # error, the centered one safe; the bench times both (centered a little slower).
+    center = ROW + "/center"
+    sites, errors = probe_like_tables(dhen.model)
+    fwd = (pl.col("pass") == "fwd") & pl.col("site").str.ends_with("fc1")
+    errors = errors.with_columns(
+        pl.when(fwd).then(pl.lit("unsafe")).otherwise(pl.col("verdict")).alias("verdict"),
+        pl.when(fwd).then(0.6).otherwise(pl.col("ucb_rel_err")).alias("ucb_rel_err"),
+        pl.when(fwd).then(0.5).otherwise(pl.col("lcb_rel_err")).alias("lcb_rel_err"),
+    )
+    centered = errors.filter(fwd).with_columns(
+        pl.lit(center).alias("recipe"), pl.lit("safe").alias("verdict"),
+        pl.lit(0.02).alias("ucb_rel_err"), pl.lit(0.019).alias("lcb_rel_err"),
+    )  # fmt: skip
+    errors = pl.concat([errors, centered])
+    fast = synthetic_kernel_bench([(32, 32, 64)], backend="torch.native")
+    slower = synthetic_kernel_bench(
+        [(32, 32, 64)], {"fwd": center}, backend="torch.native", fp8_ms=0.6
+    ).filter(pl.col("recipe") == center)
+    plan = make_plan(sites, errors, pl.concat([fast, slower]), PlanConfig(mode="compiled"))
+    rows = {(r["site"], r["pass"]): r for r in plan.table.iter_rows(named=True)}
+    assert rows[("blocks.0.fc1", "fwd")]["recipe"] == center
+    reasons = [r["reason"] for r in rows[("blocks.0.fc1", "fwd")]["rejected"]]
+    assert any(reason.startswith("unsafe") for reason in reasons)
+    applied = apply(dhen.model, plan)
+    module = dict(dhen.model.named_modules())["blocks.0.fc1"]
+    assert isinstance(module, Fp8Linear) and module.fp8_config.fwd.recipe.center
+    assert module.native_plan is not None and module.native_plan.fwd.center
+    dhen.model.train()
+    dhen.loss(dhen.model, next(dhen.train_batches())).backward()  # it runs, and trains
+    assert module.weight.grad is not None and torch.isfinite(module.weight.grad).all()
+    applied.undo()
