@@ -184,15 +184,16 @@ def _compiled_native_quantize() -> Callable[..., tuple]:
 
 def centered_quantize(
     t: torch.Tensor, other: torch.Tensor, fmt: str, granularity: str
-) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """A centering pass's first operand as the native linear prepares it: the token mean
-    taken out, what is left quantized, and the mean's product with `other` (the GEMV whose
-    result the GEMM adds as its bias)."""
-    from loka.kernels.native import quantize_native
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """A centering pass's first operand as the native linear prepares it
+    (`NativePass.centered`, then its quantization): the token mean taken out, what is left
+    quantized, and the mean's product with `other` [C, width] (the GEMV whose result the
+    GEMM adds as its bias)."""
+    from loka.mods.native_function import NativePass
 
-    t = t.float()
-    mean = t.mean(dim=0, keepdim=True)
-    return quantize_native(t - mean, fmt, granularity), mean @ other.float()
+    native = NativePass(fmt, fmt, granularity, False, None, center=True)
+    t, shared = native.centered(t, other, other.shape[1])
+    return native.quantize(t, "a"), shared
 
 
 @functools.cache
@@ -353,35 +354,26 @@ class PassTimer:
             centered = recipe.center and i == 0  # fwd's x, dgrad's dY
             operand = QuantOperand(*sample.shape, sample.element_size(), recipe.granularity,
                                    transpose, centered)  # fmt: skip
+
+            def get(source=source) -> torch.Tensor:
+                return source if isinstance(source, torch.Tensor) else source.next()[0]
+
             if centered:
-                # the product of the mean [1, C] with the weight as [C, width]
+                # with the product of the mean [1, C] with the weight as [C, width]
                 other = self._master_w.t() if pass_ == "fwd" else self._master_w
                 center = _compiled_native_centered_quantize()
 
-                def measure(source=source, fmt=fmt, other=other, center=center) -> float:
-                    def get() -> torch.Tensor:
-                        return source if isinstance(source, torch.Tensor) else source.next()[0]
+                def run(get=get, fmt=fmt, other=other, center=center):
+                    return center(get(), other, fmt, recipe.granularity)
+            else:
+                # The static graph's form: a jagged site (Fp8LinearConfig.tokens_vary) runs
+                # its two-stage amax with M symbolic at about the static one-stage speed
+                # (0.199 vs 0.159 ms, 0.526 vs 0.517 ms;
+                # bench/results/native_dynamic_20261202T170340Z).
+                def run(get=get, fmt=fmt, transpose=transpose):
+                    return quant(get(), fmt, recipe.granularity, transpose=transpose)
 
-                    return self._measure(lambda: center(get(), other, fmt, recipe.granularity))
-
-                ms, fitted = self.native_quant.time(operand, measure)
-                total += ms
-                if fitted:
-                    self._fitted.add(key)
-                continue
-
-            # The static graph's form: a jagged site (Fp8LinearConfig.tokens_vary) runs its
-            # two-stage amax with M symbolic at about the static one-stage speed (0.199 vs
-            # 0.159 ms, 0.526 vs 0.517 ms; bench/results/native_dynamic_20261202T170340Z).
-            def measure(source=source, fmt=fmt, transpose=transpose) -> float:
-                def get() -> torch.Tensor:
-                    return source if isinstance(source, torch.Tensor) else source.next()[0]
-
-                return self._measure(
-                    lambda: quant(get(), fmt, recipe.granularity, transpose=transpose)
-                )
-
-            ms, fitted = self.native_quant.time(operand, measure)
+            ms, fitted = self.native_quant.time(operand, lambda run=run: self._measure(run))
             total += ms
             if fitted:
                 self._fitted.add(key)
