@@ -184,16 +184,16 @@ def _compiled_native_quantize() -> Callable[..., tuple]:
 
 def centered_quantize(
     t: torch.Tensor, other: torch.Tensor, fmt: str, granularity: str
-) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """A centering pass's first operand as the native linear prepares it
-    (`NativePass.centered`, then its quantization): the token mean taken out, what is left
-    quantized, and the mean's product with `other` [C, width] (the GEMV whose result the
-    GEMM adds as its bias)."""
-    from loka.mods.native_function import NativePass
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A centering pass's first operand as the native linear prepares it (the work of
+    loka.mods' `NativePass.centered`, private to loka.mods): the token mean taken out, what
+    is left quantized, and the mean's product with `other` (the GEMV whose result the GEMM
+    adds as its bias)."""
+    from loka.kernels.native import quantize_native
 
-    native = NativePass(fmt, fmt, granularity, False, None, center=True)
-    t, shared = native.centered(t, other, other.shape[1])
-    return native.quantize(t, "a"), shared
+    t = t.float()
+    mean = t.mean(dim=0, keepdim=True)
+    return quantize_native(t - mean, fmt, granularity), mean @ other.float()
 
 
 @functools.cache
