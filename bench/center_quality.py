@@ -2,11 +2,13 @@
 
 A controlled A/B on the CPU (FP8 numerics through `torch.native.cpu`): a zoo model trained
 from the same seeds and batches three ways, every linear named by `--sites` running its
-forward in rowwise e4m3 plainly, or centered (`.../center`), or not at all (bf16 autocast
-throughout); backward passes stay high precision in all three, so only the forward's FP8
-rounding differs. Reports the eval metrics after `--steps` and the loss curve of each run.
+forward (or with `--pass dgrad` its dgrad) in rowwise e4m3 plainly, or centered
+(`.../center`), or not at all (bf16 autocast throughout); the other passes stay high
+precision in all three, so only that pass's FP8 rounding differs. Reports the eval metrics
+after `--steps` and the loss curve of each run.
 
     python bench/center_quality.py --model dhen --preset base --steps 400 --seeds 0,1,2
+    python bench/center_quality.py --preset large --batch 1024 --sites 'blocks.*.fc2' --pass dgrad
 
 Results: center_quality_<utc time>.json in --out (default $OUT, else bench/results/).
 """
@@ -29,13 +31,14 @@ import loka.zoo as zoo
 from loka.mods import Fp8Linear, Fp8LinearConfig, PassConfig
 
 CPU = "torch.native.cpu"
-FORWARDS = {"plain": "e4m3:e4m3/row/dynamic", "center": "e4m3:e4m3/row/dynamic/center"}
+RECIPES = {"plain": "e4m3:e4m3/row/dynamic", "center": "e4m3:e4m3/row/dynamic/center"}
 
 
-def convert(model: nn.Module, patterns: list[str], recipe: str) -> list[str]:
-    """Every nn.Linear matching `patterns` swapped for an Fp8Linear whose forward runs
-    `recipe` (backward passes in high precision); the names swapped."""
-    config = Fp8LinearConfig(PassConfig(recipe, CPU), PassConfig("bf16"), PassConfig("bf16"))
+def convert(model: nn.Module, patterns: list[str], recipe: str, pass_: str = "fwd") -> list[str]:
+    """Every nn.Linear matching `patterns` swapped for an Fp8Linear whose `pass_` (fwd or
+    dgrad) runs `recipe`, its other passes in high precision; the names swapped."""
+    fp8, high = PassConfig(recipe, CPU), PassConfig("bf16")
+    config = Fp8LinearConfig(*(fp8 if p == pass_ else high for p in ("fwd", "dgrad", "wgrad")))
     names = [
         n
         for n, m in model.named_modules()
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace, seed: int, variant: str) -> dict:
     setup = zoo.create(args.model, args.preset, seed=seed, batch_size=args.batch)
     swapped = []
     if variant != "bf16":
-        swapped = convert(setup.model, args.sites.split(","), FORWARDS[variant])
+        swapped = convert(setup.model, args.sites.split(","), RECIPES[variant], args.pass_)
     t0 = time.monotonic()
     losses = zoo.train(setup, args.steps, autocast_dtype=torch.bfloat16, lr=args.lr)
     setup.model.eval()
@@ -71,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="dhen")
     p.add_argument("--preset", default="base")
     p.add_argument("--sites", default="blocks.*,head.*", help="globs of the FP8 forwards")
+    p.add_argument("--pass", dest="pass_", choices=("fwd", "dgrad"), default="fwd",
+                   help="the pass that runs FP8 at those sites (dgrad: the gradient's summed "
+                        "part, `packages/probe/README.md`)")  # fmt: skip
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch", type=int, default=None, help="default: the preset's")
     p.add_argument("--lr", type=float, default=1e-3)

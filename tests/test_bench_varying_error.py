@@ -49,7 +49,11 @@ def test_the_script_writes_every_sites_errors_and_its_collapse_rows(tmp_path):
     # centering is a projection: the varying share of an output is at most all of it
     assert result["collapse"] and all(0 <= r["spread"] <= 1 for r in result["collapse"])
     for r in result["rows"]:
-        assert r["varying_rel_err"] >= 0 and r["balanced_rel_err"] > 0
-    assert result["changed"] == sum(
-        r["balanced_within_budget"] and not r["varying_within_budget"] for r in result["rows"]
-    )
+        assert r["varying_rel_err"] >= 0 and r["summed_rel_err"] >= 0
+        assert r["balanced_rel_err"] > 0
+    for part in ("varying", "summed"):
+        assert result["changed"][part] == sum(
+            r["balanced_within_budget"] and not r[f"{part}_within_budget"] for r in result["rows"]
+        )
+    # the summed error is a dgrad's: elsewhere the excess reads the balanced errors'
+    assert any(r["pass"] == "dgrad" and r["recipe"].endswith("/center") for r in result["rows"])

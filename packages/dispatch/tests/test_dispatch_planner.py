@@ -385,3 +385,26 @@ def test_a_pass_refused_for_its_varying_error_says_so() -> None:
     assert "adds 2.8 to the part of the output that varies" in row
     # Over budget by its balanced error: no varying note.
     assert "varying" not in reasons[("torch.scaled_mm", TENSOR)]
+
+
+def test_a_dgrad_refused_for_its_summed_error_says_so() -> None:
+    sites = sites_table(("fc", 1024, 4096, 8192, None))
+    errors = errors_table([("fc", ROW, "dgrad", 0.4, "unsafe"), ("fc", ROW, "fwd", 0.1, "unsafe")])
+    # Probe's extra columns: the dgrad errs 0.03 overall and 0.4 on its sum over the batch;
+    # the fwd is over budget by its balanced error.
+    extra = pl.DataFrame({
+        "balanced_rel_err": [0.03, 0.1], "varying_rel_err": [0.03, 0.1],
+        "summed_rel_err": [0.4, 0.1], "error_part": ["summed", "balanced"],
+    })  # fmt: skip
+    errors = pl.concat([errors, extra], how="horizontal")
+    bench = bench_table(
+        [*BF16_ROWS, *[("torch.scaled_mm", ROW, p, 0.5, 0.1) for p in ("fwd", "dgrad")]]
+    )
+    rows = plan_rows(make_plan(sites, errors, bench))
+    (dgrad,) = rows["dgrad"]["rejected"]
+    assert (
+        "from its summed error: FP8 adds 0.4 to the output's sum over the batch"
+        in (dgrad["reason"])
+    )
+    (fwd,) = rows["fwd"]["rejected"]
+    assert "from its" not in fwd["reason"]

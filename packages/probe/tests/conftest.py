@@ -54,6 +54,26 @@ def verdict(errors: pl.DataFrame, site: str, recipe: str, pass_: str) -> str:
     return row["verdict"][0]
 
 
+def _plateau(m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output gradients `[m, 256]` of a model on a loss plateau, and a weight `[256, 512]`:
+    every token's gradient is its label's multiple of one shared direction, the multiples
+    cancelling over the batch to 0.2% of a row, plus a 0.1% part (common to the tokens
+    and their own) that holds much of what the sum over the batch keeps."""
+    g = torch.Generator().manual_seed(seed)
+    shared, common = torch.randn(2, 1, 256, generator=g)
+    labels = (torch.rand(m, 1, generator=g) < 0.25).float()
+    multiples = labels.mean() + 0.002 - labels
+    dy = multiples * shared + 1e-3 * (common + torch.randn(m, 256, generator=g))
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(99)) / 16
+    return dy.bfloat16(), w.bfloat16()
+
+
+@pytest.fixture
+def plateau_gradients() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`(m, seed=0) -> (dY, W)`: output gradients of a model on a loss plateau."""
+    return _plateau
+
+
 @pytest.fixture
 def every_step() -> ProbeConfig:
     """Sample every step and never drop one (a deep queue): deterministic CPU tests."""

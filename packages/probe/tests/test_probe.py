@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -447,11 +448,56 @@ def test_a_site_whose_inputs_barely_vary_is_unsafe_in_fwd() -> None:
     assert fwd["bf16_varying_rel_err"] < fwd["varying_rel_err"] / 5
 
 
-def test_the_varying_allowance_is_checked() -> None:
-    with pytest.raises(ValueError, match="varying_allowance is a factor >= 1"):
-        ProbeConfig(varying_allowance=0.5)
+def test_a_site_whose_gradients_cancel_over_the_batch_is_unsafe_in_dgrad(
+    plateau_gradients,
+) -> None:
+    # Output gradients that cancel over the batch (a model on a loss plateau): rowwise e4m3
+    # errs a few percent per token, within the dgrad budget, and drowns the gradient's sum
+    # over the batch, which every gradient upstream is made of. Probe samples 256 of the
+    # 2048 tokens and estimates the whole batch's sum.
+    layer = nn.Linear(512, 256, bias=False)
+    config = ProbeConfig(
+        every=1, warmup_steps=0, rows=256, queue_size=64,
+        recipes={"dgrad": ["e4m3:e4m3/row/dynamic"]},
+    )  # fmt: skip
+    with Probe(layer, config) as probe:
+        for step in range(8):
+            dy, weight = plateau_gradients(2048, seed=step)
+            layer.weight.data.copy_(weight.float())
+            (layer(torch.randn(2048, 512)) * dy.float()).sum().backward()
+            probe.step()
+        errors = probe.tables()["site_errors"]
+    dgrad = errors.filter(pl.col("pass") == "dgrad").row(0, named=True)
+    assert dgrad["balanced_rel_err"] < dgrad["budget"] < dgrad["summed_rel_err"]
+    assert dgrad["varying_rel_err"] < dgrad["budget"]
+    assert dgrad["mean_rel_err"] == pytest.approx(dgrad["summed_rel_err"], rel=0.2)
+    assert dgrad["verdict"] == "unsafe"
+    assert dgrad["bf16_summed_rel_err"] < dgrad["summed_rel_err"] / 5
+
+
+@pytest.mark.parametrize("name", ["varying_allowance", "summed_allowance"])
+def test_the_allowances_are_checked(name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name} is a factor >= 1"):
+        ProbeConfig(**{name: 0.5})
 
 
 def test_center_is_refused_for_wgrad() -> None:
     with pytest.raises(ValueError, match="center is for fwd and dgrad"):
         ProbeConfig(recipes={"wgrad": ["e4m3:e4m3/row/dynamic/center"]})
+
+
+def test_a_series_saved_before_the_varying_and_summed_errors_reads_its_balanced_ones() -> None:
+    from loka.probe.state import ErrorSeries
+
+    old = {"steps": [3, 1], "balanced": [0.02, 0.01], "frobenius": [0.02, 0.01],
+           "ref_sq": [1.0, 1.0], "err_sq": [4e-4, 1e-4], "max_abs": [0.1, 0.1],
+           "emulated": True}  # fmt: skip
+    new = ErrorSeries()
+    new.add(2, np.array([1e-4, 1.0, 1e-4, 1.0, 0.1, 0.04, 1.0, 0.09, 1.0]), emulated=False)
+    merged = ErrorSeries.merged([old, new.to_dict()])
+    assert merged.steps == [1, 2, 3]
+    assert merged.varying == pytest.approx([0.01, 0.2, 0.02])
+    assert merged.summed == pytest.approx([0.01, 0.3, 0.02])
+    config = ProbeConfig()
+    assert merged.largest_part(np.ones(3, bool), None, config) == "summed"
+    assert merged.errors(None, config) == pytest.approx([0.01, 0.3, 0.02])

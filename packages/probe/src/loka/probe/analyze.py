@@ -58,6 +58,7 @@ def pass_operands(
         out["dgrad"] = PassOperands(
             gemm.dy, gemm.weight.T, False, True, gemm.dy_amax, gemm.w_amax,
             history=hist("grad_output", "weight"), token_rows=True,
+            summed_total=gemm.m_total,
         )  # fmt: skip
         # wgrad reduces over all M rows: rowwise scales come from the full column amaxes.
         out["wgrad"] = PassOperands(

@@ -76,6 +76,9 @@ class ProbeConfig:
     # varying error, README "The part of the output that tells examples apart"): a batch's
     # error is max(balanced, varying excess / varying_allowance).
     varying_allowance: float = 4.0
+    # The same for the error of a dgrad output's sum over the batch (the summed error,
+    # README "The gradient's sum over the batch"): max(..., summed excess / summed_allowance).
+    summed_allowance: float = 1.0
     # A site whose |x| tail (p99.9, amax) or mean error moves by more than this factor
     # between two windows is flagged and re-verified from the newer window on.
     drift_tolerance: float = 2.0
@@ -121,11 +124,13 @@ class ProbeConfig:
             )
         if self.max_sites_per_step is not None and self.max_sites_per_step < 1:
             raise ValueError("ProbeConfig.max_sites_per_step must be >= 1 or None")
-        if not (isinstance(self.varying_allowance, int | float) and self.varying_allowance >= 1):
-            raise ValueError(
-                "ProbeConfig.varying_allowance is a factor >= 1 (1: the varying error counts "
-                f"like the balanced one), got {self.varying_allowance!r}"
-            )
+        for name in ("varying_allowance", "summed_allowance"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value >= 1):
+                raise ValueError(
+                    f"ProbeConfig.{name} is a factor >= 1 (1: that error counts like the "
+                    f"balanced one), got {value!r}"
+                )
         if not 0.5 <= self.confidence < 1:
             raise ValueError(f"ProbeConfig.confidence must be in [0.5, 1), got {self.confidence}")
         if not self.drift_tolerance > 1:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -45,8 +46,8 @@ from loka.schema import QuantConfig, Recipe
 from loka.schema.fp8 import dequantize
 
 # Columns of the per-GEMM error sums.
-BAL_NUM, BAL_DEN, ERR_SQ, REF_SQ, MAX_ABS, VAR_NUM, VAR_DEN = range(7)
-N_SUMS = 7
+BAL_NUM, BAL_DEN, ERR_SQ, REF_SQ, MAX_ABS, VAR_NUM, VAR_DEN, SUM_NUM, SUM_DEN = range(9)
+N_SUMS = 9
 # How far above zero (in its standard deviations) a sampled wgrad's pair term must stand
 # before the reference counts it as coherent (`extrapolate_sums`).
 PAIR_Z = 2.0
@@ -71,30 +72,46 @@ class PassOperands:
     # Fwd and dgrad: the output's rows are tokens, so the varying sums (`error_sums`) take
     # the part of each output channel that varies from token to token.
     token_rows: bool = False
+    # Dgrad: the output's rows are a uniform sample of this many tokens, and the output's
+    # sum over all of them is what the gradients upstream are made of (`summed_sums`).
+    # None: the summed sums repeat the balanced ones.
+    summed_total: int | None = None
     # history length H -> (max amax of A, of B) over the H steps before this one
     history: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def inverse_row_norms(t: torch.Tensor) -> torch.Tensor:
+    """`1 / ||t[i]||` per row (float64); zero where a row is all zero."""
+    norms = t.double().pow(2).sum(dim=1).sqrt()
+    return torch.where(norms > 0, norms.reciprocal(), torch.zeros_like(norms))
 
 
 def balance_weights(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-entry weights `1 / (||a[i]|| * ||b[j]||)` of the output `a @ b.T` (float64);
     zero where an operand row is all zero."""
-    norms = [t.double().pow(2).sum(dim=1).sqrt() for t in (a, b)]
-    inv = [torch.where(n > 0, n.reciprocal(), torch.zeros_like(n)) for n in norms]
-    return inv[0][:, None] * inv[1][None, :]
+    return inverse_row_norms(a)[:, None] * inverse_row_norms(b)[None, :]
 
 
 def error_sums(
-    out: torch.Tensor, ref: torch.Tensor, weights: torch.Tensor, token_rows: bool = False
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    weights: torch.Tensor,
+    token_rows: bool = False,
+    summed: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """[balanced error^2, balanced reference^2, error^2, reference^2, max |error|, varying
-    error^2, varying reference^2].
+    error^2, varying reference^2, summed error^2, summed reference^2].
 
     The varying sums are the balanced ones after each output channel's mean over the tokens
     is taken out (`token_rows`; otherwise they repeat the balanced sums). They are what
     tells examples apart: a layer whose output is nearly the same for every token (a model
     on a loss plateau, whose hidden states collapse towards one vector) can show a 1-2%
     error overall and 300% of the part that varies (DHEN large, `blocks.1-3.fc1` fwd
-    rowwise e4m3), an error the plain statistic never shows."""
+    rowwise e4m3), an error the plain statistic never shows.
+
+    The summed sums (`summed`: the output columns' balance weights and the tokens the rows
+    were sampled from; otherwise they repeat the balanced sums) are those of the output's
+    sum over the tokens (`summed_sums`)."""
     err = out.double() - ref
     bal_err, bal_ref = err * weights, ref * weights
     sums = [
@@ -108,7 +125,50 @@ def error_sums(
         sums += [(t - t.mean(dim=0)).pow(2).sum() for t in (bal_err, bal_ref)]
     else:
         sums += sums[:2]
+    if summed is not None and err.shape[0] > 1:
+        sums += list(summed_sums(err, ref, *summed))
+    else:
+        sums += sums[:2]
     return torch.stack(sums)
+
+
+def summed_sums(
+    err: torch.Tensor, ref: torch.Tensor, column_weights: torch.Tensor, m_total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(error^2, reference^2) of a token-row output's sum over all `m_total` tokens, per
+    column weighted by `column_weights`, estimated from the `m` sampled rows of `err` and
+    `ref` (`[m, columns]`, float64).
+
+    A dgrad output's sum over the tokens is what the gradients upstream are made of: every
+    bias gradient there, and the weight gradients wherever the inputs there collapse
+    towards one shared vector (their outer product with it). On a loss plateau the tokens'
+    gradients cancel in that sum while the rounding errors of inputs that share their
+    structure do not: DHEN large's `blocks.*.fc2` dgrad in rowwise e4m3 errs 1.2-1.4%
+    per token and 15-19% on the sum over 1024 tokens (bf16: 0.6%), and the cancelling
+    sum grows like sqrt(M) where the coherent error grows like M.
+
+    The sample's sum misstates the M-token one for that reason, so it is extrapolated as
+    a wgrad's is (`extrapolate_sums`): from two random halves A and B of the sample,
+    ``s T^2 + c T_A T_B`` with s = M/m and c = M(M-m)/(m_A m_B). The pair term of either
+    counts only as far as it stands `PAIR_Z` standard deviations above zero: a sum has
+    as many entries as the output has columns, too few for the pair term of independent
+    errors to average out, and c is large (~4000 at m = 512 of M = 16384)."""
+    w2 = column_weights.pow(2)
+    m = err.shape[0]
+    if m_total <= m or m < 4:
+        return tuple((w2 * t.sum(dim=0).square()).sum() for t in (err, ref))
+    part_a, part_b = (p.to(err.device) for p in split_halves(m))
+    m_a, m_b = len(part_a), len(part_b)
+    s, c = m_total / m, m_total * (m_total - m) / (m_a * m_b)
+    out = []
+    for t in (err, ref):
+        own, pairs, pairs_sq = pair_moments(
+            t.index_select(0, part_a).sum(dim=0, keepdim=True),
+            t.index_select(0, part_b).sum(dim=0, keepdim=True),
+            w2[None, :],
+        )[:3]
+        out.append(s * own + c * (pairs - PAIR_Z * pairs_sq.sqrt()).clamp(min=0))
+    return out[0], out[1]
 
 
 def missing_sums(like: torch.Tensor) -> torch.Tensor:
@@ -208,7 +268,8 @@ def extrapolate_sums(
         sums += [operands + relative * reference, reference]
     err = sum(o.double() - r for o, r in zip(out_halves, ref_halves, strict=True))
     sums.append(err.abs().amax() if err.numel() else err.new_zeros(()))
-    return torch.stack(sums + sums[:2])  # no token rows: the varying sums are the balanced
+    # no token rows: the varying and summed sums are the balanced ones
+    return torch.stack(sums + sums[:2] + sums[:2])
 
 
 def pair_moments(t_a: torch.Tensor, t_b: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -255,11 +316,14 @@ def pass_error_sums(
 
     refs = [columns(ops.a, p).double() @ columns(ops.b, p).double().T for p in parts]
     weights = balance_weights(ops.a, ops.b)
+    summed = None
+    if ops.summed_total is not None:
+        summed = (inverse_row_norms(ops.b), max(ops.summed_total, ops.a.shape[0]))
 
     def sums(halves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Error sums from each part's (GEMM output, exact product of its operands)."""
         if not sampled:
-            return error_sums(halves[0][0], refs[0], weights, ops.token_rows)
+            return error_sums(halves[0][0], refs[0], weights, ops.token_rows, summed)
         outs, exacts = ([h[i] for h in halves] for i in (0, 1))
         sizes = (len(parts[0]), len(parts[1]))
         return extrapolate_sums(outs, exacts, refs, weights, ops.m_total, sizes)
@@ -330,10 +394,17 @@ def centered_output(
     return exact.to(out_dtype), exact
 
 
-def relative_errors(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(balanced, plain Frobenius, varying) relative errors from error sums `[..., N_SUMS]`."""
-    return (
-        (sums[..., BAL_NUM] / sums[..., BAL_DEN]).sqrt(),
-        (sums[..., ERR_SQ] / sums[..., REF_SQ]).sqrt(),
-        (sums[..., VAR_NUM] / sums[..., VAR_DEN]).sqrt(),
-    )
+class RelativeErrors(NamedTuple):
+    balanced: torch.Tensor
+    frobenius: torch.Tensor
+    varying: torch.Tensor
+    summed: torch.Tensor
+
+
+def relative_errors(sums: torch.Tensor) -> RelativeErrors:
+    """The relative errors from error sums `[..., N_SUMS]`."""
+    return RelativeErrors(
+        *((sums[..., num] / sums[..., den]).sqrt() for num, den in (
+            (BAL_NUM, BAL_DEN), (ERR_SQ, REF_SQ), (VAR_NUM, VAR_DEN), (SUM_NUM, SUM_DEN)
+        ))
+    )  # fmt: skip

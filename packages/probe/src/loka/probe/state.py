@@ -7,24 +7,39 @@ from typing import Any
 
 import numpy as np
 
-from loka.probe.gemm_error import BAL_DEN, BAL_NUM, ERR_SQ, MAX_ABS, REF_SQ, VAR_DEN, VAR_NUM
+from loka.probe.gemm_error import (
+    BAL_DEN,
+    BAL_NUM,
+    ERR_SQ,
+    MAX_ABS,
+    REF_SQ,
+    SUM_DEN,
+    SUM_NUM,
+    VAR_DEN,
+    VAR_NUM,
+)
 from loka.probe.verdict import Bounds, decide, mean_bounds
 from loka.stats import Sketch
 
-_SERIES_FIELDS = ("steps", "balanced", "frobenius", "ref_sq", "err_sq", "max_abs", "varying")
+_SERIES_FIELDS = (
+    "steps", "balanced", "frobenius", "ref_sq", "err_sq", "max_abs", "varying", "summed"
+)  # fmt: skip
+# Fields a series saved before they existed lacks: its balanced errors stand in.
+_LATER_FIELDS = ("varying", "summed")
 
 
 @dataclass
 class ErrorSeries:
     """Per-batch errors of one (site, recipe, pass), in step order.
 
-    A batch's error, the one the bounds and verdicts read (`errors`), is the larger of
-    its balanced error and its *varying excess* divided by `ProbeConfig.varying_allowance`.
-    The excess is how much the recipe adds, beyond the bf16 GEMM of the same batch, to the
-    error of the output's token-to-token variation, ``sqrt(max(0, varying^2 - bf16
-    varying^2))``: the bf16 GEMM's share is taken out because its output rounding, the same
-    in every recipe, is no cost of FP8; the squares subtract because the two roundings are
-    independent."""
+    A batch's error, the one the bounds and verdicts read (`errors`), is the largest of
+    its balanced error, its *varying excess* divided by `ProbeConfig.varying_allowance`
+    and its *summed excess* divided by `ProbeConfig.summed_allowance`. An excess is how
+    much the recipe adds, beyond the bf16 GEMM of the same batch, to the error of the
+    output's token-to-token variation (varying) or of its sum over the tokens (summed,
+    dgrad), ``sqrt(max(0, e^2 - e_bf16^2))``: the bf16 GEMM's share is taken out because
+    its output rounding, the same in every recipe, is no cost of FP8; the squares
+    subtract because the two roundings are independent."""
 
     steps: list[int] = field(default_factory=list)
     balanced: list[float] = field(default_factory=list)
@@ -33,6 +48,7 @@ class ErrorSeries:
     err_sq: list[float] = field(default_factory=list)
     max_abs: list[float] = field(default_factory=list)
     varying: list[float] = field(default_factory=list)
+    summed: list[float] = field(default_factory=list)
     emulated: bool = False
 
     def add(self, step: int, sums: np.ndarray, emulated: bool) -> None:
@@ -42,27 +58,42 @@ class ErrorSeries:
         self.ref_sq.append(float(sums[REF_SQ]))
         self.err_sq.append(float(sums[ERR_SQ]))
         self.max_abs.append(float(sums[MAX_ABS]))
-        # An output that does not vary over the batch at all: its balanced error stands in.
-        varies = sums[VAR_DEN] > 0 and np.isfinite(sums[VAR_NUM] / sums[VAR_DEN])
-        self.varying.append(
-            float(np.sqrt(sums[VAR_NUM] / sums[VAR_DEN])) if varies else self.balanced[-1]
-        )
+        # An output that does not vary over the batch at all, or sums to zero over it:
+        # its balanced error stands in.
+        for values, num, den in ((self.varying, VAR_NUM, VAR_DEN), (self.summed, SUM_NUM, SUM_DEN)):
+            measured = sums[den] > 0 and np.isfinite(sums[num] / sums[den])
+            values.append(float(np.sqrt(sums[num] / sums[den])) if measured else self.balanced[-1])
         self.emulated |= emulated
 
-    def excess(self, bf16: ErrorSeries | None) -> np.ndarray:
-        """Per batch, the varying error beyond bf16's on the same step (the varying error
-        itself where bf16 has no batch of that step, or for the bf16 series itself)."""
-        varying = np.nan_to_num(np.asarray(self.varying, dtype=np.float64))
+    def excess(self, bf16: ErrorSeries | None, part: str = "varying") -> np.ndarray:
+        """Per batch, the `part` ("varying" or "summed") error beyond bf16's on the same
+        step (that error itself where bf16 has no batch of that step, or for the bf16
+        series itself)."""
+        values = np.nan_to_num(np.asarray(getattr(self, part), dtype=np.float64))
         if bf16 is None or bf16 is self:
-            return varying
-        base = dict(zip(bf16.steps, bf16.varying, strict=True))
+            return values
+        base = dict(zip(bf16.steps, getattr(bf16, part), strict=True))
         own = np.nan_to_num(np.array([base.get(s, 0.0) for s in self.steps], dtype=np.float64))
-        return np.sqrt(np.maximum(varying**2 - own**2, 0.0))
+        return np.sqrt(np.maximum(values**2 - own**2, 0.0))
 
-    def errors(self, bf16: ErrorSeries | None, allowance: float) -> np.ndarray:
-        """Per batch, the error a verdict reads: max(balanced, varying excess / allowance)."""
-        balanced = np.asarray(self.balanced, dtype=np.float64)
-        return np.maximum(balanced, self.excess(bf16) / allowance)
+    def parts(self, bf16: ErrorSeries | None, config: Any) -> dict[str, np.ndarray]:
+        """Per batch, the balanced error and the varying and summed excesses over their
+        allowances (`config`: a ProbeConfig)."""
+        return {
+            "balanced": np.asarray(self.balanced, dtype=np.float64),
+            "varying": self.excess(bf16, "varying") / config.varying_allowance,
+            "summed": self.excess(bf16, "summed") / config.summed_allowance,
+        }
+
+    def errors(self, bf16: ErrorSeries | None, config: Any) -> np.ndarray:
+        """Per batch, the error a verdict reads: the largest of `parts`."""
+        return np.maximum.reduce(list(self.parts(bf16, config).values()))
+
+    def largest_part(self, keep: np.ndarray, bf16: ErrorSeries | None, config: Any) -> str:
+        """The part of `parts` largest on average over the batches `keep`: what the
+        verdict's error mostly is."""
+        means = {k: float(v[keep].mean()) for k, v in self.parts(bf16, config).items()}
+        return max(means, key=means.__getitem__)  # ties: the balanced error first
 
     def mask(self, first_step: int, last_step: int | None = None) -> np.ndarray:
         steps = np.asarray(self.steps, dtype=np.int64)
@@ -71,7 +102,7 @@ class ErrorSeries:
 
     def bounds(self, first_step: int, config: Any, bf16: ErrorSeries | None) -> Bounds:
         """Bounds at `config.confidence` of the errors from `first_step` on."""
-        errors = self.errors(bf16, config.varying_allowance)
+        errors = self.errors(bf16, config)
         return mean_bounds(errors[self.mask(first_step)], config.confidence)
 
     def to_dict(self) -> dict[str, Any]:
@@ -86,8 +117,9 @@ class ErrorSeries:
         )
         for _, k, i in rows:
             for f in _SERIES_FIELDS:
-                # a part saved before the varying error existed: its balanced error
-                values = parts[k].get(f, parts[k]["balanced"]) if f == "varying" else parts[k][f]
+                values = (
+                    parts[k].get(f, parts[k]["balanced"]) if f in _LATER_FIELDS else parts[k][f]
+                )
                 getattr(out, f).append(values[i])
         out.emulated = any(p["emulated"] for p in parts)
         return out

@@ -27,6 +27,9 @@ ERRORS_EXTRA = {
     "balanced_rel_err": pl.Float64(),
     "varying_rel_err": pl.Float64(),
     "bf16_varying_rel_err": pl.Float64(),
+    "summed_rel_err": pl.Float64(),
+    "bf16_summed_rel_err": pl.Float64(),
+    "error_part": pl.String(),
     "first_step": pl.Int64(),
 }
 
@@ -81,11 +84,13 @@ def _error_rows(state: SiteState, config: ProbeConfig) -> list[dict[str, Any]]:
         budget = config.budget(state.name, pass_)
         err_sq = float(np.asarray(series.err_sq)[keep].sum())
         ref_sq = float(np.asarray(series.ref_sq)[keep].sum())
-        bf16_err = bf16_varying = None
+        bf16_err = bf16_varying = bf16_summed = None
         if bf16 is not None and bf16.mask(state.verify_from).any():
             bf16_keep = bf16.mask(state.verify_from)
-            bf16_err = float(np.asarray(bf16.balanced)[bf16_keep].mean())
-            bf16_varying = float(np.asarray(bf16.varying)[bf16_keep].mean())
+            bf16_err, bf16_varying, bf16_summed = (
+                float(np.asarray(getattr(bf16, f))[bf16_keep].mean())
+                for f in ("balanced", "varying", "summed")
+            )
         steps = np.asarray(series.steps)[keep]
         rows.append(
             {
@@ -110,6 +115,9 @@ def _error_rows(state: SiteState, config: ProbeConfig) -> list[dict[str, Any]]:
                 "balanced_rel_err": float(np.asarray(series.balanced)[keep].mean()),
                 "varying_rel_err": float(series.excess(bf16)[keep].mean()),
                 "bf16_varying_rel_err": bf16_varying,
+                "summed_rel_err": float(series.excess(bf16, "summed")[keep].mean()),
+                "bf16_summed_rel_err": bf16_summed,
+                "error_part": series.largest_part(keep, bf16, config),
                 "first_step": int(steps.min()),
             }
         )

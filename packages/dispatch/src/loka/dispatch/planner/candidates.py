@@ -232,16 +232,26 @@ def _checked_verdict(err: dict, bound: float | None, budget: float) -> tuple[str
     return verdict, ""
 
 
-def _varying_note(err: dict, budget: float) -> str:
-    """Why a row whose balanced error is within budget is unsafe: its varying error (Probe's
-    `varying_rel_err`: what FP8 adds to the output's token-to-token part), if the table says
-    so (tables written before Probe measured it have no such column)."""
-    balanced, varying = err.get("balanced_rel_err"), err.get("varying_rel_err")
-    if balanced is None or varying is None or not balanced <= budget:
+_PART_NOTES = {
+    "varying": "to the part of the output that varies over the batch",
+    "summed": "to the output's sum over the batch, which the gradients upstream are made of",
+}
+
+
+def _part_note(err: dict, budget: float) -> str:
+    """Why a row whose balanced error is within budget is unsafe: the part of Probe's error
+    that decided (`error_part`, from its `varying_rel_err` or `summed_rel_err`: what FP8
+    adds to the output's token-to-token part, or to a dgrad output's sum over the tokens).
+    Tables written before Probe measured a part have no such column: then nothing, or the
+    varying error where only it was measured."""
+    balanced = err.get("balanced_rel_err")
+    part = err.get("error_part") or ("varying" if "error_part" not in err else None)
+    value = err.get(f"{part}_rel_err") if part in _PART_NOTES else None
+    if balanced is None or value is None or not balanced <= budget:
         return ""
     return (
-        f" from its varying error: FP8 adds {varying:.3g} to the part of the output that "
-        f"varies over the batch (balanced error {balanced:.3g}: within budget)"
+        f" from its {part} error: FP8 adds {value:.3g} {_PART_NOTES[part]} (balanced error "
+        f"{balanced:.3g}: within budget)"
     )
 
 
@@ -327,7 +337,7 @@ def site_candidates(
                 elif verdict == "unsafe":
                     reason = (
                         f"unsafe: error bound {bound:.4g} > budget {budget:.4g}{why}"
-                        f"{_varying_note(err, budget)}"
+                        f"{_part_note(err, budget)}"
                     )
                 elif verdict == UNDECIDED and not config.allow_undecided:
                     reason = (
