@@ -11,7 +11,9 @@ gradient averaged over the batches (`averaged`: an error that persists from batc
 batch, a bias, keeps its size there, noise shrinks), and how much the exact gradient
 itself moves from batch to batch (`noise`). Beside them, Probe's summed error of each
 site's dgrad (`packages/probe/README.md`, "The gradient's sum over the batch") on the same
-batches, in the same three ways.
+batches, in the same three ways, from the output gradients of a bf16-autocast step (the
+ones training quantizes; the upstream errors above are of a float32 step, so that only the
+named dgrads differ).
 
     python bench/summed_error.py --model dhen --preset large --batch 1024 --steps 40
 
@@ -121,9 +123,12 @@ def run(args: argparse.Namespace) -> dict:
     hooks = route(model, ways, seen)
     batches_iter = setup.train_batches()
     batches = [next(batches_iter) for _ in range(args.batches)]
-    weights = {n: p for n, p in model.named_parameters() if p.ndim == 2}
-    groups = {g: [n for n in weights if fnmatch.fnmatch(n, g)] for g in args.groups.split(",")}
+    # only the weights of the groups are kept, once per batch and way (an embedding table's
+    # gradient would be the size of the table every time)
+    named = dict(model.named_parameters())
+    groups = {g: [n for n in named if fnmatch.fnmatch(n, g)] for g in args.groups.split(",")}
     groups = {g: names for g, names in groups.items() if names}
+    weights = {n: named[n] for names in groups.values() for n in names}
     linears = {n for n, m in model.named_modules() if type(m) is nn.Linear}
 
     def gradients(batch, site_ways: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -140,17 +145,19 @@ def run(args: argparse.Namespace) -> dict:
             n for n in linears if any(fnmatch.fnmatch(n, g) for g in sites_glob.split(","))
         )
         summed = {s: {w: [] for w in WAYS} for s in sites}
-        by_way = {}
-        for way in WAYS:
-            by_way[way] = []
-            for batch in batches:
-                seen.clear()
-                by_way[way].append(gradients(batch, dict.fromkeys(sites, way)))
-                if way == WAYS[0]:  # the output gradients are the same in every way
-                    modules = dict(model.named_modules())
-                    for s in sites:
-                        for w, e in summed_errors(seen[s], modules[s].weight.detach()).items():
-                            summed[s][w].append(e)
+        modules = dict(model.named_modules())
+        for batch in batches:  # the output gradients as training makes them: bf16 autocast
+            seen.clear()
+            ways.clear()
+            with torch.autocast(setup.device.type, dtype=torch.bfloat16):
+                loss = setup.loss(model, batch)
+            loss.backward()
+            for s in sites:
+                for w, e in summed_errors(seen[s], modules[s].weight.detach()).items():
+                    summed[s][w].append(e)
+        by_way = {
+            way: [gradients(batch, dict.fromkeys(sites, way)) for batch in batches] for way in WAYS
+        }
         for group, names in groups.items():
             flat = [torch.cat([g[n].flatten() for n in names]) for g in exact]
             mean_exact = torch.stack(flat).mean(dim=0)

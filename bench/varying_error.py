@@ -21,6 +21,7 @@ Results: varying_error_<device>_<utc time>.json in --out (default $OUT, else ben
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as dt
 import os
 import time
@@ -99,9 +100,21 @@ def collapse(setup: zoo.ZooSetup, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
+def parse_override(text: str) -> tuple[str, object]:
+    """`FIELD=VALUE` -> (field, value): the value as a Python literal where it is one."""
+    field, sep, value = text.partition("=")
+    if not sep or not field:
+        raise SystemExit(f"--override takes FIELD=VALUE, got {text!r}")
+    try:
+        return field, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return field, value
+
+
 def run(name: str, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     device = torch.device(args.device)
-    setup = zoo.create(name, args.preset, device=device, batch_size=args.batch, seed=0)
+    overrides = dict(parse_override(o) for o in args.override)
+    setup = zoo.create(name, args.preset, device=device, batch_size=args.batch, seed=0, **overrides)
     config = ProbeConfig(every=1, warmup_steps=0, rows=args.rows, queue_size=64,
                          recipes=RECIPES, min_batches=3)  # fmt: skip
     dtype = torch.bfloat16
@@ -136,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="dhen,wukong,interformer,hstu")
     p.add_argument("--preset", default="large")
+    p.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a model or data config field of the preset replaced (zoo.create), "
+                        "e.g. max_table_rows=200000 to fit an xl model's tables in a CPU's "
+                        "memory; repeatable")  # fmt: skip
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--rows", type=int, default=512, help="tokens Probe samples per batch")
     p.add_argument("--steps", type=int, default=12)

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
@@ -57,3 +58,11 @@ def test_the_script_writes_every_sites_errors_and_its_collapse_rows(tmp_path):
         )
     # the summed error is a dgrad's: elsewhere the excess reads the balanced errors'
     assert any(r["pass"] == "dgrad" and r["recipe"].endswith("/center") for r in result["rows"])
+
+
+def test_an_override_is_a_literal_where_it_is_one():
+    assert script.parse_override("max_table_rows=200000") == ("max_table_rows", 200000)
+    assert script.parse_override("layout=padded") == ("layout", "padded")
+    assert script.parse_override("widths=(4, 8)") == ("widths", (4, 8))
+    with pytest.raises(SystemExit, match="FIELD=VALUE"):
+        script.parse_override("max_table_rows")
