@@ -32,20 +32,13 @@ from pathlib import Path
 import torch
 from harness import metadata, write_json
 from torch import nn
+from varying_error import rowwise
 
 import loka.zoo as zoo
 from loka.probe.gemm_error import PassOperands, pass_error_sums, relative_errors
-from loka.probe.quantize import quantize_operand
-from loka.schema import QuantConfig, Recipe
-from loka.schema.fp8 import dequantize
+from loka.schema import Recipe
 
-ROWWISE = QuantConfig("e4m3", "row")
 WAYS = ("bf16", "row", "center")
-
-
-def rowwise(t: torch.Tensor) -> torch.Tensor:
-    """`t [rows, K]` through rowwise e4m3 and back (float32)."""
-    return dequantize(*quantize_operand(t.float(), ROWWISE)).float()
 
 
 def dgrad(dy: torch.Tensor, weight: torch.Tensor, way: str) -> torch.Tensor:

@@ -315,10 +315,11 @@ def pass_error_sums(
         return t.index_select(1, part) if t.shape[1] == m else t
 
     refs = [columns(ops.a, p).double() @ columns(ops.b, p).double().T for p in parts]
-    weights = balance_weights(ops.a, ops.b)
+    b_inverse_norms = inverse_row_norms(ops.b)  # the balance weights' columns, once
+    weights = inverse_row_norms(ops.a)[:, None] * b_inverse_norms[None, :]
     summed = None
     if ops.summed_total is not None:
-        summed = (inverse_row_norms(ops.b), max(ops.summed_total, ops.a.shape[0]))
+        summed = (b_inverse_norms, max(ops.summed_total, ops.a.shape[0]))
 
     def sums(halves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Error sums from each part's (GEMM output, exact product of its operands)."""
