@@ -14,6 +14,10 @@ seconds per variant:
   in FP8 as well;
 - ``plan+wgrad.tensor``: the plan with both wgrad passes in FP8 at tensor scales (one
   amax per operand instead of one per column over the tokens);
+- ``plan+center``, ``plan+fc2.center``: the plan with both forwards, or fc2's, centered
+  (``.../center``: the input's token mean taken out before quantizing and its product with
+  the weight added back as the GEMM's bias): what the mean, its GEMV and the bias cost in
+  the graph, where the standalone bench times them apart from the input's producer;
 - ``fc1.wgrad``: that wgrad pass alone in FP8;
 - ``triton``, ``triton+wgrad``: the plan, and the plan with both wgrad passes, on
   ``torch.scaled_mm`` instead: the same GEMMs, the operands quantized by our Triton kernels
@@ -46,6 +50,7 @@ from harness import Budget, metadata, parser, profile_events, stamp, time_ms, wr
 
 ROW = "e4m3:e4m3/row/dynamic"
 TENSOR = "e4m3:e4m3/tensor/dynamic"
+CENTER = "e4m3:e4m3/row/dynamic/center"
 PLAN = ("fc1.fwd", "fc1.dgrad", "fc2.fwd", "fc2.dgrad")
 # variant -> the passes in FP8, as "linear.pass"
 VARIANTS = {
@@ -55,6 +60,8 @@ VARIANTS = {
     "plan+fc2.wgrad": (*PLAN, "fc2.wgrad"),
     "plan+wgrad": (*PLAN, "fc1.wgrad", "fc2.wgrad"),
     "plan+wgrad.tensor": (*PLAN, "fc1.wgrad:tensor", "fc2.wgrad:tensor"),
+    "plan+center": ("fc1.fwd:center", "fc1.dgrad", "fc2.fwd:center", "fc2.dgrad"),
+    "plan+fc2.center": ("fc1.fwd", "fc1.dgrad", "fc2.fwd:center", "fc2.dgrad"),
     "fc1.wgrad": ("fc1.wgrad",),
     "triton": PLAN,
     "triton+wgrad": (*PLAN, "fc1.wgrad", "fc2.wgrad"),
@@ -101,7 +108,7 @@ def block(
     dim: int, hidden: int, fp8: tuple[str, ...], device: str, seed: int = 0, backend: str = NATIVE
 ):
     """The pre-norm MLP block with the named passes in FP8 (on `backend`, e4m3, rowwise;
-    a pass named ``linear.pass:tensor`` at tensor scales)."""
+    a pass named ``linear.pass:tensor`` at tensor scales, ``linear.pass:center`` centered)."""
     import torch
     from torch import nn
 
@@ -114,6 +121,8 @@ def block(
         def recipe(p: str) -> PassConfig | str:
             if f"{name}.{p}:tensor" in fp8:
                 return PassConfig(TENSOR, backend)
+            if f"{name}.{p}:center" in fp8:
+                return PassConfig(CENTER, backend)
             return PassConfig(ROW, backend) if f"{name}.{p}" in fp8 else "bf16"
 
         passes = {p: recipe(p) for p in ("fwd", "dgrad", "wgrad")}

@@ -42,14 +42,23 @@ def test_each_variant_puts_its_passes_in_fp8(script):
         assert {p.backend for p in linear.fp8_config.passes().values()} == {"torch.scaled_mm"}
     assert script.backend_of("triton") == "torch.scaled_mm" == script.backend_of("triton+wgrad")
     assert script.backend_of("plan+wgrad") == "torch.native"
+    centered = script.block(16, 32, script.VARIANTS["plan+fc2.center"], "cpu")
+    assert centered.fc2.fp8_config.fwd.recipe.center
+    assert not centered.fc1.fp8_config.fwd.recipe.center
+    assert not centered.fc2.fp8_config.dgrad.recipe.center
 
 
 def test_main_writes_a_row_per_variant_with_its_speedup_and_profile(script, tmp_path):
-    assert script.main(["--out", str(tmp_path), "--variants", "bf16,plan+wgrad,plan+wgrad.tensor,triton", "--profile",
+    assert script.main(["--out", str(tmp_path), "--variants", "bf16,plan+wgrad,plan+wgrad.tensor,plan+center,triton", "--profile",
                         "--tokens", "32", "--dim", "16", "--hidden", "32"]) == 0  # fmt: skip
     (result,) = tmp_path.glob("wgrad_in_graph_*.json")
     rows = json.loads(result.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["bf16", "plan+wgrad", "plan+wgrad.tensor"]
+    assert [r["variant"] for r in rows] == [
+        "bf16",
+        "plan+wgrad",
+        "plan+wgrad.tensor",
+        "plan+center",
+    ]
     assert all(r["inductor"] == "default" for r in rows)
     meta = json.loads(result.read_text())["meta"]
     assert meta["skipped"] == ["triton: torch.scaled_mm needs a GPU"]
@@ -58,6 +67,7 @@ def test_main_writes_a_row_per_variant_with_its_speedup_and_profile(script, tmp_
     (profiles,) = tmp_path.glob("wgrad_in_graph_*_profiles")
     assert sorted(p.name for p in profiles.iterdir()) == [
         "profile_bf16_default.txt",
+        "profile_plan_center_default.txt",
         "profile_plan_wgrad.tensor_default.txt",
         "profile_plan_wgrad_default.txt",
     ]

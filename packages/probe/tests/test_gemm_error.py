@@ -6,10 +6,20 @@ import pytest
 import torch
 
 from loka.probe.gemm_error import (
+    BAL_DEN,
+    REF_SQ,
+    SUM_DEN,
+    VAR_DEN,
     PassOperands,
     balance_weights,
+    error_sums,
+    extrapolate_sums,
+    inverse_row_norms,
     pass_error_sums,
+    reference_moments,
+    reference_sums,
     relative_errors,
+    split_halves,
 )
 from loka.probe.scaled_mm import has_fp8_gemm
 from loka.schema import Recipe
@@ -345,3 +355,34 @@ def test_the_summed_error_of_a_sample_estimates_the_whole_batchs(plateau_gradien
     mean = sum(estimates) / len(estimates)
     assert truth / 1.5 < mean < truth * 1.5  # 1.07 against 1.12
     assert sum(own) / len(own) < 0.6 * truth  # the sample's own sum: 0.50
+
+
+def test_the_reference_is_summed_once_per_pass_with_the_same_result() -> None:
+    """`pass_error_sums` takes the reference's sums once for all recipes of a pass; they
+    equal the sums taken along with each output alone, sampled wgrad included."""
+    g = torch.Generator().manual_seed(3)
+    dy = torch.randn(96, 40, generator=g).bfloat16()
+    wt = torch.randn(48, 40, generator=g).bfloat16()
+    ref = dy.double() @ wt.double().T
+    weights = balance_weights(dy, wt)
+    summed = (inverse_row_norms(wt), 8 * dy.shape[0])
+    out = (ref + 1e-2 * torch.randn(ref.shape, generator=g, dtype=torch.float64)).float()
+    shared = reference_sums(ref, weights, True, summed)
+    alone = error_sums(out, ref, weights, True, summed)
+    assert torch.equal(error_sums(out, ref, weights, True, summed, reference=shared), alone)
+
+    halves = [dy.double().index_select(0, p) for p in split_halves(96)]
+    refs = [h.T @ h for h in halves]
+    outs = [r + 1e-3 for r in refs]
+    w = torch.ones_like(refs[0])
+    sizes = (len(halves[0]), len(halves[1]))
+    alone = extrapolate_sums(outs, outs, refs, w, 1024, sizes)
+    moments = reference_moments(refs, w, 1024, 96)
+    assert torch.equal(extrapolate_sums(outs, outs, refs, w, 1024, sizes, moments), alone)
+
+    ops = PassOperands(dy, wt, False, True, dy.abs().amax(), wt.abs().amax(), token_rows=True,
+                       summed_total=8 * dy.shape[0])  # fmt: skip
+    rows = pass_error_sums(ops, RECIPES, out_dtype=torch.bfloat16)[0]
+    for col in (BAL_DEN, REF_SQ, VAR_DEN, SUM_DEN):  # one reference for every row
+        assert torch.equal(rows[:, col], rows[0, col].expand(len(RECIPES) + 1))
+        assert rows[0, col] > 0

@@ -73,7 +73,7 @@ class PassOperands:
     # the part of each output channel that varies from token to token.
     token_rows: bool = False
     # Dgrad: the output's rows are a uniform sample of this many tokens, and the output's
-    # sum over all of them is what the gradients upstream are made of (`summed_sums`).
+    # sum over all of them is what the gradients upstream are made of (`summed_square`).
     # None: the summed sums repeat the balanced ones.
     summed_total: int | None = None
     # history length H -> (max amax of A, of B) over the H steps before this one
@@ -98,6 +98,7 @@ def error_sums(
     weights: torch.Tensor,
     token_rows: bool = False,
     summed: tuple[torch.Tensor, int] | None = None,
+    reference: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[balanced error^2, balanced reference^2, error^2, reference^2, max |error|, varying
     error^2, varying reference^2, summed error^2, summed reference^2].
@@ -111,33 +112,46 @@ def error_sums(
 
     The summed sums (`summed`: the output columns' balance weights and the tokens the rows
     were sampled from; otherwise they repeat the balanced sums) are those of the output's
-    sum over the tokens (`summed_sums`)."""
+    sum over the tokens (`summed_square`).
+
+    `reference`: `reference_sums` of the same arguments, when several outputs are judged
+    against one reference (every recipe of a pass): taken once instead of per output."""
+    if reference is None:
+        reference = reference_sums(ref, weights, token_rows, summed)
+    bal_den, ref_sq, var_den, sum_den = reference.unbind()
     err = out.double() - ref
-    bal_err, bal_ref = err * weights, ref * weights
-    sums = [
-        bal_err.pow(2).sum(),
-        bal_ref.pow(2).sum(),
-        err.pow(2).sum(),
-        ref.pow(2).sum(),
-        err.abs().amax() if err.numel() else err.new_zeros(()),
-    ]
-    if token_rows and err.shape[0] > 1:
-        sums += [(t - t.mean(dim=0)).pow(2).sum() for t in (bal_err, bal_ref)]
-    else:
-        sums += sums[:2]
-    if summed is not None and err.shape[0] > 1:
-        sums += list(summed_sums(err, ref, *summed))
-    else:
-        sums += sums[:2]
-    return torch.stack(sums)
+    bal_err = err * weights
+    bal_num = bal_err.pow(2).sum()
+    many = err.shape[0] > 1
+    var_num = (bal_err - bal_err.mean(dim=0)).pow(2).sum() if token_rows and many else bal_num
+    sum_num = summed_square(err, *summed) if summed is not None and many else bal_num
+    max_abs = err.abs().amax() if err.numel() else err.new_zeros(())
+    return torch.stack(
+        [bal_num, bal_den, err.pow(2).sum(), ref_sq, max_abs, var_num, var_den, sum_num, sum_den]
+    )
 
 
-def summed_sums(
-    err: torch.Tensor, ref: torch.Tensor, column_weights: torch.Tensor, m_total: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(error^2, reference^2) of a token-row output's sum over all `m_total` tokens, per
-    column weighted by `column_weights`, estimated from the `m` sampled rows of `err` and
-    `ref` (`[m, columns]`, float64).
+def reference_sums(
+    ref: torch.Tensor,
+    weights: torch.Tensor,
+    token_rows: bool = False,
+    summed: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """The reference's side of `error_sums`: [balanced reference^2, reference^2, varying
+    reference^2, summed reference^2] (the last two repeat the first where `error_sums`
+    repeats the balanced sums)."""
+    bal_ref = ref * weights
+    bal_den = bal_ref.pow(2).sum()
+    many = ref.shape[0] > 1
+    var_den = (bal_ref - bal_ref.mean(dim=0)).pow(2).sum() if token_rows and many else bal_den
+    sum_den = summed_square(ref, *summed) if summed is not None and many else bal_den
+    return torch.stack([bal_den, ref.pow(2).sum(), var_den, sum_den])
+
+
+def summed_square(t: torch.Tensor, column_weights: torch.Tensor, m_total: int) -> torch.Tensor:
+    """The square of a token-row output's sum over all `m_total` tokens, per column weighted
+    by `column_weights`, estimated from the `m` sampled rows of `t` (`[m, columns]`,
+    float64): of an error (the summed error^2) or of the reference.
 
     A dgrad output's sum over the tokens is what the gradients upstream are made of: every
     bias gradient there, and the weight gradients wherever the inputs there collapse
@@ -149,26 +163,23 @@ def summed_sums(
 
     The sample's sum misstates the M-token one for that reason, so it is extrapolated as
     a wgrad's is (`extrapolate_sums`): from two random halves A and B of the sample,
-    ``s T^2 + c T_A T_B`` with s = M/m and c = M(M-m)/(m_A m_B). The pair term of either
-    counts only as far as it stands `PAIR_Z` standard deviations above zero: a sum has
+    ``s T^2 + c T_A T_B`` with s = M/m and c = M(M-m)/(m_A m_B). The pair term counts
+    only as far as it stands `PAIR_Z` standard deviations above zero: a sum has
     as many entries as the output has columns, too few for the pair term of independent
     errors to average out, and c is large (~4000 at m = 512 of M = 16384)."""
     w2 = column_weights.pow(2)
-    m = err.shape[0]
+    m = t.shape[0]
     if m_total <= m or m < 4:
-        return tuple((w2 * t.sum(dim=0).square()).sum() for t in (err, ref))
-    part_a, part_b = (p.to(err.device) for p in split_halves(m))
+        return (w2 * t.sum(dim=0).square()).sum()
+    part_a, part_b = (p.to(t.device) for p in split_halves(m))
     m_a, m_b = len(part_a), len(part_b)
     s, c = m_total / m, m_total * (m_total - m) / (m_a * m_b)
-    out = []
-    for t in (err, ref):
-        own, pairs, pairs_sq = pair_moments(
-            t.index_select(0, part_a).sum(dim=0, keepdim=True),
-            t.index_select(0, part_b).sum(dim=0, keepdim=True),
-            w2[None, :],
-        )[:3]
-        out.append(s * own + c * (pairs - PAIR_Z * pairs_sq.sqrt()).clamp(min=0))
-    return out[0], out[1]
+    own, pairs, pairs_sq = pair_moments(
+        t.index_select(0, part_a).sum(dim=0, keepdim=True),
+        t.index_select(0, part_b).sum(dim=0, keepdim=True),
+        w2[None, :],
+    )[:3]
+    return s * own + c * (pairs - PAIR_Z * pairs_sq.sqrt()).clamp(min=0)
 
 
 def missing_sums(like: torch.Tensor) -> torch.Tensor:
@@ -222,6 +233,7 @@ def extrapolate_sums(
     weights: torch.Tensor,
     m_total: int,
     sizes: tuple[int, int],
+    ref_moments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Error sums of the whole M-token GEMM estimated from two halves of an m-token sample.
 
@@ -246,13 +258,16 @@ def extrapolate_sums(
     not assumed; without one the sample's own relative error is kept), and the operands'
     error counts its pair term whenever it is positive (errors are not assumed to cancel).
     The balanced weights come from the sample (their M-token values differ by the common
-    factor s, taken out so that the sums stay comparable with an unsampled GEMM's)."""
+    factor s, taken out so that the sums stay comparable with an unsampled GEMM's).
+
+    `ref_moments`: `reference_moments` of the same halves and weights, when several outputs
+    are judged against one reference (every recipe of a pass): taken once, not per output."""
     m_a, m_b = sizes
     m = m_a + m_b
     s = m_total / m
     c = m_total * (m_total - m) / (m_a * m_b)
     w2 = (weights / s).pow(2)
-    ref = pair_moments(*ref_halves, w2)
+    ref = reference_moments(ref_halves, weights, m_total, m) if ref_moments is None else ref_moments
     exact_halves = [e.double() for e in exact_halves]
     op = pair_moments(*(e - r for e, r in zip(exact_halves, ref_halves, strict=True)), w2)
     rounding = [o.double() - e for o, e in zip(out_halves, exact_halves, strict=True)]
@@ -270,6 +285,14 @@ def extrapolate_sums(
     sums.append(err.abs().amax() if err.numel() else err.new_zeros(()))
     # no token rows: the varying and summed sums are the balanced ones
     return torch.stack(sums + sums[:2] + sums[:2])
+
+
+def reference_moments(
+    ref_halves: Sequence[torch.Tensor], weights: torch.Tensor, m_total: int, m: int
+) -> torch.Tensor:
+    """`pair_moments` of the reference's halves, with the balance weights of an m-token
+    sample of an M-token GEMM (`extrapolate_sums`)."""
+    return pair_moments(*ref_halves, (weights / (m_total / m)).pow(2))
 
 
 def pair_moments(t_a: torch.Tensor, t_b: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -321,13 +344,24 @@ def pass_error_sums(
     if ops.summed_total is not None:
         summed = (b_inverse_norms, max(ops.summed_total, ops.a.shape[0]))
 
+    # The reference's own sums are the same for every recipe: taken once, when first needed.
+    reference: list[torch.Tensor] = []
+
     def sums(halves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Error sums from each part's (GEMM output, exact product of its operands)."""
         if not sampled:
-            return error_sums(halves[0][0], refs[0], weights, ops.token_rows, summed)
+            if not reference:
+                reference.append(reference_sums(refs[0], weights, ops.token_rows, summed))
+            return error_sums(
+                halves[0][0], refs[0], weights, ops.token_rows, summed, reference=reference[0]
+            )
         outs, exacts = ([h[i] for h in halves] for i in (0, 1))
         sizes = (len(parts[0]), len(parts[1]))
-        return extrapolate_sums(outs, exacts, refs, weights, ops.m_total, sizes)
+        if not reference:
+            reference.append(reference_moments(refs, weights, ops.m_total, m))
+        return extrapolate_sums(
+            outs, exacts, refs, weights, ops.m_total, sizes, ref_moments=reference[0]
+        )
 
     def bf16_halves() -> list[tuple[torch.Tensor, torch.Tensor]]:
         if ops.a.dtype == ops.b.dtype == torch.bfloat16:  # autocast: the reference already is
