@@ -366,6 +366,28 @@ def test_an_undecided_all_bf16_plan_says_so_and_how_many_batches_would_decide() 
     assert decided.summary.sites_fp8 == 1 and decided.summary.undecided is None
 
 
+def test_the_undecided_candidates_that_would_change_the_plan_are_named() -> None:
+    """The summary names the undecided candidates a plan would take were they safe, what
+    that plan predicts, and the batches that would decide them; undecided candidates that
+    would change nothing (bf16 is faster) leave no such stakes."""
+    sites = sites_table(("fc", 1024, 4096, 8192, None))
+    bench = bench_table([*BF16_ROWS, *[("torch.scaled_mm", ROW, p, 0.5, 0.1) for p in PASSES]])
+    plan = make_plan(sites, _errors(4, 0.05, 0.01), bench)
+    stakes = plan.summary.undecided_stakes
+    assert stakes["candidates"] == 3 and stakes["passes"] == ["fc/dgrad", "fc/fwd", "fc/wgrad"]
+    bold = make_plan(sites, _errors(4, 0.05, 0.01), bench, PlanConfig(allow_undecided=True))
+    assert stakes["gemm_speedup"] == bold.summary.gemm_speedup > plan.summary.gemm_speedup
+    assert stakes["batches"] == 5
+    line = next(x for x in plan.summary.lines() if x.startswith("of those, 3 would change"))
+    assert "about 5 sampled batches in all" in line
+    # The stakes survive the round trip a saved or broadcast plan takes.
+    assert PlanSummary.from_dict(dict(plan.summary.__dict__)).undecided_stakes == stakes
+    # FP8 slower than bf16 at every pass: deciding would change nothing.
+    slow = bench_table([*BF16_ROWS, *[("torch.scaled_mm", ROW, p, 5.0, 0.1) for p in PASSES]])
+    idle = make_plan(sites, _errors(4, 0.05, 0.01), slow)
+    assert idle.summary.undecided is not None and idle.summary.undecided_stakes is None
+
+
 def test_a_pass_refused_for_its_varying_error_says_so() -> None:
     sites = sites_table(("fc", 1024, 4096, 8192, None))
     errors = errors_table(

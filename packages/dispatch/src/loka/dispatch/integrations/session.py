@@ -86,6 +86,12 @@ class SessionConfig:
     """What a `Session` does and when.
 
     warmup_steps: bf16 steps with Probe before planning.
+    decide_steps: at most this many more warm-up steps, taken when the plan made at the end
+        of the warm-up would change were its undecided verdicts decided safe
+        (`PlanSummary.undecided_stakes`) by more than `DECIDE_MIN_GAIN`: Probe stays
+        attached, samples on at its schedule until about as many batches as would decide
+        those verdicts, and the plan is then made again (with the same kernel timings).
+        0 (default): plan at `warmup_steps`, whatever is undecided.
     probe: a `loka.probe.ProbeConfig` (None: `warmup_probe_config(warmup_steps)`, a dense
         schedule: every step of a warm-up under 100 steps, else about 10 sampled steps, all
         sites each time; Probe's own defaults are for cheap monitoring of a whole run and
@@ -110,6 +116,7 @@ class SessionConfig:
     """
 
     warmup_steps: int = 100
+    decide_steps: int = 0
     probe: Any = None
     plan: PlanConfig = field(default_factory=PlanConfig)
     apply: ApplyConfig = field(default_factory=ApplyConfig)
@@ -127,6 +134,8 @@ class SessionConfig:
     def __post_init__(self) -> None:
         if self.warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1, got {self.warmup_steps}")
+        if self.decide_steps < 0:
+            raise ValueError(f"decide_steps must be >= 0, got {self.decide_steps}")
         if self.reprobe_every is not None and self.reprobe_every <= self.reprobe_steps:
             raise ValueError("reprobe_every must be larger than reprobe_steps")
         if self.reprobe_steps < 1:
@@ -150,6 +159,41 @@ def _probe_module():
 
     # Without it, plan from saved tables with loka.dispatch.make_plan.
     return require("loka.probe", "a Session (it probes the model during the warm-up)")
+
+
+# A warm-up is extended to decide verdicts (`SessionConfig.decide_steps`) only for at least
+# this much more predicted end-to-end speedup (or, without a prediction, GEMM speedup).
+DECIDE_MIN_GAIN = 0.005
+
+
+def _stakes_gain(summary) -> str:
+    stakes = summary.undecided_stakes or {}
+    if summary.predicted_speedup is not None and stakes.get("predicted_speedup") is not None:
+        return f"predicted {summary.predicted_speedup:.3f}x -> {stakes['predicted_speedup']:.3f}x"
+    return f"GEMM time {summary.gemm_speedup:.2f}x -> {stakes.get('gemm_speedup', 0):.2f}x bf16"
+
+
+def steps_to_decide(summary, probe_config, step: int, limit: int) -> int:
+    """About how many more steps Probe, sampling on at `probe_config`'s schedule from step
+    `step`, needs to have sampled the batches that would decide the undecided candidates
+    that hold the plan back (`PlanSummary.undecided_stakes`), at most `limit`; 0 when none
+    is worth it (the plan would gain less than `DECIDE_MIN_GAIN`) or the batches needed are
+    unknown."""
+    stakes = summary.undecided_stakes
+    if not stakes or not stakes.get("batches"):
+        return 0
+    predicted = stakes.get("predicted_speedup")
+    if summary.predicted_speedup is not None and predicted is not None:
+        gain = predicted / summary.predicted_speedup - 1.0
+    else:
+        gain = stakes["gemm_speedup"] / summary.gemm_speedup - 1.0
+    if gain < DECIDE_MIN_GAIN:
+        return 0
+    more, taken = stakes["batches"] - stakes.get("seen", 0), 0
+    while more > 0 and taken < limit:
+        more -= probe_config.is_sampled(step + taken)
+        taken += 1
+    return taken
 
 
 class Session:
@@ -195,6 +239,11 @@ class Session:
         self.kernel_bench: pl.DataFrame | None = None
         self.nonfinite_losses = 0
         self.skipped_steps = 0  # optimizer steps skipped for non-finite gradients
+        # The warm-up ends at this step count: `warmup_steps`, later by the steps taken to
+        # decide verdicts (`decide_steps`), which are taken at most once.
+        self.warmup_end = self.config.warmup_steps
+        self._decided = self.config.decide_steps == 0
+        self._pending_plan: Plan | None = None
         self._reprobe_start: int | None = None
         self.probe = None
         if self.config.resume is not None:
@@ -242,8 +291,8 @@ class Session:
         self.steps += 1
         if self.phase == "warmup":
             self.probe.step()
-            if self.steps >= self.config.warmup_steps:
-                self.plan_and_apply()
+            if self.steps >= self.warmup_end and not self._probe_on_to_decide():
+                self.plan_and_apply(self._pending_plan)
             return
         if self.phase == "verifying":
             # Before the guard, which arms its hooks on the modules the next step runs.
@@ -268,16 +317,46 @@ class Session:
                     self._event(f"step {step}: non-finite loss {value}")
         self._reprobe(step)
 
-    def plan_and_apply(self) -> Plan:
-        """End the warm-up now: tables, plan (rank 0, broadcast), apply, guard."""
+    def _probe_on_to_decide(self) -> bool:
+        """At the warm-up's end, once (`decide_steps`): plan, and if undecided verdicts hold
+        that plan back by more than `DECIDE_MIN_GAIN`, move the warm-up's end to about the
+        step where Probe will have sampled enough batches to decide them, at most
+        `decide_steps` later (True). Otherwise keep the plan for `plan_and_apply` (False).
+        Every rank decides alike: they share the tables (merged) and the broadcast plan."""
+        if self._decided:
+            return False
+        self._decided = True
+        self.tables = self.probe.tables()  # a collective under torch.distributed
+        plan = plan_once(self._make_plan)
+        more = steps_to_decide(
+            plan.summary, self.probe.config, self.steps, self.config.decide_steps
+        )
+        if more <= 0:
+            self._pending_plan = plan
+            return False
+        stakes = plan.summary.undecided_stakes or {}
+        gain = _stakes_gain(plan.summary)
+        self.warmup_end = self.steps + more
+        self._event(
+            f"warm-up extended by {more} step(s) to step {self.warmup_end}: "
+            f"{stakes.get('candidates')} undecided FP8 candidate(s) would change the plan "
+            f"({gain}); about {stakes.get('batches')} sampled batches would decide most of them"
+        )
+        return True
+
+    def plan_and_apply(self, plan: Plan | None = None) -> Plan:
+        """End the warm-up now: tables, plan (rank 0, broadcast), apply, guard. `plan`: one
+        already made from the tables as they stand (the warm-up's end)."""
         if self.phase == "closed":
             raise RuntimeError("plan_and_apply() after close(): the warm-up's Probe is detached")
         if self.phase != "warmup":
             raise RuntimeError(f"the plan was already applied (phase {self.phase!r})")
-        self.tables = self.probe.tables()  # a collective under torch.distributed
+        if plan is None:
+            self.tables = self.probe.tables()  # a collective under torch.distributed
         self.probe.detach()
         self.probe = None
-        self.plan = plan_once(self._make_plan)
+        self._pending_plan = None
+        self.plan = plan if plan is not None else plan_once(self._make_plan)
         self.applied = apply(self.model, self.plan, self.config.apply, sample=self.sample)
         self.phase = "applied"
         self._event(f"plan applied after {self.steps} step(s): {self.applied.summary()}")
@@ -425,7 +504,10 @@ class Session:
         # The tables say everything the plan needs, the norm feeding each site included
         # (Probe traced it): the model is not traced again.
         sites, errors = self.tables["sites"], self.tables["site_errors"]
-        self.kernel_bench = self._kernel_bench(sites, errors)
+        if self.kernel_bench is None:
+            # Timed once: a warm-up extended to decide verdicts plans again from the same
+            # timings (the sites and their shapes are the same model's).
+            self.kernel_bench = self._kernel_bench(sites, errors)
         return make_plan(sites, errors, self.kernel_bench, self.config.plan,
                          gemm_share=self.config.gemm_share)  # fmt: skip
 

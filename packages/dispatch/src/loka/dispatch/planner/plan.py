@@ -17,6 +17,7 @@ from loka.dispatch.planner.config import PlanConfig
 from loka.dispatch.planner.rows import PLAN_TYPES, plan_rows
 from loka.dispatch.planner.sharing import combine
 from loka.dispatch.planner.summary import PlanSummary, summarize, undecided_note
+from loka.dispatch.planner.undecided import undecided_stakes
 from loka.schema import PASSES, empty, validate
 
 
@@ -150,7 +151,17 @@ def make_plan(
         table = empty("plan")
     passes = ("fwd",) if config.inference else PASSES
     summary = summarize(choices, table, devices, gemm_share, notes, passes)
-    summary.undecided = undecided_note([e for c in choices for e in c.undecided])
+    undecided = [e for c in choices for e in c.undecided]
+    summary.undecided = undecided_note(undecided)
+    if undecided and not config.allow_undecided:
+
+        def optimistic() -> tuple[pl.DataFrame, float | None, float]:
+            bold = dataclasses.replace(config, allow_undecided=True)
+            plan = make_plan(sites, site_errors, kernel_bench, bold, gemm_share=gemm_share)
+            return plan.table, plan.summary.predicted_speedup, plan.summary.gemm_speedup
+
+        stakes = undecided_stakes(table, undecided, optimistic)
+        summary.undecided_stakes = None if stakes is None else stakes.as_dict()
     eager_shares = config.mode != "eager" and not config.inference and gemm_share is None
     if eager_shares and summary.predicted_speedup is not None:
         summary.notes.append(_eager_share_note(summary))

@@ -46,6 +46,11 @@ class PlanSummary:
     # FP8 candidates refused only because their verdict was undecided, and about how many
     # sampled batches would decide them (`undecided_note`); None when there were none.
     undecided: str | None = None
+    # The undecided candidates that would change the plan if they were decided safe
+    # (`planner.undecided.UndecidedStakes.as_dict`: how many, their passes, what that plan
+    # predicts, and about how many sampled batches would decide most of them); None when
+    # no undecided verdict holds the plan back. `Session(decide_steps=...)` probes on for them.
+    undecided_stakes: dict | None = None
     # The ceiling over the candidates the plan may take (safe, allowed): s counted on each
     # pass's fastest such GEMM. ceiling -> safe_ceiling is lost to accuracy (passes no FP8
     # recipe is safe for); safe_ceiling -> predicted to quantization and shared-pass costs.
@@ -132,7 +137,27 @@ class PlanSummary:
                     "cost)"
                 )
         undecided = [self.undecided] if self.undecided else []
+        if self.undecided_stakes:
+            undecided.append(self._stakes_line())
         return out + undecided + self.notes + self._measured_lines()
+
+    def _stakes_line(self) -> str:
+        stakes = self.undecided_stakes or {}
+        n, passes = stakes["candidates"], len(stakes["passes"])
+        if self.predicted_speedup is not None and stakes.get("predicted_speedup") is not None:
+            gain = f"predicted {self.predicted_speedup:.3f}x -> {stakes['predicted_speedup']:.3f}x"
+        else:
+            gain = f"GEMM time {self.gemm_speedup:.2f}x -> {stakes['gemm_speedup']:.2f}x bf16"
+        batches = stakes.get("batches")
+        decide = (
+            f"; about {batches} sampled batches in all would decide most of them"
+            if batches is not None
+            else ""
+        )
+        return (
+            f"of those, {n} would change this plan ({passes} pass(es)) if decided safe: "
+            f"{gain}{decide}"
+        )
 
     def _measured_lines(self) -> list[str]:
         if self.measured_speedup is None:
