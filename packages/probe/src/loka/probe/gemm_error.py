@@ -193,13 +193,17 @@ class _Quantized:
     def __init__(self, ops: PassOperands) -> None:
         self.ops = ops
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._float: dict[str, torch.Tensor] = {}
 
     def get(self, side: str, recipe: Recipe, history: int) -> tuple[torch.Tensor, ...]:
         ops = self.ops
         config: QuantConfig = recipe.operand(side, ops.a_weight if side == "a" else ops.b_weight)
         key = (side, config, history)
         if key not in self._cache:
-            x = ops.a if side == "a" else ops.b
+            # float32 once per operand, not in every recipe's amax and cast
+            x = self._float.get(side)
+            if x is None:
+                x = self._float[side] = (ops.a if side == "a" else ops.b).float()
             if history:
                 tensor_amax = ops.history[history][0 if side == "a" else 1]
             else:

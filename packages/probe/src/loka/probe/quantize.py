@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from loka.schema import QuantConfig
-from loka.schema.fp8 import expand_scale, quantize_reference
+from loka.schema.fp8 import expand_scale, quantize_reference, saturate_cast, scale_from_amax
 
 
 def quantize_operand(
@@ -33,7 +33,15 @@ def quantize_operand(
         amax = tensor_amax.float().reshape(1)
     elif granularity == "row" and row_amax is not None:
         amax = row_amax.float().reshape(rows)
-    q, scale, _ = quantize_reference(x, config, amax)
+    if amax is None:
+        q, scale, _ = quantize_reference(x, config)
+    else:
+        # `quantize_reference(x, config, amax)` less the amax it would measure on x and
+        # return, which nothing here reads: a sampled step quantizes each operand under
+        # several recipes, and on a GPU the analysis pays host time per op.
+        scale = scale_from_amax(amax, config.fmt, config.pow2, config.scale_ub)
+        full = expand_scale(scale, rows, cols, granularity, config.block)
+        q = saturate_cast(x, full, config.fmt)
     if granularity == "tensor":
         return q, scale.view(1, 1)
     if granularity == "row":
