@@ -21,7 +21,7 @@ def test_a_session_warns_when_the_warm_up_ended_undecided(tmp_path) -> None:
     setup = zoo.create("dhen", "tiny", seed=2, batch_size=32)
     probe = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, min_batches=5,
                         rows=32, queue_size=16)  # fmt: skip
-    config = SessionConfig(warmup_steps=2, probe=probe,
+    config = SessionConfig(warmup_steps=2, probe=probe, decide_steps=0,
                            kernel_bench=synthetic_kernel_bench([(32, 32, 64)]))  # fmt: skip
     session = Session(setup.model, config)
     with pytest.warns(UndecidedPlanWarning, match=r"after a warm-up of 2 step\(s\).*undecided"):
@@ -43,11 +43,11 @@ def test_a_session_probes_on_to_decide_what_would_change_its_plan(tmp_path) -> N
     probe = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, min_batches=5,
                         rows=32, queue_size=64)  # fmt: skip
     bench = synthetic_kernel_bench([(32, 32, 64)])
-    config = SessionConfig(warmup_steps=2, decide_steps=12, probe=probe, kernel_bench=bench,
-                           verify=None)  # fmt: skip
+    config = SessionConfig(warmup_steps=2, probe=probe, kernel_bench=bench, verify=None)
+    assert config.decide_limit == 8  # on by default: up to 4 x the warm-up
     session = Session(setup.model, config)
     zoo.train(setup, 2, on_step=lambda step, loss: session.step(loss))
-    assert session.phase == "warmup" and 2 < session.warmup_end <= 14
+    assert session.phase == "warmup" and 2 < session.warmup_end <= 10
     (event,) = [e for e in session.events if e.startswith("warm-up extended by")]
     assert "would change the plan" in event and "sampled batches would decide" in event
     waited = session.warmup_end
@@ -56,13 +56,15 @@ def test_a_session_probes_on_to_decide_what_would_change_its_plan(tmp_path) -> N
     assert session.kernel_bench is bench  # timed (here: given) once, planned twice
     n = session.tables["site_errors"]["n"].max()
     assert n > 2  # the verdicts were judged on the batches of the longer warm-up
-    # Without decide_steps the same warm-up plans at once.
+    # With decide_steps=0 the same warm-up plans at once.
     setup = zoo.create("dhen", "tiny", seed=2, batch_size=32)
     plain = Session(setup.model, SessionConfig(warmup_steps=2, probe=probe, kernel_bench=bench,
-                                               verify=None))  # fmt: skip
+                                               verify=None, decide_steps=0))  # fmt: skip
     with pytest.warns(UserWarning):
         zoo.train(setup, 2, on_step=lambda step, loss: plain.step(loss))
     assert plain.phase == "applied" and plain.warmup_end == 2
+    with pytest.raises(ValueError, match="decide_steps must be >= 0"):
+        SessionConfig(decide_steps=-1)
 
 
 def test_steps_to_decide_counts_the_sampled_steps_and_respects_the_gain_and_limit() -> None:

@@ -96,9 +96,11 @@ def run_demo(
     # Probe samples every warm-up step on short runs; on long ones (GPU) one step in
     # warmup_steps // 10, and the unsampled steps time the bf16 baseline.
     probe = warmup_probe_config(warmup_steps)
+    # On a GPU the warm-up may run on to decide the verdicts that hold the plan back
+    # (`decide_steps`); the CPU demo stays short (its kernel times are estimates anyway).
     config = SessionConfig(
         warmup_steps=warmup_steps, probe=probe, out_dir=out, kernel_bench=kernel_bench,
-        bench_budget_s=bench_budget_s,
+        bench_budget_s=bench_budget_s, decide_steps=None if gpu else 0,
     )  # fmt: skip
     sample = next(setup.train_batches())
     run = torch.compile(setup.model, options=compile_options()) if compile else setup.model
@@ -110,8 +112,8 @@ def run_demo(
     total, i = warmup_steps + steps, 0
     with progress_bar("training", total) as update:
         while i < total:
-            if session.phase == "verifying":
-                total += 1  # verification steps do not count as planned steps
+            if session.phase == "verifying" or (session.phase == "warmup" and i >= warmup_steps):
+                total += 1  # verification and deciding steps do not count as planned steps
             batch = next(batches)
             sampled = session.phase == "warmup" and probe.is_sampled(i)
             start = time.perf_counter()

@@ -194,6 +194,17 @@ class _Quantized:
         self.ops = ops
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._float: dict[str, torch.Tensor] = {}
+        self._values: dict[tuple, torch.Tensor] = {}
+
+    def values(self, side: str, recipe: Recipe, history: int) -> torch.Tensor:
+        """The operand's dequantized float64 values (`get`'s codes over its scales), made
+        once for every recipe that quantizes the operand alike."""
+        ops = self.ops
+        config = recipe.operand(side, ops.a_weight if side == "a" else ops.b_weight)
+        key = (side, config, history)
+        if key not in self._values:
+            self._values[key] = dequantize(*self.get(side, recipe, history))
+        return self._values[key]
 
     def get(self, side: str, recipe: Recipe, history: int) -> tuple[torch.Tensor, ...]:
         ops = self.ops
@@ -395,7 +406,6 @@ def pass_error_sums(
         b_q, b_scale = quantized.get("b", recipe, history)
         halves: list[tuple[torch.Tensor, torch.Tensor]] = []
         emulated.append(False)
-        dequantized: list[torch.Tensor] = []  # made once per recipe, when first needed
         for p in parts:
             out = None
             if real_fp8:
@@ -403,9 +413,8 @@ def pass_error_sums(
                 out = scaled_mm(qa, sa, qb, sb, recipe.granularity, out_dtype)
             exact = None
             if out is None or sampled:  # the sampled estimate needs the operands' own product
-                if not dequantized:
-                    dequantized = [dequantize(a_q, a_scale), dequantize(b_q, b_scale)]
-                exact = columns(dequantized[0], p) @ columns(dequantized[1], p).T
+                a_values, b_values = (quantized.values(x, recipe, history) for x in "ab")
+                exact = columns(a_values, p) @ columns(b_values, p).T
             if out is None:
                 emulated[-1] = True
                 out = exact.to(out_dtype)
