@@ -532,6 +532,11 @@ def run_mode(
         plans[key] = plan_record(plan) | {"bench_notes": bench.notes, "options": opts}
         log(f"{name}/{mode}: {variant} plan {s.sites_fp8} sites / {s.passes_fp8} passes, "
             f"predicted {s.predicted_speedup}, ceiling {s.ceiling}")  # fmt: skip
+        if s.undecided_stakes:
+            # What a Session would probe on for (`SessionConfig.decide_steps`); here the
+            # probe is --probe-steps / --probe-every, fixed: pass more to decide them.
+            log(f"{name}/{mode}: {variant} undecided that would change the plan: "
+                f"{s.stakes_line()}")  # fmt: skip
 
     if args.quality_only:
         rows = [plan_row(name, mode, v, loka_plans.get(v)) for v in variants]

@@ -138,10 +138,11 @@ class PlanSummary:
                 )
         undecided = [self.undecided] if self.undecided else []
         if self.undecided_stakes:
-            undecided.append(self._stakes_line())
+            undecided.append(self.stakes_line())
         return out + undecided + self.notes + self._measured_lines()
 
-    def _stakes_line(self) -> str:
+    def stakes_line(self) -> str:
+        """One line on `undecided_stakes` (which `lines()` prints after the undecided note)."""
         stakes = self.undecided_stakes or {}
         n, passes = stakes["candidates"], len(stakes["passes"])
         if self.predicted_speedup is not None and stakes.get("predicted_speedup") is not None:
