@@ -68,18 +68,25 @@ def test_a_session_probes_on_to_decide_what_would_change_its_plan(tmp_path) -> N
 
 
 def test_steps_to_decide_counts_the_sampled_steps_and_respects_the_gain_and_limit() -> None:
-    from types import SimpleNamespace
-
     from loka.dispatch.integrations.session import steps_to_decide
+    from loka.dispatch.planner import PlanSummary
+
+    def summary_of(undecided_stakes, predicted_speedup, gemm_speedup) -> PlanSummary:
+        return PlanSummary(
+            sites=1, sites_fp8=0, passes_fp8=0, gemm_speedup=gemm_speedup, prequant_speedup=1.8,
+            gemm_share=0.5, predicted_speedup=predicted_speedup, ceiling=1.3, estimated=False,
+            device="test", undecided_stakes=undecided_stakes,
+        )  # fmt: skip
+
     from loka.probe import ProbeConfig
 
     every_4 = ProbeConfig(every=4, warmup_steps=0)
     stakes = {"batches": 10, "seen": 7, "predicted_speedup": 1.05, "gemm_speedup": 1.3}
-    summary = SimpleNamespace(undecided_stakes=stakes, predicted_speedup=1.02, gemm_speedup=1.1)
+    summary = summary_of(undecided_stakes=stakes, predicted_speedup=1.02, gemm_speedup=1.1)
     # 3 more batches from step 10: sampled at 12, 16, 20 -> 11 steps (10..20)
     assert steps_to_decide(summary, every_4, 10, limit=100) == 11
     assert steps_to_decide(summary, every_4, 10, limit=5) == 5
-    small = SimpleNamespace(undecided_stakes=stakes, predicted_speedup=1.049, gemm_speedup=1.1)
+    small = summary_of(undecided_stakes=stakes, predicted_speedup=1.049, gemm_speedup=1.1)
     assert steps_to_decide(small, every_4, 10, limit=100) == 0  # gains < DECIDE_MIN_GAIN
-    none = SimpleNamespace(undecided_stakes=None, predicted_speedup=1.0, gemm_speedup=1.0)
+    none = summary_of(undecided_stakes=None, predicted_speedup=1.0, gemm_speedup=1.0)
     assert steps_to_decide(none, every_4, 10, limit=100) == 0

@@ -423,6 +423,12 @@ def test_a_checkpointed_model_is_probed_as_without_checkpointing() -> None:
         assert tables[True][name].equals(tables[False][name]), name
 
 
+def _rowwise_only(pass_: str) -> ProbeConfig:
+    """Every step sampled (256 rows), and only rowwise e4m3 measured, in `pass_`."""
+    return ProbeConfig(every=1, warmup_steps=0, rows=256, queue_size=64,
+                       recipes={pass_: ["e4m3:e4m3/row/dynamic"]})  # fmt: skip
+
+
 def test_a_site_whose_inputs_barely_vary_is_unsafe_in_fwd() -> None:
     # Hidden states that are one shared vector plus 1% per token (a model on a loss plateau):
     # rowwise e4m3 errs ~4% overall, inside the fwd budget, and more than the whole
@@ -430,10 +436,7 @@ def test_a_site_whose_inputs_barely_vary_is_unsafe_in_fwd() -> None:
     torch.manual_seed(0)
     layer = nn.Linear(256, 128, bias=False)
     shared = torch.randn(1, 256)
-    config = ProbeConfig(
-        every=1, warmup_steps=0, rows=256, queue_size=64,
-        recipes={"fwd": ["e4m3:e4m3/row/dynamic"]},
-    )  # fmt: skip
+    config = _rowwise_only("fwd")
     with Probe(layer, config) as probe:
         for _ in range(8):
             x = shared + 0.01 * torch.randn(512, 256)
@@ -456,10 +459,7 @@ def test_a_site_whose_gradients_cancel_over_the_batch_is_unsafe_in_dgrad(
     # over the batch, which every gradient upstream is made of. Probe samples 256 of the
     # 2048 tokens and estimates the whole batch's sum.
     layer = nn.Linear(512, 256, bias=False)
-    config = ProbeConfig(
-        every=1, warmup_steps=0, rows=256, queue_size=64,
-        recipes={"dgrad": ["e4m3:e4m3/row/dynamic"]},
-    )  # fmt: skip
+    config = _rowwise_only("dgrad")
     with Probe(layer, config) as probe:
         for step in range(8):
             dy, weight = plateau_gradients(2048, seed=step)

@@ -196,20 +196,24 @@ class _Quantized:
         self._float: dict[str, torch.Tensor] = {}
         self._values: dict[tuple, torch.Tensor] = {}
 
+    def _key(self, side: str, recipe: Recipe, history: int) -> tuple:
+        """What an operand's quantization depends on: recipes alike there share it."""
+        ops = self.ops
+        config: QuantConfig = recipe.operand(side, ops.a_weight if side == "a" else ops.b_weight)
+        return side, config, history
+
     def values(self, side: str, recipe: Recipe, history: int) -> torch.Tensor:
         """The operand's dequantized float64 values (`get`'s codes over its scales), made
         once for every recipe that quantizes the operand alike."""
-        ops = self.ops
-        config = recipe.operand(side, ops.a_weight if side == "a" else ops.b_weight)
-        key = (side, config, history)
+        key = self._key(side, recipe, history)
         if key not in self._values:
             self._values[key] = dequantize(*self.get(side, recipe, history))
         return self._values[key]
 
     def get(self, side: str, recipe: Recipe, history: int) -> tuple[torch.Tensor, ...]:
         ops = self.ops
-        config: QuantConfig = recipe.operand(side, ops.a_weight if side == "a" else ops.b_weight)
-        key = (side, config, history)
+        key = self._key(side, recipe, history)
+        _, config, _ = key
         if key not in self._cache:
             # float32 once per operand, not in every recipe's amax and cast
             x = self._float.get(side)
@@ -359,23 +363,22 @@ def pass_error_sums(
     if ops.summed_total is not None:
         summed = (b_inverse_norms, max(ops.summed_total, ops.a.shape[0]))
 
-    # The reference's own sums are the same for every recipe: taken once, when first needed.
-    reference: list[torch.Tensor] = []
+    # The reference's own sums are the same for every row (bf16 and each recipe): once.
+    if sampled:
+        reference = reference_moments(refs, weights, ops.m_total, m)
+    else:
+        reference = reference_sums(refs[0], weights, ops.token_rows, summed)
 
     def sums(halves: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Error sums from each part's (GEMM output, exact product of its operands)."""
         if not sampled:
-            if not reference:
-                reference.append(reference_sums(refs[0], weights, ops.token_rows, summed))
             return error_sums(
-                halves[0][0], refs[0], weights, ops.token_rows, summed, reference=reference[0]
+                halves[0][0], refs[0], weights, ops.token_rows, summed, reference=reference
             )
         outs, exacts = ([h[i] for h in halves] for i in (0, 1))
         sizes = (len(parts[0]), len(parts[1]))
-        if not reference:
-            reference.append(reference_moments(refs, weights, ops.m_total, m))
         return extrapolate_sums(
-            outs, exacts, refs, weights, ops.m_total, sizes, ref_moments=reference[0]
+            outs, exacts, refs, weights, ops.m_total, sizes, ref_moments=reference
         )
 
     def bf16_halves() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -176,13 +176,6 @@ def _probe_module():
 DECIDE_MIN_GAIN = 0.005
 
 
-def _stakes_gain(summary) -> str:
-    stakes = summary.undecided_stakes or {}
-    if summary.predicted_speedup is not None and stakes.get("predicted_speedup") is not None:
-        return f"predicted {summary.predicted_speedup:.3f}x -> {stakes['predicted_speedup']:.3f}x"
-    return f"GEMM time {summary.gemm_speedup:.2f}x -> {stakes.get('gemm_speedup', 0):.2f}x bf16"
-
-
 def steps_to_decide(summary, probe_config, step: int, limit: int) -> int:
     """About how many more steps Probe, sampling on at `probe_config`'s schedule from step
     `step`, needs to have sampled the batches that would decide the undecided candidates
@@ -190,14 +183,7 @@ def steps_to_decide(summary, probe_config, step: int, limit: int) -> int:
     is worth it (the plan would gain less than `DECIDE_MIN_GAIN`) or the batches needed are
     unknown."""
     stakes = summary.undecided_stakes
-    if not stakes or not stakes.get("batches"):
-        return 0
-    predicted = stakes.get("predicted_speedup")
-    if summary.predicted_speedup is not None and predicted is not None:
-        gain = predicted / summary.predicted_speedup - 1.0
-    else:
-        gain = stakes["gemm_speedup"] / summary.gemm_speedup - 1.0
-    if gain < DECIDE_MIN_GAIN:
+    if not stakes or not stakes.get("batches") or summary.undecided_gain < DECIDE_MIN_GAIN:
         return 0
     more, taken = stakes["batches"] - stakes.get("seen", 0), 0
     while more > 0 and taken < limit:
@@ -345,7 +331,7 @@ class Session:
             self._pending_plan = plan
             return False
         stakes = plan.summary.undecided_stakes or {}
-        gain = _stakes_gain(plan.summary)
+        gain = plan.summary.stakes_change()
         self.warmup_end = self.steps + more
         self._event(
             f"warm-up extended by {more} step(s) to step {self.warmup_end}: "

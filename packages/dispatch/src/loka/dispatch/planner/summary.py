@@ -141,14 +141,35 @@ class PlanSummary:
             undecided.append(self.stakes_line())
         return out + undecided + self.notes + self._measured_lines()
 
+    def _stakes_predicted(self) -> bool:
+        """Whether the stakes compare end-to-end predictions (else GEMM speedups)."""
+        stakes = self.undecided_stakes or {}
+        return self.predicted_speedup is not None and stakes.get("predicted_speedup") is not None
+
+    @property
+    def undecided_gain(self) -> float | None:
+        """How much faster the plan would be were `undecided_stakes` decided safe: the
+        relative gain of the end-to-end prediction (of the GEMM speedup where no
+        end-to-end prediction is made); None without stakes."""
+        stakes = self.undecided_stakes
+        if not stakes:
+            return None
+        if self._stakes_predicted():
+            return stakes["predicted_speedup"] / self.predicted_speedup - 1.0
+        return stakes["gemm_speedup"] / self.gemm_speedup - 1.0
+
+    def stakes_change(self) -> str:
+        """What deciding `undecided_stakes` safe would change, in words."""
+        stakes = self.undecided_stakes or {}
+        if self._stakes_predicted():
+            return f"predicted {self.predicted_speedup:.3f}x -> {stakes['predicted_speedup']:.3f}x"
+        return f"GEMM time {self.gemm_speedup:.2f}x -> {stakes['gemm_speedup']:.2f}x bf16"
+
     def stakes_line(self) -> str:
         """One line on `undecided_stakes` (which `lines()` prints after the undecided note)."""
         stakes = self.undecided_stakes or {}
         n, passes = stakes["candidates"], len(stakes["passes"])
-        if self.predicted_speedup is not None and stakes.get("predicted_speedup") is not None:
-            gain = f"predicted {self.predicted_speedup:.3f}x -> {stakes['predicted_speedup']:.3f}x"
-        else:
-            gain = f"GEMM time {self.gemm_speedup:.2f}x -> {stakes['gemm_speedup']:.2f}x bf16"
+        gain = self.stakes_change()
         batches = stakes.get("batches")
         decide = (
             f"; about {batches} sampled batches in all would decide most of them"
