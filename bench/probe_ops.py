@@ -10,6 +10,9 @@ up, the next `--steps` are counted and timed.
     python bench/probe_ops.py --model dhen --preset large --batch-size 256
 
 Run it on two trees (`PYTHONPATH` = another checkout's package sources) for an A/B.
+On a GPU (`--device cuda`), `--error-graphs both` times the analysis with its CUDA graphs
+(`ProbeConfig.error_graphs`) off and on in alternating blocks of one process; there the
+ops are counted only with `--count` (counting costs host time of its own).
 Results in --out: probe_ops_<utc>.json.
 """
 
@@ -33,7 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="dhen")
     p.add_argument("--preset", default="large")
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=2, help="sampled steps counted")
+    p.add_argument("--steps", type=int, default=2, help="sampled steps counted per block")
+    p.add_argument("--rows", type=int, default=256, help="ProbeConfig.rows")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--error-graphs",
+        choices=("off", "on", "both"),
+        default="off",
+        help="ProbeConfig.error_graphs (both: alternating blocks)",
+    )
+    p.add_argument("--blocks", type=int, default=2, help="blocks per variant with 'both'")
+    p.add_argument("--count", action="store_true", help="count aten ops on a GPU too")
     args = p.parse_args(argv)
 
     class Count(TorchDispatchMode):
@@ -43,35 +56,58 @@ def main(argv: list[str] | None = None) -> int:
             Count.ops += 1
             return func(*args, **(kwargs or {}))
 
-    setup = zoo.create(args.model, args.preset, device="cpu", seed=0, batch_size=args.batch_size)
+    device = torch.device(args.device)
+    count = args.count or device.type == "cpu"
+    setup = zoo.create(args.model, args.preset, device=device, seed=0, batch_size=args.batch_size)
     opt = zoo.make_optimizer(setup.model, zoo.OptimizerConfig(lr=1e-3))
-    batches = [b for b, _ in zip(setup.train_batches(), range(args.steps + 1), strict=False)]
-    config = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None,
-                         queue_size=args.steps + 2, timing=False)  # fmt: skip
-    probe = Probe(setup.model, config)
-    zoo.training_step(setup, setup.model, opt, batches[0])
-    probe.step()
-    probe.flush()  # the first sampled step: caches and lazy setup, not counted
-    worker = probe._worker  # the background thread's job function, wrapped to count it
-    process, rows = worker._process, []
-
-    def counted(job) -> None:
-        before, start = Count.ops, time.perf_counter()
-        with Count():
-            process(job)
-        rows.append({"ops": Count.ops - before, "seconds": time.perf_counter() - start})
-
-    worker._process = counted
-    for batch in batches[1:]:
-        zoo.training_step(setup, setup.model, opt, batch)
-        probe.step()
+    # two warm-up steps: a layout's first analysis runs eagerly, its second is captured
+    batches = iter(setup.train_batches())
+    variants = {"both": ["off", "on"] * args.blocks, "on": ["on"], "off": ["off"]}[
+        args.error_graphs
+    ]
+    rows, sites = [], 0
+    for block, variant in enumerate(variants):
+        config = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, rows=args.rows,
+                             queue_size=args.steps + 4, timing=False,
+                             error_graphs=variant == "on")  # fmt: skip
+        probe = Probe(setup.model, config)
+        for _ in range(2):  # caches, lazy setup and the graphs' captures: not counted
+            zoo.training_step(setup, setup.model, opt, next(batches))
+            probe.step()
         probe.flush()
-    probe.detach()
-    meta = metadata("cpu", model=args.model, preset=args.preset, batch_size=args.batch_size,
-                    sites=len(probe.tables()["sites"]), threads=torch.get_num_threads())  # fmt: skip
+        worker = probe._worker  # the background thread's job function, wrapped to count it
+        process = worker._process
+
+        def counted(job, variant=variant, block=block, process=process) -> None:
+            before, start = Count.ops, time.perf_counter()
+            if count:
+                with Count():
+                    process(job)
+            else:
+                process(job)
+            rows.append({"variant": variant, "block": block,
+                         "ops": Count.ops - before if count else None,
+                         "seconds": time.perf_counter() - start})  # fmt: skip
+
+        worker._process = counted
+        for _ in range(args.steps):
+            zoo.training_step(setup, setup.model, opt, next(batches))
+            probe.step()
+            probe.flush()
+        counters = probe.counters
+        rows[-1]["counters"] = {k: v for k, v in counters.items() if k.startswith("graph_")}
+        sites = len(probe.tables()["sites"])
+        probe.detach()
+    meta = metadata(device, model=args.model, preset=args.preset, batch_size=args.batch_size,
+                    rows=args.rows, sites=sites, threads=torch.get_num_threads())  # fmt: skip
     path = write_json(Path(args.out) / f"probe_ops_{stamp()}.json", {"meta": meta, "rows": rows})
     for r in rows:
-        print(f"[probe_ops] {r['ops']} aten ops, {r['seconds']:.2f} s per sampled step")
+        ops = f"{r['ops']} aten ops, " if r["ops"] is not None else ""
+        print(f"[probe_ops] graphs {r['variant']}: {ops}{r['seconds']:.3f} s per sampled step")
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        seconds = sorted(r["seconds"] for r in rows if r["variant"] == variant)
+        print(f"[probe_ops] graphs {variant}: median {seconds[len(seconds) // 2]:.3f} s "
+              f"({seconds[0]:.3f}-{seconds[-1]:.3f}) over {len(seconds)} sampled steps")  # fmt: skip
     print(f"wrote {path}")
     return 0
 

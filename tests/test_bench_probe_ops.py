@@ -1,4 +1,5 @@
-"""bench/probe_ops.py on the CPU (DHEN tiny): a row per counted sampled step, with ops."""
+"""bench/probe_ops.py on the CPU (DHEN tiny): a row per counted sampled step, with ops, per
+variant of the error graphs (on the CPU both run eagerly: graphs are a GPU's)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ def test_it_counts_the_analysis_ops_of_each_sampled_step(tmp_path) -> None:
 
         script = load("probe_ops")
         assert script.main(["--out", str(tmp_path), "--preset", "tiny", "--batch-size", "32",
-                            "--steps", "2"]) == 0  # fmt: skip
+                            "--steps", "2", "--error-graphs", "both", "--blocks", "1"]) == 0  # fmt: skip
     finally:
         sys.path.remove(str(BENCH))
     (result,) = tmp_path.glob("probe_ops_*.json")
     data = json.loads(result.read_text())
-    assert len(data["rows"]) == 2
+    assert [r["variant"] for r in data["rows"]] == ["off", "off", "on", "on"]
     assert all(r["ops"] > 100 and r["seconds"] > 0 for r in data["rows"])
+    assert data["rows"][-1]["counters"]["graph_replays"] == 0  # nothing graphed on a CPU
     assert data["meta"]["model"] == "dhen" and data["meta"]["sites"] > 0

@@ -19,12 +19,14 @@ import torch
 
 from loka.probe.capture import GemmSample, SiteSample
 from loka.probe.config import ProbeConfig
+from loka.probe.error_graphs import ErrorGraphs
 from loka.probe.gemm_error import PassOperands, pass_error_sums
 from loka.probe.scaled_mm import has_fp8_gemm
 from loka.probe.state import ErrorSeries, SiteState
 from loka.schema import Recipe
 
-_ROLES_OF = {"input": "x", "grad_output": "dy", "weight": "weight"}
+# The fields of a GemmSample that its error sums read (the inputs of its CUDA graph).
+_GRAPHED_FIELDS = ("x", "weight", "x_amax", "x_col_amax", "w_amax", "dy", "dy_amax", "dy_col_amax")
 
 
 @dataclass
@@ -126,9 +128,18 @@ class Analyzer:
     """Processes `StepJob`s into the `SiteState`s (guarded by `lock`)."""
 
     def __init__(
-        self, config: ProbeConfig, states: dict[str, SiteState], lock: threading.Lock
+        self,
+        config: ProbeConfig,
+        states: dict[str, SiteState],
+        lock: threading.Lock,
+        graphs: ErrorGraphs | None = None,
     ) -> None:
         self.config = config
+        # CUDA graphs of the error sums (`loka.probe.error_graphs`); `graphs` replaces them
+        # (tests on the CPU).
+        self.graphs = (
+            graphs if graphs is not None else (ErrorGraphs() if config.error_graphs else None)
+        )
         self.states = states
         self.lock = lock
         self.recipes: dict[str, list[Recipe]] = config.parsed_recipes()
@@ -146,9 +157,34 @@ class Analyzer:
         return self._generators[key]
 
     def _errors(
-        self, gemm: GemmSample, step: int, real_fp8: bool
+        self, site: str, gemm: GemmSample, step: int, real_fp8: bool
     ) -> dict[str, tuple[torch.Tensor, list[bool]]]:
+        """Error sums and emulation flags of each pass of `gemm`: replayed from a CUDA graph
+        when this site's layout was seen before (the sums are the graph's outputs, valid
+        until its next replay: the caller copies them out on this stream)."""
         history = history_maxima(gemm, step, self.history_lengths)
+        if self.graphs is None or not self.graphs.usable(gemm.x):
+            return self._pass_sums(gemm, history, real_fp8)
+        inputs = {name: getattr(gemm, name) for name in _GRAPHED_FIELDS}
+        for h, roles in history.items():
+            inputs.update({f"history.{h}.{role}": t for role, t in roles.items()})
+
+        def compute(
+            t: dict[str, torch.Tensor | None],
+        ) -> dict[str, tuple[torch.Tensor, list[bool]]]:
+            hist: dict[int, dict[str, torch.Tensor]] = {h: {} for h in history}
+            for name, value in t.items():
+                if name.startswith("history."):
+                    _, h, role = name.split(".")
+                    hist[int(h)][role] = value
+            fields = {name: t[name] for name in _GRAPHED_FIELDS}
+            return self._pass_sums(replace(gemm, **fields), hist, real_fp8)
+
+        return self.graphs.run((site, gemm.index, gemm.m_total, real_fp8), inputs, compute)
+
+    def _pass_sums(
+        self, gemm: GemmSample, history: dict[int, dict[str, torch.Tensor]], real_fp8: bool
+    ) -> dict[str, tuple[torch.Tensor, list[bool]]]:
         out = {}
         for pass_, ops in pass_operands(gemm, history).items():
             if self.recipes[pass_]:
@@ -210,7 +246,8 @@ class Analyzer:
                 if on_host:
                     item.host_gemms.append(_sample_to_host(gemm))
                 else:
-                    for pass_, (sums, emulated) in self._errors(gemm, job.step, real_fp8).items():
+                    errors = self._errors(sample.site, gemm, job.step, real_fp8)
+                    for pass_, (sums, emulated) in errors.items():
                         item.sums.setdefault(pass_, []).append((_to_host(sums), emulated))
                     item.host_gemms.append(
                         replace(gemm, x=_to_host(gemm.x), dy=_to_host(gemm.dy), weight=None)
@@ -222,7 +259,7 @@ class Analyzer:
         sample = item.sample
         if item.on_host:
             for gemm in item.host_gemms:
-                for pass_, result in self._errors(gemm, step, real_fp8=False).items():
+                for pass_, result in self._errors(sample.site, gemm, step, False).items():
                     item.sums.setdefault(pass_, []).append(result)
         window_index = step // self.config.window_steps
         with self.lock:

@@ -94,6 +94,10 @@ class ProbeConfig:
     # of tiny kernels cost the GPU nothing.
     host_error_max_size: int = 256 * 256
     real_fp8: bool = True
+    # On a GPU, a site's error analysis is captured as a CUDA graph the second time its
+    # layout comes and replayed after (`loka.probe.error_graphs`): the analysis is bound by
+    # host time per op. Costs a copy of the analysed sites' sampled rows and weights.
+    error_graphs: bool = True
     exclude: tuple[str, ...] = ()
     seed: int = 0
 

@@ -171,7 +171,7 @@ def summed_square(t: torch.Tensor, column_weights: torch.Tensor, m_total: int) -
     m = t.shape[0]
     if m_total <= m or m < 4:
         return (w2 * t.sum(dim=0).square()).sum()
-    part_a, part_b = (p.to(t.device) for p in split_halves(m))
+    part_a, part_b = halves_on(m, t.device)
     m_a, m_b = len(part_a), len(part_b)
     s, c = m_total / m, m_total * (m_total - m) / (m_a * m_b)
     own, pairs, pairs_sq = pair_moments(
@@ -245,6 +245,20 @@ def split_halves(m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order[:half].sort().values, order[half:].sort().values
 
 
+_HALVES_ON: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def halves_on(m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`split_halves(m)` on `device`, copied there once per device: not at every slice, and
+    never inside a CUDA graph's capture (`loka.probe.error_graphs`), where a copy from the
+    host fails; the first, eager analysis of a layout puts them there."""
+    key = (m, torch.device(device))
+    found = _HALVES_ON.get(key)
+    if found is None:
+        found = _HALVES_ON[key] = tuple(p.to(device) for p in split_halves(m))
+    return found
+
+
 def extrapolate_sums(
     out_halves: Sequence[torch.Tensor],
     exact_halves: Sequence[torch.Tensor],
@@ -298,7 +312,8 @@ def extrapolate_sums(
         reference = s * ref[own] + c * coherent
         operands = s * op[own] + c * op[pairs].clamp(min=0)
         out_num, out_den = ((t if w is None else w * t).sum() for t in (rounding_sq, exact_sq))
-        relative = out_num / out_den if out_den > 0 else out_num.new_zeros(())
+        # where, not `if out_den > 0`: no host sync (the sums are captured in CUDA graphs)
+        relative = torch.where(out_den > 0, out_num / out_den, 0.0)
         sums += [operands + relative * reference, reference]
     err = sum(o.double() - r for o, r in zip(out_halves, ref_halves, strict=True))
     sums.append(err.abs().amax() if err.numel() else err.new_zeros(()))
@@ -347,8 +362,7 @@ def pass_error_sums(
     """
     m = ops.a.shape[1]
     sampled = ops.m_total is not None and ops.m_total > m and m >= 4
-    # The halves' indices moved to the operands' device once, not at every slice.
-    parts = tuple(p.to(ops.a.device) for p in split_halves(m)) if sampled else (None,)
+    parts = halves_on(m, ops.a.device) if sampled else (None,)
 
     def columns(t: torch.Tensor, part: torch.Tensor | None) -> torch.Tensor:
         if part is None:

@@ -20,6 +20,7 @@ from loka.probe.analyze import Analyzer, StepJob
 from loka.probe.capture import AmaxCapture, StepCapture
 from loka.probe.config import ProbeConfig
 from loka.probe.distributed import merged_states, world_size
+from loka.probe.error_graphs import GraphCounts
 from loka.probe.norms import NormTrace
 from loka.probe.report import render_summary
 from loka.probe.sites import SiteSpec, find_sites
@@ -144,6 +145,20 @@ class Probe:
             "worker_busy_s": self._worker.busy_s,
             "worker_jobs": self._worker.jobs_done,
             "device_ms": self._analyzer.device_ms,
+            **self._graph_counters(),
+        }
+
+    def _graph_counters(self) -> dict[str, int]:
+        """The error analysis's CUDA graphs (`loka.probe.error_graphs`): analyses replayed,
+        captured, evicted and run eagerly, and the bytes of the graphs' input copies."""
+        graphs = self._analyzer.graphs
+        counts = graphs.counts if graphs is not None else GraphCounts()
+        return {
+            "graph_replays": counts.replays,
+            "graph_captures": counts.captures,
+            "graph_evictions": counts.evictions,
+            "graph_eager": counts.eager,
+            "graph_input_bytes": graphs.input_bytes if graphs is not None else 0,
         }
 
     @property
