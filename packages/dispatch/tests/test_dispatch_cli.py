@@ -103,6 +103,23 @@ def test_demo_on_the_cpu_plans_for_the_h200_and_says_it_is_an_estimate(tmp_path,
     assert_self_contained((out / "report.html").read_text())
 
 
+def test_demo_trains_a_model_with_sparse_tables_with_the_zoos_optimizer(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """The xl presets' tables take sparse gradients, which AdamW refuses: the demo trains
+    with the zoo's optimizer (row-wise Adagrad on those tables)."""
+    import loka.zoo as zoo
+
+    create = zoo.create
+    monkeypatch.setattr(
+        zoo, "create", lambda *a, **k: create(*a, **k, sparse_embeddings=True)
+    )
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", "dhen", "--warmup-steps", "2", "--steps", "1",
+                 "--out", str(out)]) == 0  # fmt: skip
+    assert "LoKA demo" in capsys.readouterr().out
+
+
 def test_demo_compile_trains_the_compiled_model_with_a_compiled_plan(
     tmp_path, capsys, monkeypatch
 ) -> None:
