@@ -111,9 +111,7 @@ def test_demo_trains_a_model_with_sparse_tables_with_the_zoos_optimizer(
     import loka.zoo as zoo
 
     create = zoo.create
-    monkeypatch.setattr(
-        zoo, "create", lambda *a, **k: create(*a, **k, sparse_embeddings=True)
-    )
+    monkeypatch.setattr(zoo, "create", lambda *a, **k: create(*a, **k, sparse_embeddings=True))
     out = tmp_path / "demo"
     assert main(["demo", "--model", "dhen", "--warmup-steps", "2", "--steps", "1",
                  "--out", str(out)]) == 0  # fmt: skip
