@@ -58,11 +58,16 @@ class GraphCounts:
     eager: int = 0
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def cuda_capture(fn: Callable[[Inputs], Any], static: Inputs, pool: Any) -> tuple[Any, Any]:
     """(replay, outputs) of `fn(static)` captured on a side stream into `pool`."""
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream()
-    side = torch.cuda.Stream(current.device)
+    side = _SIDE_STREAMS.get(current.device)
+    if side is None:
+        side = _SIDE_STREAMS[current.device] = torch.cuda.Stream(current.device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
         # thread_local: the training thread's CUDA calls, which go on while Probe's
