@@ -295,13 +295,13 @@ def test_a_loka_variant_with_mk_compiles_with_multi_kernel_and_the_others_do_not
         {"min_speedup": 1.1},
         {},
     )
-    mk = {"options": {"triton.multi_kernel": 1}}
+    mk = {"options": {"triton.multi_kernel": 1, "fx_graph_cache": False}}
     assert realized.compile_kwargs("compiled", "auto", "loka+mk") == mk
     assert realized.compile_kwargs("compiled", "auto", "infer-loka+static=2+mk") == mk
     assert realized.compile_kwargs("compiled", "static", "loka") == {"dynamic": False}
     assert realized.compile_kwargs("compiled", "auto", "bf16-seed1") == {}
     assert realized.compile_kwargs("cudagraphs", "auto", "loka+mk") == {
-        "options": {"triton.cudagraphs": True, "triton.multi_kernel": 1}
+        "options": {"triton.cudagraphs": True, "triton.multi_kernel": 1, "fx_graph_cache": False}
     }
     assert realized.compile_kwargs("cudagraphs", "auto", "bf16") == {"mode": "reduce-overhead"}
 

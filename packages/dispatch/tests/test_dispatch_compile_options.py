@@ -11,16 +11,35 @@ from loka.dispatch.compile_options import choose_compile_options
 
 
 def test_each_mode_keeps_its_own_settings_and_adds_multi_kernel_reductions():
-    assert compile_options() == {"triton.multi_kernel": 1}
-    assert compile_options("reduce-overhead") == {
-        "triton.cudagraphs": True,
-        "triton.multi_kernel": 1,
-    }
+    multi = {"triton.multi_kernel": 1, "fx_graph_cache": False}
+    assert compile_options() == multi
+    assert compile_options("reduce-overhead") == {"triton.cudagraphs": True, **multi}
     assert compile_options("reduce-overhead", multi_kernel=False) == {"triton.cudagraphs": True}
     assert compile_options(multi_kernel=False) == {}
     assert compile_options("max-autotune")["max_autotune"] is True
     with pytest.raises(ValueError, match="mode must be one of default, reduce-overhead"):
         compile_options("fast")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="multi-kernel reductions are compiled for a GPU"
+)
+def test_a_multi_kernel_graph_compiled_again_does_not_fail() -> None:
+    """The second compile of the same graph would load it from inductor's FX graph cache,
+    which fails for multi-kernel graphs on torch 2.11 / Triton 3.6."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.LayerNorm(1024), nn.GELU()).cuda()
+    x = torch.randn(2048, 512, device="cuda")
+    outputs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, options=compile_options())
+        out = compiled(x)
+        out.float().square().mean().backward()
+        outputs.append(out.detach())
+    torch.testing.assert_close(outputs[0], outputs[1])
 
 
 class StepCostTimer:
@@ -65,8 +84,8 @@ def fake_choice(costs: dict[bool, list[float]], **kwargs):
 
 def test_multi_kernel_is_kept_only_where_it_is_faster_with_confidence():
     faster, compiled_with, calls = fake_choice({True: [0.9, 0.92], False: [1.0, 1.01]})
-    assert compiled_with == [{"triton.multi_kernel": 1}, {}]
-    assert faster.multi_kernel and faster.options == {"triton.multi_kernel": 1}
+    assert compiled_with == [{"triton.multi_kernel": 1, "fx_graph_cache": False}, {}]
+    assert faster.multi_kernel and faster.options == compile_options()
     assert faster.compiled() is True  # the run compiled with multi-kernel
     assert faster.speedup == pytest.approx(1.005 / 0.91, rel=0.02)
     assert faster.low > 1.0

@@ -60,6 +60,12 @@ def compile_options(mode: str = "default", *, multi_kernel: bool = True) -> dict
     options = dict(list_mode_options(mode))
     if multi_kernel:
         options["triton.multi_kernel"] = 1
+        # torch 2.11 / Triton 3.6: a multi-kernel graph loaded from inductor's FX graph
+        # cache fails (`TypeError: 'NoneType' object does not support the context manager
+        # protocol` in Triton's JITFunction.cache_key): a recompile of a graph seen before
+        # (Session's verification switching sites, DHEN xl on an H100) or a second run of
+        # a script. Such graphs are compiled afresh instead.
+        options["fx_graph_cache"] = False
     return options
 
 
