@@ -18,6 +18,9 @@ Results in --out: probe_ops_<utc>.json.
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -47,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--blocks", type=int, default=2, help="blocks per variant with 'both'")
     p.add_argument("--count", action="store_true", help="count aten ops on a GPU too")
+    p.add_argument("--cprofile", action="store_true",
+                   help="profile the background thread's Python (probe_ops_<utc>.pstats.txt)")  # fmt: skip
     args = p.parse_args(argv)
 
     class Count(TorchDispatchMode):
@@ -66,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         args.error_graphs
     ]
     rows, sites = [], 0
+    profiler = cProfile.Profile() if args.cprofile else None
     for block, variant in enumerate(variants):
         config = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, rows=args.rows,
                              queue_size=args.steps + 4, timing=False,
@@ -80,11 +86,15 @@ def main(argv: list[str] | None = None) -> int:
 
         def counted(job, variant=variant, block=block, process=process) -> None:
             before, start = Count.ops, time.perf_counter()
+            if profiler is not None:
+                profiler.enable()  # on the background thread, which runs this
             if count:
                 with Count():
                     process(job)
             else:
                 process(job)
+            if profiler is not None:
+                profiler.disable()
             rows.append({"variant": variant, "block": block,
                          "ops": Count.ops - before if count else None,
                          "seconds": time.perf_counter() - start})  # fmt: skip
@@ -108,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         seconds = sorted(r["seconds"] for r in rows if r["variant"] == variant)
         print(f"[probe_ops] graphs {variant}: median {seconds[len(seconds) // 2]:.3f} s "
               f"({seconds[0]:.3f}-{seconds[-1]:.3f}) over {len(seconds)} sampled steps")  # fmt: skip
+    if profiler is not None:
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+        stats.print_stats(40)
+        stats.sort_stats("cumulative").print_stats(40)
+        pstats_path = path.with_suffix(".pstats.txt")
+        pstats_path.write_text(text.getvalue())
+        print(f"wrote {pstats_path}")
     print(f"wrote {path}")
     return 0
 
