@@ -18,6 +18,7 @@ Results in --out: probe_ops_<utc>.json.
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import pstats
@@ -26,6 +27,16 @@ import time
 from pathlib import Path
 
 from harness import metadata, parser, stamp, write_json
+
+
+def variant_list(text: str) -> list[str]:
+    """`--error-graphs`: 'on', 'off', 'on+host=0', ... comma-separated; 'both' = off,on."""
+    variants = ["off", "on"] if text == "both" else text.split(",")
+    for v in variants:
+        graphs, _, host = v.partition("+host=")
+        if graphs not in ("on", "off") or (host and not host.isdigit()):
+            raise argparse.ArgumentTypeError(f"--error-graphs: unknown variant {v!r}")
+    return variants
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,13 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="sampled steps counted per block")
     p.add_argument("--rows", type=int, default=256, help="ProbeConfig.rows")
     p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--error-graphs",
-        choices=("off", "on", "both"),
-        default="off",
-        help="ProbeConfig.error_graphs (both: alternating blocks)",
-    )
-    p.add_argument("--blocks", type=int, default=2, help="blocks per variant with 'both'")
+    p.add_argument("--error-graphs", default="off", type=variant_list,
+                   help="variants timed in alternating blocks: ProbeConfig.error_graphs 'on' "
+                   "or 'off', each with '+host=N' for host_error_max_size N; 'both' = off,on")  # fmt: skip
+    p.add_argument("--blocks", type=int, default=2, help="blocks per variant with several")
     p.add_argument("--count", action="store_true", help="count aten ops on a GPU too")
     p.add_argument("--cprofile", action="store_true",
                    help="profile the background thread's Python (probe_ops_<utc>.pstats.txt)")  # fmt: skip
@@ -67,15 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     opt = zoo.make_optimizer(setup.model, zoo.OptimizerConfig(lr=1e-3))
     # two warm-up steps: a layout's first analysis runs eagerly, its second is captured
     batches = iter(setup.train_batches())
-    variants = {"both": ["off", "on"] * args.blocks, "on": ["on"], "off": ["off"]}[
-        args.error_graphs
-    ]
+    variants = args.error_graphs * (args.blocks if len(args.error_graphs) > 1 else 1)
     rows, sites = [], 0
     profiler = cProfile.Profile() if args.cprofile else None
     for block, variant in enumerate(variants):
+        graphs, _, host = variant.partition("+host=")
+        sizes = {"host_error_max_size": int(host)} if host else {}
         config = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, rows=args.rows,
                              queue_size=args.steps + 4, timing=False,
-                             error_graphs=variant == "on")  # fmt: skip
+                             error_graphs=graphs == "on", **sizes)  # fmt: skip
         probe = Probe(setup.model, config)
         for _ in range(2):  # caches, lazy setup and the graphs' captures: not counted
             zoo.training_step(setup, setup.model, opt, next(batches))
