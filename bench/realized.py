@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     from harness import git_commit, stamp, write_json
 
     import loka.zoo as zoo
-    from loka.probe import Probe, ProbeConfig
+    from loka.probe import DENSE_HOST_ERROR_MAX_SIZE, Probe, ProbeConfig
 
     start = time.monotonic()
     device = args.device
@@ -394,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
         every = args.probe_every or max(1, P // 8)
         probe = Probe(setup.model, ProbeConfig(
             warmup_steps=P, max_sites_per_step=None, warmup_every=every, every=25,
-            min_batches=min(5, max(2, P // every)), queue_size=P))  # fmt: skip
+            min_batches=min(5, max(2, P // every)), queue_size=P,
+            host_error_max_size=DENSE_HOST_ERROR_MAX_SIZE))  # fmt: skip
         opt = zoo.make_optimizer(setup.model, zoo.OptimizerConfig(lr=1e-3, fused=gpu))
         for i in range(P):
             zoo.training_step(setup, setup.model, opt, batches[i % len(batches)],

@@ -424,3 +424,14 @@ def test_fsdp2_sharded_models_are_probed_planned_and_applied_in_place(two_gloo_r
             assert row["demoted"] == [[], True]
             assert row["undone"] == plain_type
             assert row["finite"] and row["guard_events"] == 0, (layout, row)
+
+
+def test_the_warmup_probes_every_site_densely_and_on_the_gpu() -> None:
+    """A dense phase samples every site on every sampled step, so the small sites' error
+    analysis goes to the GPU with the rest (CUDA graphs replay it there)."""
+    from loka.dispatch.integrations.session import warmup_probe_config
+
+    config = warmup_probe_config(50)
+    assert (config.every, config.max_sites_per_step, config.host_error_max_size) == (1, None, 0)
+    assert config.error_graphs and ProbeConfig().host_error_max_size > 0
+    assert warmup_probe_config(200).every == 20

@@ -76,13 +76,3 @@ def test_student_t_quantile_without_scipy_matches_scipy(monkeypatch) -> None:
                 assert verdict._t_quantile(c, dof) == pytest.approx(stats.t.ppf(c, dof), rel=1e-9)
     finally:
         verdict._t_quantile.cache_clear()
-
-
-def test_small_sites_go_to_the_host_only_when_the_analysis_is_not_graphed() -> None:
-    from loka.probe.config import SMALL_SITE_SIZE
-
-    assert ProbeConfig().host_error_size == 0  # graphed: the GPU analyses every site
-    assert ProbeConfig(error_graphs=False).host_error_size == SMALL_SITE_SIZE
-    assert ProbeConfig(host_error_max_size=4096).host_error_size == 4096
-    with pytest.raises(ValueError, match="host_error_max_size must be a non-negative"):
-        ProbeConfig(host_error_max_size=-1)

@@ -10,8 +10,20 @@ with Probe(model, ProbeConfig()) as probe:
     probe.summary()
 """
 
-from loka.probe.config import DEFAULT_BUDGETS, DEFAULT_RECIPES, ProbeConfig
+from loka.probe.config import (
+    DEFAULT_BUDGETS,
+    DEFAULT_RECIPES,
+    DENSE_HOST_ERROR_MAX_SIZE,
+    ProbeConfig,
+)
 from loka.probe.probe import Probe
 from loka.probe.sites import register_site
 
-__all__ = ["DEFAULT_BUDGETS", "DEFAULT_RECIPES", "Probe", "ProbeConfig", "register_site"]
+__all__ = [
+    "DEFAULT_BUDGETS",
+    "DEFAULT_RECIPES",
+    "DENSE_HOST_ERROR_MAX_SIZE",
+    "Probe",
+    "ProbeConfig",
+    "register_site",
+]

@@ -233,7 +233,7 @@ class Analyzer:
                 pending.append(_Pending(sample, on_host=True))
                 continue
             size = max(g.weight.shape[0] * g.weight.shape[1] for g in sample.gemms)
-            on_host = job.device.type != "cuda" or size <= self.config.host_error_size
+            on_host = job.device.type != "cuda" or size <= self.config.host_error_max_size
             item = _Pending(sample, on_host)
             for gemm in sample.gemms:
                 amaxes = [

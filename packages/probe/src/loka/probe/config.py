@@ -40,7 +40,9 @@ DEFAULT_RECIPES: Mapping[str, tuple[str, ...]] = MappingProxyType(
 """Candidate recipes per pass (README: "Default recipes")."""
 
 SMALL_SITE_SIZE = 256 * 256
-"""K * N up to which a site's error analysis runs on the CPU when it is not graphed."""
+"""K * N up to which a site's error analysis runs on the CPU by default."""
+DENSE_HOST_ERROR_MAX_SIZE = 0
+"""`host_error_max_size` for a dense probing phase (see `ProbeConfig`)."""
 
 DEFAULT_BUDGETS: Mapping[str, float] = MappingProxyType({"fwd": 0.06, "dgrad": 0.09, "wgrad": 0.09})
 """Largest acceptable balanced relative error per pass (README: "Default budgets")."""
@@ -94,10 +96,14 @@ class ProbeConfig:
     queue_wait_s: float | None = 30.0
     timing: bool = True
     # Sites with K * N at most this compute their error GEMMs on the CPU, where hundreds
-    # of tiny kernels cost the GPU nothing. None: 0 with `error_graphs` (a graph's replay
-    # costs the host almost nothing, the CPU's arithmetic does: DHEN large on an H100's
-    # host 1.64 -> 0.40 s per sampled step), else SMALL_SITE_SIZE.
-    host_error_max_size: int | None = None
+    # of tiny kernels cost the GPU nothing. A dense probing phase, which samples every
+    # site on every sampled step, is better off with 0 (`DENSE_HOST_ERROR_MAX_SIZE`): its
+    # sites' graphs replay from their third sampled step, and a replay costs the host
+    # almost nothing where the CPU's arithmetic on a small site costs ~10 ms (DHEN large
+    # on an H100's host: 1.64 -> 0.40 s per sampled step). Monitoring samples a site too
+    # rarely for that: there the small sites' eager GPU work cost the step more
+    # (`bench/results/probe_overhead_cuda_20261205-14*`).
+    host_error_max_size: int = SMALL_SITE_SIZE
     real_fp8: bool = True
     # On a GPU, a site's error analysis is captured as a CUDA graph the second time its
     # layout comes and replayed after (`loka.probe.error_graphs`): the analysis is bound by
@@ -105,13 +111,6 @@ class ProbeConfig:
     error_graphs: bool = True
     exclude: tuple[str, ...] = ()
     seed: int = 0
-
-    @property
-    def host_error_size(self) -> int:
-        """`host_error_max_size` resolved: sites up to this K * N are analysed on the CPU."""
-        if self.host_error_max_size is not None:
-            return self.host_error_max_size
-        return 0 if self.error_graphs else SMALL_SITE_SIZE
 
     def __post_init__(self) -> None:
         # A lone string is one pattern: iterating it would match single characters.
@@ -128,8 +127,6 @@ class ProbeConfig:
                 raise ValueError(f"ProbeConfig.{name} must be a positive integer, got {value!r}")
         for name in ("warmup_steps", "host_error_max_size"):
             value = getattr(self, name)
-            if value is None and name == "host_error_max_size":
-                continue
             if not isinstance(value, int) or value < 0:
                 raise ValueError(
                     f"ProbeConfig.{name} must be a non-negative integer, got {value!r}"
