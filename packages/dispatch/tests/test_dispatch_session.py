@@ -435,3 +435,52 @@ def test_the_warmup_probes_every_site_densely_and_on_the_gpu() -> None:
     assert (config.every, config.max_sites_per_step, config.host_error_max_size) == (1, None, 0)
     assert config.error_graphs and ProbeConfig().host_error_max_size > 0
     assert warmup_probe_config(200).every == 20
+
+
+def test_a_compiled_model_runs_eagerly_while_watched_and_as_one_graph_once_planned() -> None:
+    """Dynamo keeps a module's hooks as they were at its first compiled call: compiled
+    while Probe watched it, the planned model's forward ran as one graph per linear. So the
+    compiled wrapper runs eagerly during the warm-up and on the guard's check steps, and its
+    first compiled call traces the planned model whole."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    graphs_run: list[int] = []
+
+    def counting_backend(gm, example_inputs):
+        def run(*args):
+            graphs_run[-1] += 1
+            return gm.forward(*args)
+
+        return run
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 32))  # fmt: skip
+    compiled = torch.compile(model, backend=counting_backend)
+    bench = synthetic_kernel_bench([(32, 32, 64), (32, 64, 64), (32, 64, 32)],
+                                   backend="torch.native")  # fmt: skip
+    config = SessionConfig(warmup_steps=4, decide_steps=0, probe=PROBE, kernel_bench=bench,
+                           guard=GuardConfig(check_every=3))  # fmt: skip
+    session = Session(compiled, config)
+    assert any("runs eagerly while Probe" in e for e in session.events)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    phases, armed = [], []
+    for _ in range(12):
+        graphs_run.append(0)
+        phases.append(session.phase)
+        armed.append(session.guard is not None and session.guard.armed)
+        loss = compiled(torch.randn(32, 32)).pow(2).mean()
+        loss.backward()
+        assert session.before_optimizer_step(opt)
+        opt.step()
+        opt.zero_grad()
+        session.step(loss)
+    assert session.applied.sites  # FP8 sites in the graph
+    for phase, was_armed, n in zip(phases, armed, graphs_run, strict=True):
+        watched = phase == "warmup" or was_armed
+        assert n == (0 if watched else 1), (phase, was_armed, n)
+    assert any(armed) and phases.count("applied") > sum(armed)
+    session.close()
+    assert not session._switch.eager
+    graphs_run.append(0)
+    compiled(torch.randn(32, 32))
+    assert graphs_run[-1] == 1

@@ -116,6 +116,9 @@ class RuntimeGuard:
         self._current = 0  # the step under way (the one after the last `step()`)
         self._judged: list[GuardEvent] | None = None  # an armed step judged before its update
         self._arm_next = False  # a skipped, unwatched step: watch the next one
+        # Checks every `check_every` steps (False: only the step after an overflow; a
+        # Session turns them off while it times a compiled model's variants).
+        self.periodic = True
 
     def _sites(self) -> dict[str, nn.Module]:
         live = [s for s in self.applied.sites if s not in self.applied.demoted]
@@ -161,6 +164,11 @@ class RuntimeGuard:
 
             self._handles.append(module.register_forward_pre_hook(pre_hook))
             self._handles.append(module.register_forward_hook(forward_hook))
+
+    @property
+    def armed(self) -> bool:
+        """Whether the sites' hooks are in place (a check step is under way)."""
+        return bool(self._handles)
 
     def disarm(self) -> None:
         for handle in self._handles:
@@ -225,7 +233,8 @@ class RuntimeGuard:
         self.disarm()
         self._flags = self._armed_step = self._judged = None
         self._current = step + 1
-        if (step + 1) % self.config.check_every == 0 or self._arm_next:
+        due = self.periodic and (step + 1) % self.config.check_every == 0
+        if due or self._arm_next:
             self._arm_next = False
             self.arm(step + 1)
         return new

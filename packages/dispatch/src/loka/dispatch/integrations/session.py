@@ -51,6 +51,7 @@ from loka.dispatch.bench import (
 )
 from loka.dispatch.bench.runner import mode_backends
 from loka.dispatch.integrations.distributed import is_distributed, plan_once, rank
+from loka.dispatch.integrations.eager_switch import EagerSwitch
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
 from loka.dispatch.planner import Plan, PlanConfig, make_plan
 from loka.dispatch.step_timers import StepTimer
@@ -218,6 +219,8 @@ class Session:
         # site names are that module's), and plan for compiled execution.
         self.model = getattr(model, "_orig_mod", model)
         self.compiled = self.model is not model
+        # While hooks watch the model, the compiled wrapper runs it eagerly (eager_switch).
+        self._switch = EagerSwitch(model) if self.compiled else None
         self.config = config or SessionConfig()
         self.events: list[str] = []
         self.sample = sample
@@ -250,9 +253,17 @@ class Session:
         self.probe = None
         if self.config.resume is not None:
             self._resume(self.config.resume)
+            self._sync_execution()
             return
         self.probe = self._attach_probe()
         self._event(f"warm-up: {self.config.warmup_steps} bf16 step(s) with Probe")
+        if self.compiled:
+            self._event(
+                "the compiled model runs eagerly while Probe (and the runtime guard on its "
+                "check steps) watch it: compiled with their hooks, its graph would break at "
+                "every site for good"
+            )
+        self._sync_execution()
 
     # -- loop API ---------------------------------------------------------------------
 
@@ -289,6 +300,12 @@ class Session:
                 "Session.step() after close(): the session was closed during its warm-up "
                 "and will not plan; make a new Session to plan this model"
             )
+        try:
+            self._step(loss)
+        finally:
+            self._sync_execution()
+
+    def _step(self, loss: Any) -> None:
         step = self.steps
         self.steps += 1
         if self.phase == "warmup":
@@ -303,6 +320,8 @@ class Session:
                 self._settle()
         if self.guard is not None:
             checking = self.guard._armed_step is not None
+            # A compiled model's check steps run eagerly: none inside verification's timing.
+            self.guard.periodic = not (self.compiled and self.phase == "verifying")
             events = self.guard.step(step)
             for event in events:
                 what = event.site or "optimizer step"  # "": the step itself was skipped
@@ -374,10 +393,12 @@ class Session:
             )
         if self.config.guard is not None:
             self.guard = RuntimeGuard(self.applied, self.config.guard)
-            self.guard.arm(self.steps)
+            if not self.compiled:  # compiled: the first check comes at its schedule
+                self.guard.arm(self.steps)
         if self.config.out_dir is not None and rank() == 0:
             self.save(self.config.out_dir)
         self._start_verifying()
+        self._sync_execution()
         return self.plan
 
     def close(self) -> None:
@@ -397,6 +418,7 @@ class Session:
             self.probe = None
         if self.guard is not None:
             self.guard.disarm()
+        self._sync_execution()
 
     def undo(self) -> None:
         """Close, and put the model's original modules back."""
@@ -449,7 +471,8 @@ class Session:
         self._event(f"resumed from {path}: {self.applied.summary()}")
         if self.config.guard is not None:
             self.guard = RuntimeGuard(self.applied, self.config.guard)
-            self.guard.arm(self.steps)
+            if not self.compiled:  # compiled: the first check comes at its schedule
+                self.guard.arm(self.steps)
 
     def _start_verifying(self) -> None:
         config = self.config.verify
@@ -487,6 +510,12 @@ class Session:
         self._event(f"verified after {self.steps} step(s): {self.applied.summary()}")
         if self.config.out_dir is not None and rank() == 0:
             self.save(self.config.out_dir)  # the plan's summary now holds the measurement
+
+    def _sync_execution(self) -> None:
+        """A compiled model runs eagerly exactly while hooks watch it (`eager_switch`)."""
+        if self._switch is not None:
+            watched = self.probe is not None or (self.guard is not None and self.guard.armed)
+            self._switch.set(watched)
 
     def _event(self, text: str) -> None:
         self.events.append(text)

@@ -1,0 +1,50 @@
+"""Running a `torch.compile`d model eagerly while hooks watch it, and compiled otherwise.
+
+Dynamo traces a module's hooks into the graph it compiles and does not guard on them
+(`torch._dynamo.config.skip_nnmodule_hook_guards`, on by default): a hook added after the
+first compiled call is never run by the compiled code, and one present at that call stays
+traced in after it is removed. Probe's hooks are `torch.compiler.disable`d, so a model
+first compiled while Probe watched it broke its graph at every site, and kept those breaks
+after Probe detached: a Session's planned DHEN-like model ran its forward as one graph per
+linear (no fusion across them: the FP8 input quantization not fused into the activation
+before it), and the bf16 step it was compared with ran fragmented too (`loka demo
+--preset xl --compile` on an H100: 49.98 ms bf16 and 45.69 ms planned where a cleanly
+compiled bf16 step took 31.44 ms).
+
+So while hooks watch the model (Probe in the warm-up and re-probes, the runtime guard on
+a check step) the `torch.compile` wrapper calls the module it wraps directly, and
+otherwise compiles as it would: its first compiled call then traces the model as it runs
+from then on, without hooks and with the plan applied. Only this wrapper runs eagerly
+(`torch.compiler.set_stance` would switch every compiled function of the process).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["EagerSwitch"]
+
+
+class EagerSwitch:
+    """Switches one `torch.compile(module)` wrapper between compiled and eager calls."""
+
+    def __init__(self, wrapper: nn.Module) -> None:
+        if not hasattr(wrapper, "_orig_mod"):
+            raise TypeError(f"not a torch.compile'd module: {type(wrapper).__name__}")
+        self.wrapper = wrapper
+        self._compiled_forward = wrapper.__dict__.get("forward")
+        self.eager = False
+
+    def set(self, eager: bool) -> None:
+        """Eager calls (`eager`) or the compiled ones the wrapper was made with."""
+        if eager == self.eager:
+            return
+        if eager:
+            # The wrapper's forward is an instance attribute (the compiled callable), which
+            # nn.Module's call dispatches to: the wrapped module's own call replaces it.
+            self.wrapper.__dict__["forward"] = self.wrapper._orig_mod.__call__
+        elif self._compiled_forward is not None:
+            self.wrapper.__dict__["forward"] = self._compiled_forward
+        else:
+            self.wrapper.__dict__.pop("forward", None)
+        self.eager = eager
