@@ -8,8 +8,9 @@ first compiled while Probe watched it broke its graph at every site, and kept th
 after Probe detached: a Session's planned DHEN-like model ran its forward as one graph per
 linear (no fusion across them: the FP8 input quantization not fused into the activation
 before it), and the bf16 step it was compared with ran fragmented too (`loka demo
---preset xl --compile` on an H100: 49.98 ms bf16 and 45.69 ms planned where a cleanly
-compiled bf16 step took 31.44 ms).
+--preset xl --compile` on an H100: 49.98 ms bf16 and 45.69 ms planned, where
+`bench/realized.py` times a cleanly compiled bf16 step at 31.44 ms; the demo's steps also
+sync and draw fresh batches, so that gap is not all fragmentation).
 
 So while hooks watch the model (Probe in the warm-up and re-probes, the runtime guard on
 a check step) the `torch.compile` wrapper calls the module it wraps directly, and
