@@ -102,7 +102,8 @@ class SessionConfig:
         None (default): 4 x `warmup_steps` (`decide_limit`); 0: plan at `warmup_steps`,
         whatever is undecided. Deciding DHEN xl's forwards (60 sampled batches instead of
         10) took its measured compiled step from 1.061x to 1.115x bf16 on the H200, at
-        about 2 s of Probe analysis per extra batch, once.
+        about 2 s of Probe analysis per extra batch, once (before Probe's analysis replayed
+        from CUDA graphs: 1.64 -> 0.40 s per batch at DHEN large on an H100's host).
     probe: a `loka.probe.ProbeConfig` (None: `warmup_probe_config(warmup_steps)`, a dense
         schedule: every step of a warm-up under 100 steps, else about 10 sampled steps, all
         sites each time; Probe's own defaults are for cheap monitoring of a whole run and
