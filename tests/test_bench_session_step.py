@@ -1,0 +1,29 @@
+"""bench/session_step.py on the CPU (DHEN tiny): a Session on a compiled model trained to
+its plan, then timed against its plain compiled twin in interleaved blocks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).parents[1] / "bench"
+
+
+def test_a_session_and_its_plain_twin_are_timed_in_interleaved_blocks(tmp_path) -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from harness import load
+
+        script = load("session_step")
+        assert script.main(["--out", str(tmp_path), "--device", "cpu", "--preset", "tiny",
+                            "--warmup-steps", "4", "--decide-steps", "0", "--blocks", "3",
+                            "--block-steps", "1", "--batches", "2", "--backend", "eager"]) == 0  # fmt: skip
+    finally:
+        sys.path.remove(str(BENCH))
+    (result,) = tmp_path.glob("session_step_*.json")
+    data = json.loads(result.read_text())["result"]
+    assert data["phase"] == "applied" and data["steps_in_session_phase"] == 4
+    assert len(data["block_ms"]["plain"]) == len(data["block_ms"]["session"]) == 3
+    assert data["speedup_vs_bf16"] > 0 and data["summary"]
+    assert any("runs eagerly while Probe" in e for e in data["events"])
