@@ -437,7 +437,19 @@ def test_the_warmup_probes_every_site_densely_and_on_the_gpu() -> None:
     assert warmup_probe_config(200).every == 20
 
 
-def test_a_compiled_model_runs_eagerly_while_watched_and_as_one_graph_once_planned() -> None:
+class _ThreeLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 32)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == 0 else layer(torch.relu(x))
+        return x
+
+
+@pytest.mark.parametrize("how", ["wrapper", "in place"])
+def test_a_compiled_model_runs_eagerly_while_watched_and_as_one_graph_once_planned(how) -> None:
     """Dynamo keeps a module's hooks as they were at its first compiled call: compiled
     while Probe watched it, the planned model's forward ran as one graph per linear. So the
     compiled wrapper runs eagerly during the warm-up and on the guard's check steps, and its
@@ -453,14 +465,21 @@ def test_a_compiled_model_runs_eagerly_while_watched_and_as_one_graph_once_plann
 
         return run
 
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                          nn.Linear(64, 32))  # fmt: skip
-    compiled = torch.compile(model, backend=counting_backend)
+    # A model class of its own, as users' are: Dynamo does not start a frame in torch.nn's
+    # code (nn.Sequential's forward), so `model.compile()` of one would compile the FP8
+    # linears' forwards one by one.
+    model = _ThreeLinears()
+    if how == "wrapper":
+        compiled = torch.compile(model, backend=counting_backend)
+    else:  # model.compile(): no wrapper, the module's own call is compiled
+        model.compile(backend=counting_backend)
+        compiled = model
     bench = synthetic_kernel_bench([(32, 32, 64), (32, 64, 64), (32, 64, 32)],
                                    backend="torch.native")  # fmt: skip
     config = SessionConfig(warmup_steps=4, decide_steps=0, probe=PROBE, kernel_bench=bench,
                            guard=GuardConfig(check_every=3))  # fmt: skip
     session = Session(compiled, config)
+    assert session.compiled and session.config.plan.mode == "compiled"
     assert any("runs eagerly while Probe" in e for e in session.events)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     phases, armed = [], []

@@ -15,37 +15,49 @@ sync and draw fresh batches, so that gap is not all fragmentation).
 So while hooks watch the model (Probe in the warm-up and re-probes, the runtime guard on
 a check step) the `torch.compile` wrapper calls the module it wraps directly, and
 otherwise compiles as it would: its first compiled call then traces the model as it runs
-from then on, without hooks and with the plan applied. Only this wrapper runs eagerly
-(`torch.compiler.set_stance` would switch every compiled function of the process).
+from then on, without hooks and with the plan applied. Only this model runs eagerly
+(`torch.compiler.set_stance` would switch every compiled function of the process). The
+same holds for a model compiled in place (`model.compile()`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["EagerSwitch"]
+__all__ = ["EagerSwitch", "compiled_in_place"]
+
+
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether `module.compile()` compiled `module` itself (no wrapper)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 class EagerSwitch:
-    """Switches one `torch.compile(module)` wrapper between compiled and eager calls."""
+    """Switches one compiled module between compiled and eager calls: a `torch.compile(m)`
+    wrapper, or a module compiled in place by `m.compile()`."""
 
-    def __init__(self, wrapper: nn.Module) -> None:
-        if not hasattr(wrapper, "_orig_mod"):
-            raise TypeError(f"not a torch.compile'd module: {type(wrapper).__name__}")
-        self.wrapper = wrapper
-        self._compiled_forward = wrapper.__dict__.get("forward")
+    def __init__(self, compiled: nn.Module) -> None:
+        self.module = compiled
+        if hasattr(compiled, "_orig_mod"):
+            # The wrapper's forward is an instance attribute (the compiled callable), which
+            # nn.Module's call dispatches to: the wrapped module's own call replaces it.
+            self._name, self._eager = "forward", compiled._orig_mod.__call__
+        elif compiled_in_place(compiled):
+            # nn.Module's call runs `_compiled_call_impl` when it is set, else `_call_impl`.
+            self._name, self._eager = "_compiled_call_impl", None
+        else:
+            raise TypeError(f"not a torch.compile'd module: {type(compiled).__name__}")
+        self._compiled = compiled.__dict__.get(self._name)
         self.eager = False
 
     def set(self, eager: bool) -> None:
-        """Eager calls (`eager`) or the compiled ones the wrapper was made with."""
+        """Eager calls (`eager`) or the compiled ones the module was made with."""
         if eager == self.eager:
             return
         if eager:
-            # The wrapper's forward is an instance attribute (the compiled callable), which
-            # nn.Module's call dispatches to: the wrapped module's own call replaces it.
-            self.wrapper.__dict__["forward"] = self.wrapper._orig_mod.__call__
-        elif self._compiled_forward is not None:
-            self.wrapper.__dict__["forward"] = self._compiled_forward
+            self.module.__dict__[self._name] = self._eager
+        elif self._compiled is not None:
+            self.module.__dict__[self._name] = self._compiled
         else:
-            self.wrapper.__dict__.pop("forward", None)
+            self.module.__dict__.pop(self._name, None)
         self.eager = eager

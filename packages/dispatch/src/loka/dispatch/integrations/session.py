@@ -51,7 +51,7 @@ from loka.dispatch.bench import (
 )
 from loka.dispatch.bench.runner import mode_backends
 from loka.dispatch.integrations.distributed import is_distributed, plan_once, rank
-from loka.dispatch.integrations.eager_switch import EagerSwitch
+from loka.dispatch.integrations.eager_switch import EagerSwitch, compiled_in_place
 from loka.dispatch.integrations.guard import GuardConfig, RuntimeGuard
 from loka.dispatch.planner import Plan, PlanConfig, make_plan
 from loka.dispatch.step_timers import StepTimer
@@ -219,8 +219,8 @@ class Session:
         # A torch.compile'd model: probe, plan and apply through the module it compiles (the
         # site names are that module's), and plan for compiled execution.
         self.model = getattr(model, "_orig_mod", model)
-        self.compiled = self.model is not model
-        # While hooks watch the model, the compiled wrapper runs it eagerly (eager_switch).
+        self.compiled = self.model is not model or compiled_in_place(model)
+        # While hooks watch the model, a compiled model runs eagerly (eager_switch).
         self._switch = EagerSwitch(model) if self.compiled else None
         self.config = config or SessionConfig()
         self.events: list[str] = []
