@@ -501,3 +501,16 @@ def test_a_series_saved_before_the_varying_and_summed_errors_reads_its_balanced_
     config = ProbeConfig()
     assert merged.largest_part(np.ones(3, bool), None, config) == "summed"
     assert merged.errors(None, config) == pytest.approx([0.01, 0.3, 0.02])
+
+
+def test_probing_a_compiled_model_warns_that_its_graph_would_keep_the_hooks() -> None:
+    from loka.probe.probe import CompiledModelWarning
+
+    model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.warns(CompiledModelWarning, match="probe the uncompiled module"):
+        probe = Probe(torch.compile(model, backend="eager"), QUICK)
+    assert probe.model is model  # its sites are the wrapped module's
+    probe.detach()
+    model.compile(backend="eager")  # compiled in place
+    with pytest.warns(CompiledModelWarning):
+        Probe(model, QUICK).detach()

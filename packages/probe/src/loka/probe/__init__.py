@@ -16,13 +16,14 @@ from loka.probe.config import (
     DENSE_HOST_ERROR_MAX_SIZE,
     ProbeConfig,
 )
-from loka.probe.probe import Probe
+from loka.probe.probe import CompiledModelWarning, Probe
 from loka.probe.sites import register_site
 
 __all__ = [
     "DEFAULT_BUDGETS",
     "DEFAULT_RECIPES",
     "DENSE_HOST_ERROR_MAX_SIZE",
+    "CompiledModelWarning",
     "Probe",
     "ProbeConfig",
     "register_site",

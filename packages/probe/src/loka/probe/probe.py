@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 TABLE_NAMES = ("sites", "tensor_stats", "site_errors")
 
 
+class CompiledModelWarning(UserWarning):
+    """Probe was attached to a torch.compile'd model (see `Probe`)."""
+
+
 class Probe:
     """Online, sampled FP8 profiling of every GEMM site of `model`.
 
@@ -55,6 +59,21 @@ class Probe:
             raise TypeError(f"Probe needs an nn.Module, got {type(model).__name__}")
         # torch.compile's wrapper: probe the module it compiles, so that site names are the
         # model's own (no "_orig_mod." prefix) and match a plan applied to either.
+        compiled = hasattr(model, "_orig_mod") or (
+            getattr(model, "_compiled_call_impl", None) is not None
+        )
+        if compiled:
+            # Dynamo keeps a module's hooks as they were at its first compiled call and does
+            # not guard on them: compiled while Probe's hooks (graph breaks) are in place,
+            # the model keeps a break at every site after detach().
+            warnings.warn(
+                "loka.probe: Probe on a torch.compile'd model: its next compile traces "
+                "Probe's hooks as graph breaks, which stay after detach(); probe the "
+                "uncompiled module (the wrapper's _orig_mod) and compile after, or use "
+                "loka.dispatch.Session, which runs the compiled model eagerly while probing",
+                CompiledModelWarning,
+                stacklevel=2,
+            )
         model = getattr(model, "_orig_mod", model)
         self.config = config or ProbeConfig()
         specs = find_sites(model, self.config.excluded)

@@ -530,6 +530,8 @@ class Session:
         return warmup_probe_config(self.config.warmup_steps)
 
     def _attach_probe(self):
+        if self._switch is not None:
+            self._switch.set(True)  # eager before Probe's hooks go on (eager_switch)
         return _probe_module().Probe(self.model, self._probe_config())
 
     def _make_plan(self) -> Plan:
@@ -569,8 +571,7 @@ class Session:
             return
         since = self.steps - self._verified_at
         if self.probe is None and since > 0 and since % every == 0:
-            config = self._probe_config()
-            self.probe = _probe_module().Probe(self.model, config)
+            self.probe = self._attach_probe()
             self._reprobe_start = self.steps
             self._event(f"step {step}: re-probing for {self.config.reprobe_steps} step(s)")
             return
