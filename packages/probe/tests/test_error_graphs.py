@@ -70,6 +70,7 @@ def _train(graphs: ErrorGraphs | None, steps: int = 5) -> tuple[dict, pl.DataFra
         probe._analyzer.graphs = graphs
     zoo.train(setup, steps, on_step=lambda step, loss: probe.step())
     sums, errors = _sums(probe), probe.tables()["site_errors"]
+    probe.attached_counters = probe.counters  # before detach() releases the graphs
     probe.detach()
     return sums, errors, probe
 
@@ -88,7 +89,10 @@ def test_graphed_analysis_gives_the_eager_sums_bit_for_bit() -> None:
     # scaling's history grows over the first steps, so some layouts come later)
     assert counts.captures >= sites and counts.replays >= 2 * sites
     assert probe.counters["graph_replays"] == counts.replays
-    assert probe.counters["graph_input_bytes"] > 0
+    assert probe.attached_counters["graph_input_bytes"] > 0
+    # detached (by _train): the graphs and their input copies are released, the counts stay
+    assert probe.counters["graph_input_bytes"] == 0 and len(graphs) == 0
+    assert probe.counters["graph_captures"] == counts.captures > 0
 
 
 def _fn_counting(calls: list):

@@ -16,7 +16,8 @@ graph's input buffers and replays it.
   that changes every batch) run eagerly as before, at no extra memory.
 - Memory: each graph owns a copy of its inputs (the sampled rows and the site's weight
   snapshot: about one more copy of the weights of the sites analysed on the GPU,
-  `ErrorGraphs.input_bytes`). Intermediates come from one memory pool that every graph
+  `ErrorGraphs.input_bytes`; at the xl presets 0.28 GB of weights for DHEN to 0.75 GB for
+  HSTU), held until `Probe.detach()` releases them. Intermediates come from one memory pool that every graph
   shares: graphs replay one at a time on the analysis stream, and nothing reads a graph's
   intermediates after its replay, so the pool holds about the largest single analysis,
   not their sum.
@@ -112,6 +113,13 @@ class ErrorGraphs:
                 for t in static.values()
                 if t is not None
             )
+
+    def release(self) -> None:
+        """Drop every graph, its input copies and the shared pool (the counts stay)."""
+        with self._lock:
+            self._graphs.clear()
+            self._seen.clear()
+            self._pool = None
 
     def usable(self, t: torch.Tensor) -> bool:
         """Whether work on `t` may be graphed at all."""

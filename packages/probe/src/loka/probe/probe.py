@@ -142,6 +142,8 @@ class Probe:
         self._capture = self._amax_capture = self._norm_trace = None
         self._amax_history.clear()
         self._worker.close()
+        if self._analyzer.graphs is not None:
+            self._analyzer.graphs.release()  # their inputs' copies and memory, not the counts
         self._attached = False
 
     def __enter__(self) -> Probe:
