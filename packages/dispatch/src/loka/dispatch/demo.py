@@ -171,9 +171,16 @@ def _print(result: DemoResult, session: Session, *, verbose: bool = False) -> No
         )
     print_lines(wrap_lines(plan.summary.lines(), prefix="  "))
     if result.compiled and result.device != "cpu":
+        measured = plan.summary.measured_speedup
         console.print(
-            "[bold]measured training step[/]: verification's, above (bf16 and planned steps "
-            "interleaved, both compiled; the warm-up ran eagerly while Probe watched)"
+            "[bold]measured training step[/]: "
+            + (
+                f"{measured:.3f}x, verification's (bf16 and planned steps interleaved, both "
+                "compiled; the warm-up ran eagerly while Probe watched)"
+                if measured is not None
+                else "not measured (nothing in FP8 to verify; the warm-up ran eagerly while "
+                "Probe watched, so its steps are no compiled baseline)"
+            )
         )
     elif result.measured_speedup is not None:
         console.print(
