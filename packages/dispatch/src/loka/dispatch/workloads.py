@@ -104,12 +104,14 @@ def probe_zoo(
     """Train a zoo model for `steps` steps with Probe attached; return (and optionally save
     to `out`) the sites, tensor_stats and site_errors tables."""
     import loka.zoo as zoo
-    from loka.probe import Probe, ProbeConfig
+    from loka.probe import DENSE_HOST_ERROR_MAX_SIZE, Probe, ProbeConfig
 
     setup = zoo.create(name, preset, device=device, seed=seed, batch_size=batch_size)
+    # every site on every step: the small ones' analysis too replays from CUDA graphs
     config = probe_config or ProbeConfig(
-        every=1, warmup_steps=0, max_sites_per_step=None, queue_size=max(2, steps)
-    )
+        every=1, warmup_steps=0, max_sites_per_step=None, queue_size=max(2, steps),
+        host_error_max_size=DENSE_HOST_ERROR_MAX_SIZE,
+    )  # fmt: skip
     with Probe(setup.model, config) as probe:
 
         def step(i: int, loss: float) -> None:
