@@ -168,6 +168,14 @@ class Analyzer:
         inputs = {name: getattr(gemm, name) for name in _GRAPHED_FIELDS}
         for h, roles in history.items():
             inputs.update({f"history.{h}.{role}": t for role, t in roles.items()})
+        # More tokens than sampled (a batch's size may change from step to step, jagged
+        # sequences): the count is an input, so one graph serves every batch.
+        tokens: int | str = gemm.m_total
+        if gemm.m_total > gemm.x.shape[0]:
+            tokens = "more than sampled"
+            inputs["m_total"] = torch.full(
+                (), float(gemm.m_total), dtype=torch.float64, device=gemm.x.device
+            )
 
         def compute(
             t: dict[str, torch.Tensor | None],
@@ -178,9 +186,11 @@ class Analyzer:
                     _, h, role = name.split(".")
                     hist[int(h)][role] = value
             fields = {name: t[name] for name in _GRAPHED_FIELDS}
+            if "m_total" in t:
+                fields["m_total"] = t["m_total"]
             return self._pass_sums(replace(gemm, **fields), hist, real_fp8)
 
-        return self.graphs.run((site, gemm.index, gemm.m_total, real_fp8), inputs, compute)
+        return self.graphs.run((site, gemm.index, tokens, real_fp8), inputs, compute)
 
     def _pass_sums(
         self, gemm: GemmSample, history: dict[int, dict[str, torch.Tensor]], real_fp8: bool

@@ -68,14 +68,14 @@ class PassOperands:
     b_row_amax: torch.Tensor | None = None
     # Wgrad only: the tokens the reduction ran over, of which the columns of a and b are a
     # uniform sample. None: the reduction is not sampled.
-    m_total: int | None = None
+    m_total: int | torch.Tensor | None = None
     # Fwd and dgrad: the output's rows are tokens, so the varying sums (`error_sums`) take
     # the part of each output channel that varies from token to token.
     token_rows: bool = False
     # Dgrad: the output's rows are a uniform sample of this many tokens, and the output's
     # sum over all of them is what the gradients upstream are made of (`summed_square`).
     # None: the summed sums repeat the balanced ones.
-    summed_total: int | None = None
+    summed_total: int | torch.Tensor | None = None
     # history length H -> (max amax of A, of B) over the H steps before this one
     history: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -148,7 +148,9 @@ def reference_sums(
     return torch.stack([bal_den, ref.pow(2).sum(), var_den, sum_den])
 
 
-def summed_square(t: torch.Tensor, column_weights: torch.Tensor, m_total: int) -> torch.Tensor:
+def summed_square(
+    t: torch.Tensor, column_weights: torch.Tensor, m_total: int | torch.Tensor
+) -> torch.Tensor:
     """The square of a token-row output's sum over all `m_total` tokens, per column weighted
     by `column_weights`, estimated from the `m` sampled rows of `t` (`[m, columns]`,
     float64): of an error (the summed error^2) or of the reference.
@@ -169,7 +171,7 @@ def summed_square(t: torch.Tensor, column_weights: torch.Tensor, m_total: int) -
     errors to average out, and c is large (~4000 at m = 512 of M = 16384)."""
     w2 = column_weights.pow(2)
     m = t.shape[0]
-    if m_total <= m or m < 4:
+    if m < 4 or not exceeds(m_total, m):
         return (w2 * t.sum(dim=0).square()).sum()
     part_a, part_b = halves_on(m, t.device)
     m_a, m_b = len(part_a), len(part_b)
@@ -180,6 +182,13 @@ def summed_square(t: torch.Tensor, column_weights: torch.Tensor, m_total: int) -
         w2[None, :],
     )[:3]
     return s * own + c * (pairs - PAIR_Z * pairs_sq.sqrt()).clamp(min=0)
+
+
+def exceeds(total: int | torch.Tensor, m: int) -> bool:
+    """Whether `total` tokens are more than the `m` sampled. A token count given as a tensor
+    (an input of a CUDA graph, `loka.probe.error_graphs`, so that one graph serves batches of
+    any size) is only given where they are: its value is never read on the host."""
+    return isinstance(total, torch.Tensor) or total > m
 
 
 def missing_sums(like: torch.Tensor) -> torch.Tensor:
@@ -264,7 +273,7 @@ def extrapolate_sums(
     exact_halves: Sequence[torch.Tensor],
     ref_halves: Sequence[torch.Tensor],
     weights: torch.Tensor,
-    m_total: int,
+    m_total: int | torch.Tensor,
     sizes: tuple[int, int],
     ref_moments: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -322,7 +331,7 @@ def extrapolate_sums(
 
 
 def reference_moments(
-    ref_halves: Sequence[torch.Tensor], weights: torch.Tensor, m_total: int, m: int
+    ref_halves: Sequence[torch.Tensor], weights: torch.Tensor, m_total: int | torch.Tensor, m: int
 ) -> torch.Tensor:
     """`pair_moments` of the reference's halves, with the balance weights of an m-token
     sample of an M-token GEMM (`extrapolate_sums`)."""
@@ -361,7 +370,7 @@ def pass_error_sums(
     A delayed recipe whose history is missing gets NaN sums (no measurement).
     """
     m = ops.a.shape[1]
-    sampled = ops.m_total is not None and ops.m_total > m and m >= 4
+    sampled = ops.m_total is not None and m >= 4 and exceeds(ops.m_total, m)
     parts = halves_on(m, ops.a.device) if sampled else (None,)
 
     def columns(t: torch.Tensor, part: torch.Tensor | None) -> torch.Tensor:
@@ -375,7 +384,8 @@ def pass_error_sums(
     weights = inverse_row_norms(ops.a)[:, None] * b_inverse_norms[None, :]
     summed = None
     if ops.summed_total is not None:
-        summed = (b_inverse_norms, max(ops.summed_total, ops.a.shape[0]))
+        total = ops.summed_total
+        summed = (b_inverse_norms, total if exceeds(total, ops.a.shape[0]) else ops.a.shape[0])
 
     # The reference's own sums are the same for every row (bf16 and each recipe): once.
     if sampled:
