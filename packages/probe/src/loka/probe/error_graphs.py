@@ -9,11 +9,12 @@ recipes and flags, only new values. So the second time a layout comes, its work 
 captured as a CUDA graph; from then on a sampled step copies the new samples into the
 graph's input buffers and replays it.
 
-- Key: the caller's static description (site, GEMM, what shapes the arithmetic: the
-  token count, which histories exist) and each input's shape, stride and dtype. A layout
-  is captured the second time it is seen; a site keeps at most `MAX_PER_SITE` graphs, the
-  least recently replayed dropped first, so layouts that never settle (a token count
-  that changes every batch) run eagerly as before, at no extra memory.
+- Key: the caller's static description (site, GEMM, what shapes the arithmetic: which
+  histories exist, a token count no larger than the rows sampled; a larger one is an
+  input, so jagged batches share a graph) and each input's shape, stride and dtype. A
+  layout is captured the second time it is seen; a site keeps at most `MAX_PER_SITE`
+  graphs, the least recently replayed dropped first, so layouts that never settle (rows
+  sampled that change every batch) run eagerly as before, at no extra memory.
 - Memory: each graph owns a copy of its inputs (the sampled rows and the site's weight
   snapshot: about one more copy of the weights of the sites analysed on the GPU,
   `ErrorGraphs.input_bytes`; at the xl presets 0.28 GB of weights for DHEN to 0.75 GB for
