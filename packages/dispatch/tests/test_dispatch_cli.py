@@ -140,3 +140,15 @@ def test_demo_compile_trains_the_compiled_model_with_a_compiled_plan(
     backends = set(plan.table["backend"]) - {"torch.bf16"}
     assert backends <= {"torch.native", "torch.native.fast"}  # traceable only
     assert "mode='compiled'" in plan.metadata["config"]
+    # On a GPU a compiled demo's warm-up runs eagerly: the speedup it prints is
+    # verification's, or none.
+    from types import SimpleNamespace
+
+    from loka.dispatch.demo import DemoResult, _print
+
+    result = DemoResult(plan, out, "cuda", {}, {}, [], compiled=True)
+    _print(result, SimpleNamespace(events=[]))
+    assert "not measured (nothing in FP8 to verify" in capsys.readouterr().out
+    plan.summary.measured_speedup = 1.1
+    _print(result, SimpleNamespace(events=[]))
+    assert "1.100x, verification's" in capsys.readouterr().out
