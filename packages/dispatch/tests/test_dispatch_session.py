@@ -503,3 +503,18 @@ def test_a_compiled_model_runs_eagerly_while_watched_and_as_one_graph_once_plann
     graphs_run.append(0)
     compiled(torch.randn(32, 32))
     assert graphs_run[-1] == 1
+
+
+def test_the_eager_switch_takes_compiled_modules_only_and_restores_the_compiled_call() -> None:
+    from loka.dispatch.integrations.eager_switch import EagerSwitch
+
+    with pytest.raises(TypeError, match=r"not a torch\.compile'd module: Linear"):
+        EagerSwitch(nn.Linear(2, 2))
+    wrapper = torch.compile(nn.Linear(2, 2), backend="eager")
+    compiled_forward = wrapper.forward
+    switch = EagerSwitch(wrapper)
+    switch.set(True)
+    switch.set(True)  # idempotent
+    assert wrapper.forward == wrapper._orig_mod.__call__
+    switch.set(False)
+    assert wrapper.forward is compiled_forward
