@@ -64,6 +64,15 @@ def main(argv: list[str] | None = None) -> int:
         run = torch.compile(setup.model, backend=args.backend, options=options)
         return setup, opt, run
 
+    from torch._dynamo.utils import counters
+
+    def dynamo_now() -> dict[str, int]:
+        return {
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "unique_graphs": counters["stats"].get("unique_graphs", 0),
+        }
+
+    counters.clear()
     setup, opt, run = trainer(None)
     plain_setup, plain_opt, plain_run = trainer(setup.model)
     batches = [b for b, _ in zip(setup.train_batches(), range(args.batches), strict=False)]
@@ -86,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"session phase {session.phase!r} after {steps} steps")
     for text in events:
         log(f"  {text}")
+    # Dynamo during the Session's phase (a model compiled under Probe's hooks broke its
+    # graph at every site, for good), then while both models train on
+    session_phase = dynamo_now()
+    counters.clear()
     clock = Clock(device)
     for which in ("plain", "session"):  # compile and warm up both before timing
         for i in range(3):
@@ -112,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         "verified_speedup": summary.measured_speedup if summary else None,
         "verified_interval": summary.measured_interval if summary else None,
         "summary": summary.lines() if summary else [],
+        "dynamo_session_phase": session_phase,
+        "dynamo_after": dynamo_now(),
     }
     log(f"plain compiled bf16 {result['plain_ms']:.2f} ms, session {result['session_ms']:.2f}"
         f" ms: {stats['speedup_vs_bf16']:.3f}x [{stats['ratio_min']:.3f}, "

@@ -27,3 +27,8 @@ def test_a_session_and_its_plain_twin_are_timed_in_interleaved_blocks(tmp_path) 
     assert len(data["block_ms"]["plain"]) == len(data["block_ms"]["session"]) == 3
     assert data["speedup_vs_bf16"] > 0 and data["summary"]
     assert any("runs eagerly while Probe" in e for e in data["events"])
+    # no graph break, neither while Probe watched (the model ran eagerly) nor after (one
+    # graph may serve both models where their modules are alike: parameters are inputs)
+    assert data["dynamo_session_phase"]["graph_breaks"] == 0
+    assert data["dynamo_after"]["graph_breaks"] == 0
+    assert data["dynamo_after"]["unique_graphs"] >= 1
