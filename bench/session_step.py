@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from harness import metadata, parser, stamp, write_json
+from harness import Budget, metadata, parser, stamp, write_json
 from realized import Clock, block_stats, interleaved
 
 
@@ -46,13 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="inductor",
                    help="torch.compile backend ('eager' for a quick smoke test)")  # fmt: skip
     args = p.parse_args(argv)
-    start = time.monotonic()
+    budget = Budget(args.budget_s)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device == "cuda"
     autocast = torch.bfloat16 if gpu else None
 
     def log(text: str) -> None:
-        print(f"[session_step {time.monotonic() - start:6.0f} s] {text}", flush=True)
+        print(f"[session_step {budget.elapsed():6.0f} s] {text}", flush=True)
 
     def trainer(seed_model):
         setup = zoo.create(args.model, args.preset, device=device, seed=0)
@@ -104,10 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(3):
             step(which, i)
     clock.sync()
-    budget_left = (lambda: args.budget_s - (time.monotonic() - start)) if args.budget_s else None
     times = interleaved(
         {"plain": lambda i: step("plain", i), "session": lambda i: step("session", i)},
-        args.blocks, args.block_steps, clock, budget_left or (lambda: float("inf")),
+        args.blocks, args.block_steps, clock, budget.left,
     )  # fmt: skip
     stats = block_stats(times["plain"], times["session"])
     summary = session.plan.summary if session.plan is not None else None

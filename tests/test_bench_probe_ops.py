@@ -7,19 +7,15 @@ import json
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).parents[1] / "bench"
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+import harness
+
+script = harness.load("probe_ops")
 
 
 def test_it_counts_the_analysis_ops_of_each_sampled_step(tmp_path) -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
-        from harness import load
-
-        script = load("probe_ops")
-        assert script.main(["--out", str(tmp_path), "--preset", "tiny", "--batch-size", "32",
-                            "--steps", "2", "--error-graphs", "off,on+host=0", "--blocks", "1"]) == 0  # fmt: skip
-    finally:
-        sys.path.remove(str(BENCH))
+    assert script.main(["--out", str(tmp_path), "--preset", "tiny", "--batch-size", "32",
+                        "--steps", "2", "--error-graphs", "off,on+host=0", "--blocks", "1"]) == 0  # fmt: skip
     (result,) = tmp_path.glob("probe_ops_*.json")
     data = json.loads(result.read_text())
     assert [r["variant"] for r in data["rows"]] == ["off", "off", "on+host=0", "on+host=0"]

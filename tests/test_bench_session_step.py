@@ -7,20 +7,16 @@ import json
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).parents[1] / "bench"
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+import harness
+
+script = harness.load("session_step")
 
 
 def test_a_session_and_its_plain_twin_are_timed_in_interleaved_blocks(tmp_path) -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
-        from harness import load
-
-        script = load("session_step")
-        assert script.main(["--out", str(tmp_path), "--device", "cpu", "--preset", "tiny",
-                            "--warmup-steps", "4", "--decide-steps", "0", "--blocks", "3",
-                            "--block-steps", "1", "--batches", "2", "--backend", "eager"]) == 0  # fmt: skip
-    finally:
-        sys.path.remove(str(BENCH))
+    assert script.main(["--out", str(tmp_path), "--device", "cpu", "--preset", "tiny",
+                        "--warmup-steps", "4", "--decide-steps", "0", "--blocks", "3",
+                        "--block-steps", "1", "--batches", "2", "--backend", "eager"]) == 0  # fmt: skip
     (result,) = tmp_path.glob("session_step_*.json")
     data = json.loads(result.read_text())["result"]
     assert data["phase"] == "applied" and data["steps_in_session_phase"] == 4

@@ -102,7 +102,7 @@ class ProbeConfig:
     # almost nothing where the CPU's arithmetic on a small site costs ~10 ms (DHEN large
     # on an H100's host: 1.64 -> 0.40 s per sampled step). Monitoring samples a site too
     # rarely for that: there the small sites' eager GPU work cost the step more
-    # (`bench/results/probe_overhead_cuda_20261205-14*`).
+    # (`bench/results/probe_overhead_h100_20261205-14*`).
     host_error_max_size: int = SMALL_SITE_SIZE
     real_fp8: bool = True
     # On a GPU, a site's error analysis is captured as a CUDA graph the second time its

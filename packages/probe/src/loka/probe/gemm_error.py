@@ -254,18 +254,12 @@ def split_halves(m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order[:half].sort().values, order[half:].sort().values
 
 
-_HALVES_ON: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
+@functools.lru_cache(maxsize=16)
 def halves_on(m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`split_halves(m)` on `device`, copied there once per device: not at every slice, and
     never inside a CUDA graph's capture (`loka.probe.error_graphs`), where a copy from the
     host fails; the first, eager analysis of a layout puts them there."""
-    key = (m, torch.device(device))
-    found = _HALVES_ON.get(key)
-    if found is None:
-        found = _HALVES_ON[key] = tuple(p.to(device) for p in split_halves(m))
-    return found
+    return tuple(p.to(device) for p in split_halves(m))
 
 
 def extrapolate_sums(

@@ -57,8 +57,6 @@ class Probe:
     def __init__(self, model: nn.Module, config: ProbeConfig | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Probe needs an nn.Module, got {type(model).__name__}")
-        # torch.compile's wrapper: probe the module it compiles, so that site names are the
-        # model's own (no "_orig_mod." prefix) and match a plan applied to either.
         compiled = hasattr(model, "_orig_mod") or (
             getattr(model, "_compiled_call_impl", None) is not None
         )
@@ -74,6 +72,8 @@ class Probe:
                 CompiledModelWarning,
                 stacklevel=2,
             )
+        # torch.compile's wrapper: probe the module it compiles, so that site names are the
+        # model's own (no "_orig_mod." prefix) and match a plan applied to either.
         model = getattr(model, "_orig_mod", model)
         self.config = config or ProbeConfig()
         specs = find_sites(model, self.config.excluded)
