@@ -497,7 +497,14 @@ def run_mode(
     import loka.zoo as zoo
     from loka.dispatch import PlanConfig, apply, make_plan
     from loka.dispatch.apply_plan import ApplyConfig
-    from loka.dispatch.bench import BenchCache, CostModel, benchmark, site_recipes, site_shapes
+    from loka.dispatch.bench import (
+        BenchCache,
+        CostModel,
+        benchmark,
+        site_producer_shapes,
+        site_recipes,
+        site_shapes,
+    )
     from loka.dispatch.bench.runner import mode_backends
 
     device = args.device
@@ -513,6 +520,7 @@ def run_mode(
         site_shapes(sites), device=device, cache=BenchCache(args.cache),
         cost_model=CostModel.shipped(), budget_s=args.bench_budget_s,
         backends=mode_backends(mode), recipes=site_recipes(tables["site_errors"]),
+        producer_shapes=site_producer_shapes(sites) if mode != "eager" else (),
         include_fast_accum=any(o.get("allow_fast_accum") for o in options.values()),
         # Candidates whose host time alone loses are skipped only when every plan charges it.
         charge_host=mode == "eager" and all(o.get("charge_host", True) for o in options.values()),
@@ -965,6 +973,8 @@ def loka_options(variant: str) -> dict:
     graphs; an A/B of `loka.mods.eager_graphs` in the step),
     ``static=MARGIN`` (serving only: `loka.mods.calibrate_input_scales` on training
     batches other than the served ones, static input scales at their amax times MARGIN),
+    ``noproducer`` (`fuse_into_producer=False`: x's quantization costed standalone, not
+    fused into the op computing x; an A/B of that costing on the real step),
     ``mk`` (this variant compiled with `compile_options(multi_kernel=True)`, the others as
     ``--inductor`` says: multi-kernel against none in one process),
     e.g. ``loka+fast+min=1.15``, ``loka+min=1.05+x=*.mlp.1/wgrad``: several LoKA variants
@@ -994,6 +1004,8 @@ def loka_options(variant: str) -> dict:
             out["bias_grad"] = opt[5:]
         elif opt == "mk":
             out["multi_kernel"] = True
+        elif opt == "noproducer":
+            out["fuse_into_producer"] = False
         elif opt == "nographs":
             out["eager_graphs"] = False
         elif opt.startswith("static="):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import polars as pl
 import torch
 from torch import nn
 
@@ -25,16 +26,62 @@ class Block(nn.Module):
         return self.out(self.ln2(a)) + self.out(a)
 
 
-def test_the_norm_feeding_a_site_alone_is_in_the_sites_table() -> None:
+def _probed_sites(model: nn.Module) -> pl.DataFrame:
+    """The sites table after two training steps, every site sampled on each."""
     torch.manual_seed(0)
-    model = Block()
     config = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, queue_size=4)
     with Probe(model, config) as probe:
         for _ in range(2):
             model(torch.randn(64, 16)).sum().backward()
             probe.step()
-        sites = probe.tables()["sites"]
+        return probe.tables()["sites"]
+
+
+def test_the_norm_feeding_a_site_alone_is_in_the_sites_table() -> None:
+    model = Block()
+    sites = _probed_sites(model)
     norms = dict(zip(sites["site"], sites["norm"], strict=True))
     assert norms == {"fc1": "ln", "q": None, "k": None, "out": None}
     for name, module in model.named_modules():  # the trace's hooks are gone
         assert not module._forward_hooks and not module._forward_pre_hooks, name
+
+
+class Producers(nn.Module):
+    """Inputs computed by a norm, a functional activation through a view and a cast, a GEMM,
+    a raw feature, and two different ops on two calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 16)
+        self.fc3 = nn.Linear(16, 16)
+        self.shared = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.fc1(self.ln(x)))
+        h = self.fc2(h.view(4, -1, 32).to(torch.float64).to(torch.float32).view(-1, 32))
+        y = self.fc3(h)
+        return self.shared(torch.relu(y)) + self.shared(torch.sigmoid(y))
+
+
+def test_the_op_computing_each_site_input_is_in_the_sites_table() -> None:
+    sites = _probed_sites(Producers())
+    producers = dict(zip(sites["site"], sites["producer"], strict=True))
+    assert producers == {
+        "fc1": "native_layer_norm",  # the LayerNorm module, as autograd names its op
+        "fc2": "gelu",  # F.gelu, seen through the views and casts
+        "fc3": "addmm",  # another linear
+        "shared": None,  # relu on one call, sigmoid on the other
+    }
+
+
+def test_an_input_that_needs_no_gradient_has_no_producer() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 1))
+    config = ProbeConfig(every=1, warmup_steps=0, max_sites_per_step=None, queue_size=4)
+    with Probe(model, config) as probe, torch.no_grad():
+        for _ in range(2):
+            model(torch.randn(32, 8))
+            probe.step()
+        sites = probe.tables()["sites"]
+    assert sites["producer"].to_list() == [None, None]

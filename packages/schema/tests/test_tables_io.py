@@ -188,23 +188,36 @@ def test_failure_during_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch)
 
 def test_version_1_files_migrate_and_version_0_is_refused(tmp_path):
     # A version-1 sites table (no `norm`) and plan (its `fuse_norm` an extra column, no
-    # `norm`) read as version 2: the columns added since take their defaults.
+    # `norm`) read as the current version: the columns added since take their defaults.
     path = tmp_path / "sites.parquet"
     _sites().write_parquet(path, metadata={"loka.table": "sites", "loka.schema_version": "1"})
     sites = read_table(path, "sites")
     assert sites.columns == TABLES["sites"].names and sites["norm"].null_count() == 2
+    assert sites["producer"].null_count() == 2
     plan = tmp_path / "plan.parquet"
     validate(_plan(), "plan").drop("norm").write_parquet(
         plan, metadata={"loka.table": "plan", "loka.schema_version": "1"}
     )
     assert read_table(plan, "plan")["fuse_norm"].to_list() == [False]
     _sites().write_parquet(path, metadata={"loka.table": "sites", "loka.schema_version": "0"})
-    with pytest.raises(SchemaError, match="schema version 0, this loka-schema reads version 2"):
+    with pytest.raises(
+        SchemaError, match=f"schema version 0, this loka-schema reads version {SCHEMA_VERSION}"
+    ):
         read_table(path, "sites")
 
 
+def test_version_2_sites_read_with_no_producer(tmp_path):
+    # Version 2 traced the norms but not the producers: its norms survive, producers are null.
+    path = tmp_path / "sites.parquet"
+    v2 = _sites().with_columns(pl.Series("norm", ["ln", None], dtype=pl.String))
+    v2.write_parquet(path, metadata={"loka.table": "sites", "loka.schema_version": "2"})
+    sites = read_table(path, "sites")
+    assert sites["norm"].to_list() == ["ln", None]
+    assert sites["producer"].to_list() == [None, None]
+
+
 def test_only_columns_added_after_version_1_may_be_missing():
-    assert [c.name for c in TABLES["sites"].columns if c.optional] == ["norm"]
+    assert [c.name for c in TABLES["sites"].columns if c.optional] == ["norm", "producer"]
     out = validate(_sites(norm=["ln", None]), "sites")
     assert out["norm"].to_list() == ["ln", None]
     assert validate(_sites(), "sites")["norm"].to_list() == [None, None]

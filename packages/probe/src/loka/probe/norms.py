@@ -1,5 +1,7 @@
-"""Which norm feeds each site: the `norm` column of `sites`, what the planner reads to weigh
-fusing a norm into the linear after it (loka.mods' `NormLinear`).
+"""Which norm feeds each site, and which op computed its input: the `norm` and `producer`
+columns of `sites`, what the planner reads to weigh fusing a norm into the linear after it
+(loka.mods' `NormLinear`) and, in a compiled plan, the input's quantization into the op that
+computed it (inductor fuses it there).
 
 On its first sampled step Probe watches every LayerNorm/RMSNorm and every linear (sites or
 not) through forward hooks. A site is fed by norm N when every one of its calls took N's
@@ -7,10 +9,17 @@ output (the same tensor) as its input, N ran as often as the site, and no other 
 watched took N's output. Hooks see modules only: a norm output that other code also reads
 (a residual, say) is not seen here, which is why loka.mods checks a fused model's outputs on
 a sample batch before it keeps the fusion.
+
+A site's producer is read from autograd, so it sees functional code too (`F.gelu` in a
+forward, not only `nn.GELU`): the node that made the input tensor, through views and dtype
+casts, named as the op (`GeluBackward0` -> `gelu`, `NativeLayerNormBackward0` ->
+`native_layer_norm`), when every call agreed. An input that needs no gradient (inference, raw
+features) has no producer here.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +32,25 @@ from loka.probe.sites import SiteSpec
 
 # The norms loka.mods can fuse with the quantization of their output.
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm)
+
+# Autograd nodes looked through to the op that computed a site's input: they move no data
+# (views) or convert it where the compiled graph fuses the conversion into that op.
+_PASS_THROUGH = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+                           "ToCopyBackward0"})  # fmt: skip
+_NODE_SUFFIX = re.compile(r"Backward\d*$")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+def producer_of(tensor: torch.Tensor) -> str | None:
+    """The op that computed `tensor`, as autograd recorded it (`gelu`, `native_layer_norm`,
+    `addmm`, ...), through views and dtype casts; None for a tensor autograd did not record
+    (no gradient needed, or a leaf)."""
+    node = tensor.grad_fn
+    while node is not None and type(node).__name__ in _PASS_THROUGH:
+        node = next((n for n, _ in node.next_functions if n is not None), None)
+    if node is None or type(node).__name__ == "AccumulateGrad":
+        return None
+    return _CAMEL.sub("_", _NODE_SUFFIX.sub("", type(node).__name__)).lower() or None
 
 
 class NormTrace(Recorder):
@@ -38,6 +66,7 @@ class NormTrace(Recorder):
         super().__init__(on_error)
         self.norm_calls: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()  # module -> forward calls
+        self.producers: defaultdict[str, set[str | None]] = defaultdict(set)  # module -> ops
         self.consumers: defaultdict[str, Counter[str]] = defaultdict(
             Counter
         )  # norm -> module -> calls
@@ -67,6 +96,7 @@ class NormTrace(Recorder):
         def before(module: nn.Module, args: tuple[Any, ...]) -> None:
             self.calls[name] += 1
             if args and isinstance(args[0], torch.Tensor):
+                self.producers[name].add(producer_of(args[0]))
                 hit = self._outputs.get(id(args[0]))
                 if hit is not None and hit[1] is args[0]:
                     self.consumers[hit[0]][name] += 1
@@ -87,6 +117,14 @@ class NormTrace(Recorder):
             if count == self.norm_calls[norm] == self.calls[module]:
                 fed[module] = norm
         return fed
+
+    def input_producers(self) -> dict[str, str]:
+        """Module -> the op that computed its input on every call (`producer_of`)."""
+        return {
+            module: next(iter(ops))
+            for module, ops in self.producers.items()
+            if len(ops) == 1 and None not in ops
+        }
 
     def remove(self) -> None:
         super().remove()

@@ -166,6 +166,7 @@ class SiteState:
     undecided: bool = True
     norm: str | None = None  # the norm whose output feeds this site alone (`loka.probe.norms`)
     norm_traced: bool = False
+    producer: str | None = None  # the op that computed this site's input (`loka.probe.norms`)
 
     def window(self, role: str, index: int) -> RoleWindow:
         key = (role, index)
@@ -191,7 +192,7 @@ class SiteState:
             for k in (
                 "name", "kind", "K", "N", "groups", "has_bias", "dtype", "m_seen", "calls",
                 "captured_steps", "last_captured", "timings", "nonfinite_batches",
-                "verify_from", "drift_step", "drift_reason", "norm", "norm_traced",
+                "verify_from", "drift_step", "drift_reason", "norm", "norm_traced", "producer",
             )
         }  # fmt: skip
         plain["windows"] = {
@@ -222,6 +223,8 @@ class SiteState:
         norms = {p["norm"] for p in parts if p["norm_traced"]}
         out.norm_traced = any(p["norm_traced"] for p in parts)
         out.norm = norms.pop() if len(norms) == 1 else None
+        producers = {p.get("producer") for p in parts if p["norm_traced"]}
+        out.producer = producers.pop() if len(producers) == 1 else None
         # Re-verification starts where the latest rank started it.
         out.verify_from = max(p["verify_from"] for p in parts)
         drifted = [p for p in parts if p["drift_step"] is not None]

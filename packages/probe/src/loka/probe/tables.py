@@ -65,6 +65,7 @@ def _site_row(state: SiteState) -> dict[str, Any]:
         "bwd_ms": bwd_ms,
         "time_share": share,
         "norm": state.norm,
+        "producer": state.producer,
         "captured_steps": state.captured_steps,
         "nonfinite_batches": state.nonfinite_batches,
         "verify_from": state.verify_from,

@@ -8,7 +8,8 @@ reads with the column's `default`: that is the migration of older files
 (`OLDEST_READABLE_VERSION` onwards); files of a newer version are refused.
 
 Version history: 1, the first; 2, `sites.norm` (the norm each site is fed by, for fusion)
-and `plan.norm`, `plan.fuse_norm`.
+and `plan.norm`, `plan.fuse_norm`; 3, `sites.producer` (the op that computed each site's
+input, where a compiled graph fuses the input's quantization).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ __all__ = [
     "table",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 OLDEST_READABLE_VERSION = 1
 
 # cuBLAS and the Triton launchers take GEMM sizes as 32-bit ints: a larger K, N or M is not
@@ -164,6 +165,17 @@ SITES = Table(
             "or not traced, as in tables of schema version 1)",
             nullable=True,
             since=2,
+        ),
+        _c(
+            "producer",
+            _S,
+            "the op that computed the site's input on every call, as autograd records it "
+            "(through views and casts; e.g. gelu, native_layer_norm, addmm): where it is "
+            "elementwise or a norm, a compiled graph fuses the input's FP8 quantization into "
+            "it (null: calls disagreed, the input needed no gradient, or not traced, as in "
+            "tables before schema version 3)",
+            nullable=True,
+            since=3,
         ),
     ),
 )

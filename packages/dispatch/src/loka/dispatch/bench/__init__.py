@@ -10,6 +10,7 @@ from loka.dispatch.bench.runner import (
     benchmark,
     can_measure,
     site_norm_shapes,
+    site_producer_shapes,
     site_recipes,
     site_shapes,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "default_cache_dir",
     "m_bucket",
     "site_norm_shapes",
+    "site_producer_shapes",
     "site_recipes",
     "site_shapes",
     "speed_key",

@@ -28,6 +28,39 @@ INDUCTOR_BF16_BACKEND = "inductor.bf16"
 LAYER_NORM_BACKEND = "torch.layer_norm"
 NORM_QUANTIZE_BACKEND = "loka.norm_quantize"
 
+# Rows of the op that computes a linear's input, for a compiled plan (N = 0: not a GEMM).
+# Inductor fuses the quantization of a site's input into the kernel of the op that computed
+# it when that op is elementwise or a norm: such a forward pays the fused kernel's time over
+# the op's alone (an amax and a narrower extra write), not a standalone quantization, which
+# costs a read of the whole input more. Each kind is timed on one op that stands for its
+# class (GELU, LayerNorm); `QUANTIZE_BACKEND` is the standalone quantization of the input,
+# what the fusion replaces. Ops are named as `sites.producer` names them (autograd's).
+PRODUCER_OPS: Mapping[str, frozenset[str]] = {
+    "pointwise": frozenset({
+        "gelu", "relu", "silu", "sigmoid", "tanh", "hardswish", "hardsigmoid", "leaky_relu",
+        "elu", "celu", "selu", "mish", "softplus", "hardtanh", "threshold", "add", "sub",
+        "mul", "div", "neg", "clamp", "exp",
+    }),
+    "norm": frozenset({"native_layer_norm", "fused_rms_norm", "rms_norm"}),
+}  # fmt: skip
+QUANTIZE_BACKEND = "inductor.quantize"
+
+
+def producer_kind(op: str | None) -> str | None:
+    """The class (`PRODUCER_OPS`) of the op that computed a site's input, None for an op
+    inductor does not fuse a quantization into (a GEMM, a concat, ...) or no op known."""
+    return next((kind for kind, ops in PRODUCER_OPS.items() if op in ops), None)
+
+
+def producer_backend(kind: str, quantized: bool) -> str:
+    """The kernel_bench backend of a producer row: the op alone, or fused with quantize."""
+    return f"inductor.{kind}" + ("+quantize" if quantized else "")
+
+
+PRODUCER_BACKENDS = frozenset(
+    {QUANTIZE_BACKEND} | {producer_backend(kind, q) for kind in PRODUCER_OPS for q in (False, True)}
+)
+
 # Timed when no site_errors table says which recipes matter: the usual candidates per pass.
 DEFAULT_TIMING_RECIPES: Mapping[str, tuple[str, ...]] = {
     "fwd": (
@@ -105,6 +138,16 @@ def fusable(recipe: str | Recipe) -> bool:
     not centered: the kernel quantizes each row as the norm writes it)."""
     r = recipe if isinstance(recipe, Recipe) else Recipe.parse(recipe)
     return not r.is_bf16 and r.granularity == "row" and r.scaling == "dynamic" and not r.center
+
+
+def fuses_in_graph(recipe: str | Recipe) -> bool:
+    """Whether inductor fuses this forward recipe's quantization of x into the op computing
+    x (the traceable backend's dynamic row or tensor scaling, not centered)."""
+    r = recipe if isinstance(recipe, Recipe) else Recipe.parse(recipe)
+    return (
+        not r.is_bf16 and r.granularity in ("row", "tensor") and r.scaling == "dynamic"
+        and not r.center
+    )  # fmt: skip
 
 
 def recipes_by_pass(

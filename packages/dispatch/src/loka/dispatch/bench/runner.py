@@ -16,11 +16,17 @@ from loka.dispatch.bench.cache import BenchCache
 from loka.dispatch.bench.candidates import (
     LAYER_NORM_BACKEND,
     NORM_QUANTIZE_BACKEND,
+    PRODUCER_BACKENDS,
+    PRODUCER_OPS,
+    QUANTIZE_BACKEND,
     Candidate,
     CandidateStatus,
     candidates,
     fusable,
+    fuses_in_graph,
     m_bucket,
+    producer_backend,
+    producer_kind,
     recipes_by_pass,
 )
 from loka.dispatch.bench.cost_model import CostModel
@@ -42,6 +48,8 @@ NATIVE_QUANT_BUDGET_SHARE = 0.4
 TIMERS_KEPT = 4
 # A re-timed baseline this far from its cached time is reported in the bench's notes.
 BASELINE_DRIFT = 0.05
+# Rows that time no GEMM: norms and the ops computing a linear's input (N = 0).
+NOT_GEMM_BACKENDS = frozenset({LAYER_NORM_BACKEND, NORM_QUANTIZE_BACKEND}) | PRODUCER_BACKENDS
 
 
 @dataclass(frozen=True, order=True)
@@ -90,6 +98,25 @@ def site_norm_shapes(sites: pl.DataFrame) -> list[tuple[int, int]]:
     return [(row["M_p50"], row["K"]) for row in fed.iter_rows(named=True)]
 
 
+def site_producer_shapes(sites: pl.DataFrame) -> list[tuple[int, int, str]]:
+    """(M, K, kind) of each linear site whose input an op of a `PRODUCER_OPS` kind computed
+    (`sites.producer`): the `producer_shapes` of `benchmark`, whose rows cost a compiled
+    graph's fusion of the site's input quantization into that op. Tables written before
+    schema version 3 have no producer: none."""
+    if "producer" not in sites.columns:
+        return []
+    fed = sites.filter(
+        (pl.col("kind") == "linear") & (pl.col("groups") == 1) & (pl.col("M_p50") > 0)
+        & pl.col("producer").is_not_null()
+    )  # fmt: skip
+    out = []
+    for row in fed.iter_rows(named=True):
+        kind = producer_kind(row["producer"])
+        if kind is not None:
+            out.append((row["M_p50"], row["K"], kind))
+    return out
+
+
 @dataclass
 class BenchResult:
     """The kernel_bench rows for the shapes asked, and how each was obtained."""
@@ -130,6 +157,8 @@ def _time(timer: PassTimer, c: Candidate) -> PassTiming:
         from loka.schema import Recipe
 
         t = timer.norm_quantize_ms(Recipe.parse(c.recipe))
+    elif c.backend in PRODUCER_BACKENDS:
+        t = timer.producer_ms(c)
     else:
         return timer.time(c)
     return PassTiming(t, t, 0.0, timer.method)
@@ -210,7 +239,7 @@ def by_promise(
     groups: dict[tuple[Shape, str], list[int]] = {}
     for i, (shape, status) in enumerate(plan):
         c = status.candidate
-        if not (c.is_bf16 or c.backend in (LAYER_NORM_BACKEND, NORM_QUANTIZE_BACKEND)):
+        if not (c.is_bf16 or c.backend in NOT_GEMM_BACKENDS):
             groups.setdefault((shape, c.pass_), []).append(i)
     tier = [0] * len(plan)
     for (shape, _), members in groups.items():
@@ -279,6 +308,7 @@ def benchmark(
     progress: Progress | None = None,
     time_on_cpu: bool = False,
     norm_shapes: Iterable[tuple[int, int]] = (),
+    producer_shapes: Iterable[tuple[int, int, str]] = (),
     backends: Iterable[str] | None = None,
     retime_baselines: bool | None = None,
     charge_host: bool = False,
@@ -296,6 +326,12 @@ def benchmark(
     `norm_shapes` are (M, K) of norms that feed a linear: for each, a bf16 LayerNorm row
     and a fused LayerNorm+quantize row per rowwise dynamic forward recipe (N = 0), which the
     planner uses to cost fusing the norm into the linear.
+
+    `producer_shapes` are (M, K, kind) of ops of a `PRODUCER_OPS` kind that compute a
+    linear's input (`site_producer_shapes`): for each, the op alone compiled, the op fused
+    with the quantization of its output per forward recipe inductor fuses, and that
+    quantization alone (N = 0), which the planner uses to cost a compiled forward's input
+    quantization as inductor runs it.
 
     `backends` limits the GEMM backends timed (e.g. `mode_backends("compiled")`: what a
     compiled plan may use), so that the budget goes to candidates the plan can pick.
@@ -364,6 +400,18 @@ def benchmark(
         for r in norm_recipes:
             c = Candidate(NORM_QUANTIZE_BACKEND, str(r), "fwd")
             plan.append((Shape(M, K, 0), CandidateStatus(c, None)))
+    graph_recipes = [r for r in recipes_by_pass(recipes)["fwd"] if fuses_in_graph(r)]
+    # Only measured: no cost model records them, and a plan without them costs the input's
+    # quantization standalone.
+    fed = dict.fromkeys((m_bucket(m), k, kind) for m, k, kind in producer_shapes)
+    for M, K, kind in fed if measuring else ():
+        if kind not in PRODUCER_OPS:
+            raise ValueError(f"producer kind must be one of {sorted(PRODUCER_OPS)}, got {kind!r}")
+        rows_here = [Candidate(producer_backend(kind, False), "bf16", "fwd")]
+        rows_here += [Candidate(producer_backend(kind, True), str(r), "fwd") for r in graph_recipes]
+        rows_here += [Candidate(QUANTIZE_BACKEND, str(r), "fwd") for r in graph_recipes]
+        plan += [(Shape(M, K, 0), CandidateStatus(c, None)) for c in rows_here]
+    plan = list(dict.fromkeys(plan))  # one quantization row per (M, K) for both kinds
     for shape in shapes:
         for status in candidates(
             shape.M_bucket, shape.K, shape.N, recipes,
@@ -449,7 +497,7 @@ def benchmark(
                 result.failed.append((shape, c, f"{type(exc).__name__}: {exc}"))
                 continue
             row = _row(info, c, shape, t, False, "measured")
-            if c.backend not in (LAYER_NORM_BACKEND, NORM_QUANTIZE_BACKEND):
+            if c.backend not in NOT_GEMM_BACKENDS:
                 row["host_ms"] = _host_ms(c, shape, device)
             keep(row, shape, c)
             new_rows.append(row)

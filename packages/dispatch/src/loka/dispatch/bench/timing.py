@@ -40,7 +40,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loka.dispatch.bench.candidates import Candidate
+from loka.dispatch.bench.candidates import (
+    PRODUCER_OPS,
+    QUANTIZE_BACKEND,
+    Candidate,
+    producer_backend,
+)
 from loka.kernels import fp8_mm, norm_quantize, quantize, quantize_transpose, registry
 from loka.kernels.registry import gemm_dims
 from loka.schema import Recipe
@@ -200,6 +205,40 @@ def centered_quantize(
 def _compiled_native_centered_quantize() -> Callable[..., tuple]:
     """`centered_quantize`, compiled (`_static_graphs`)."""
     return _static_graphs(centered_quantize)
+
+
+def run_producer(
+    kind: str, t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """The op standing for a `PRODUCER_OPS` class: GELU for pointwise ops, LayerNorm (over
+    the last dim, with `weight` and `bias`) for norms."""
+    if kind == "norm":
+        return F.layer_norm(t, (t.shape[-1],), weight, bias)
+    if kind == "pointwise":
+        return F.gelu(t)
+    raise ValueError(f"producer kind must be one of {sorted(PRODUCER_OPS)}, got {kind!r}")
+
+
+def producer_then_quantize(
+    kind: str,
+    t: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    fmt: str,
+    granularity: str,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """A producer's output quantized as the next linear's x, the output kept too (a training
+    step saves it for the bf16 wgrad): compiled, inductor fuses both into the op's kernel."""
+    from loka.kernels.native import quantize_native
+
+    y = run_producer(kind, t, weight, bias)
+    return y, quantize_native(y, fmt, granularity)
+
+
+@functools.cache
+def _compiled_producer(quantized: bool) -> Callable[..., object]:
+    """`run_producer` or `producer_then_quantize`, compiled (`_static_graphs`)."""
+    return _static_graphs(producer_then_quantize if quantized else run_producer)
 
 
 class _Rotation:
@@ -393,6 +432,26 @@ class PassTimer:
             lambda: norm_quantize(self._x.next()[0], ln_w, ln_b, fmt=recipe.a_format,
                                   pow2=recipe.pow2, return_normed=True)
         )  # fmt: skip
+
+    def producer_ms(self, candidate: Candidate) -> float:
+        """A producer row (`PRODUCER_BACKENDS`) at x[M, K], compiled as a model's graph
+        runs it: the op alone, the op fused with quantizing its output, or the standalone
+        quantization of x that the fusion replaces."""
+        recipe = Recipe.parse(candidate.recipe)
+        x = self._x
+        if candidate.backend == QUANTIZE_BACKEND:
+            quant = _compiled_native_quantize()
+            return self._measure(lambda: quant(x.next()[0], recipe.a_format, recipe.granularity))
+        kinds = {producer_backend(k, q): (k, q) for k in PRODUCER_OPS for q in (False, True)}
+        if candidate.backend not in kinds:
+            raise ValueError(f"not a producer row's backend: {candidate.backend!r}")
+        kind, quantized = kinds[candidate.backend]
+        w, b = self._norm_params()
+        run = _compiled_producer(quantized)
+        if not quantized:
+            return self._measure(lambda: run(kind, x.next()[0], w, b))
+        fmt, gran = recipe.a_format, recipe.granularity
+        return self._measure(lambda: run(kind, x.next()[0], w, b, fmt, gran))
 
     def _norm_params(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not hasattr(self, "_ln"):

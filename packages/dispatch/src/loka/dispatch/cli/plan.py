@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         CostModel,
         benchmark,
         site_norm_shapes,
+        site_producer_shapes,
         site_recipes,
         site_shapes,
     )
@@ -69,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
             result = benchmark(site_shapes(sites), cache=BenchCache(),
                                cost_model=CostModel.shipped(), budget_s=args.budget_s,
                                norm_shapes=site_norm_shapes(sites),
+                               producer_shapes=site_producer_shapes(sites)
+                               if config.mode != "eager" else (),
                                recipes=site_recipes(tables["site_errors"]),
                                charge_host=config.mode == "eager" and config.charge_host)  # fmt: skip
             for note in result.notes:

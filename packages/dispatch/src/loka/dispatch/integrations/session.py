@@ -46,6 +46,7 @@ from loka.dispatch.bench import (
     CostModel,
     benchmark,
     site_norm_shapes,
+    site_producer_shapes,
     site_recipes,
     site_shapes,
 )
@@ -555,10 +556,13 @@ class Session:
         mode = self.config.plan.mode
         # Fusing a norm is an eager-mode candidate only (compiled graphs fuse it themselves).
         norm_shapes = site_norm_shapes(sites) if mode == "eager" else []
+        # What the compiled graph fuses the inputs' quantizations into.
+        producer_shapes = site_producer_shapes(sites) if mode != "eager" else []
         result = benchmark(
             site_shapes(sites), device=device, cache=BenchCache(self.config.cache_dir),
             cost_model=CostModel.shipped(), budget_s=self.config.bench_budget_s,
-            norm_shapes=norm_shapes, backends=mode_backends(mode), recipes=site_recipes(errors),
+            norm_shapes=norm_shapes, producer_shapes=producer_shapes,
+            backends=mode_backends(mode), recipes=site_recipes(errors),
             charge_host=mode == "eager" and self.config.plan.charge_host,
         )  # fmt: skip
         for note in result.notes:

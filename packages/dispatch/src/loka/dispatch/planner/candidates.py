@@ -4,6 +4,9 @@ granularity, scaling kind). A candidate is eligible when its verdict is safe (or
 if allowed), its accumulation mode is allowed and its backend runs in the plan's mode;
 every other one is rejected with the reason. A site fed by its own norm (`sites.norm`) also
 gets, in eager plans, the forward candidates that fuse the norm with the quantization of x.
+In a compiled plan, a site whose input an elementwise op or a norm computed
+(`sites.producer`) has its forward's quantization of x costed as inductor runs it: fused into
+that op (the producer rows of kernel_bench), not standalone.
 """
 
 from __future__ import annotations
@@ -19,8 +22,12 @@ from loka.dispatch.bench.candidates import (
     INDUCTOR_BF16_BACKEND,
     LAYER_NORM_BACKEND,
     NORM_QUANTIZE_BACKEND,
+    QUANTIZE_BACKEND,
     fusable,
+    fuses_in_graph,
     m_bucket,
+    producer_backend,
+    producer_kind,
     speed_key,
 )
 from loka.dispatch.planner.config import PlanConfig
@@ -48,6 +55,10 @@ class Option:
     err: float | None  # upper confidence bound (mean when no bound)
     budget: float | None
     fused: bool = False  # the norm feeding the site is fused with the quantization of x
+    # compiled plans: x's quantization costed fused into the op computing x (its kind), and
+    # what that saved against the standalone quantization (ms)
+    in_graph: str | None = None
+    in_graph_saved_ms: float = 0.0
 
     @property
     def is_bf16(self) -> bool:
@@ -106,6 +117,7 @@ class SiteChoice:
     note: str | None = None  # why the site stays bf16 without any evaluation
     undecided: list[dict] = field(default_factory=list)  # site_errors rows refused as undecided
     norm: str | None = None  # the norm feeding the site alone (sites.norm)
+    producer: str | None = None  # the op computing the site's input (sites.producer)
 
     def current(self) -> Combo:
         return self.combos[self.chosen]
@@ -177,6 +189,37 @@ def _fused_options(options: list[Option], shape: SiteShape, kernels: KernelIndex
         estimated = o.estimated or bool(f["estimated"]) or bool(norm[0]["estimated"])
         out.append(replace(o, median_ms=o.gemm_ms + extra, quant_ms=extra, fused=True,
                            estimated=estimated))  # fmt: skip
+    return out
+
+
+def _in_graph_options(
+    options: list[Option], shape: SiteShape, kernels: KernelIndex, kind: str
+) -> list[Option]:
+    """`options` (forward) with each traceable one whose recipe inductor fuses
+    (`fuses_in_graph`) costed as a compiled graph runs it: its standalone quantization of x
+    (the `inductor.quantize` row) replaced by what quantizing costs fused into the op of
+    `kind` that computes x (that op with the quantization, less the op alone). Options
+    without those rows at this shape keep their standalone cost."""
+    rows = kernels.get(BenchKey(shape.M_bucket, shape.K, 0, "fwd"), [])
+    alone = {r["_speed"]: r for r in rows if r["backend"] == QUANTIZE_BACKEND}
+    fused = {r["_speed"]: r for r in rows if r["backend"] == producer_backend(kind, True)}
+    op = [r for r in rows if r["backend"] == producer_backend(kind, False)]
+    out = []
+    for o in options:
+        key = speed_key(o.recipe)
+        if not (op and key in alone and key in fused and fuses_in_graph(o.recipe)
+                and _traceable(o.backend)):  # fmt: skip
+            out.append(o)
+            continue
+        extra = max(fused[key]["median_ms"] - op[0]["median_ms"], 0.0)
+        quant = max(o.quant_ms - alone[key]["median_ms"], 0.0) + extra
+        estimated = o.estimated or any(
+            bool(r["estimated"]) for r in (alone[key], fused[key], op[0])
+        )
+        out.append(replace(
+            o, median_ms=o.gemm_ms + quant, quant_ms=quant, estimated=estimated, in_graph=kind,
+            in_graph_saved_ms=o.median_ms - (o.gemm_ms + quant),
+        ))  # fmt: skip
     return out
 
 
@@ -267,6 +310,7 @@ def site_candidates(
     shape = SiteShape(m_bucket(M), site["K"], site["N"]) if M > 0 else None
     choice = SiteChoice(site["site"], site["K"], site["N"], M, site.get("time_share"), {}, {}, {})
     choice.norm = site.get("norm")
+    choice.producer = site.get("producer")
     for pass_ in PASSES:
         choice.options[pass_], choice.rejected[pass_] = [], []
         rows = kernels.get(BenchKey(*shape, pass_), []) if shape else []
@@ -368,6 +412,14 @@ def site_candidates(
                         {"backend": r["backend"], "recipe": r["recipe"],
                          "reason": "no error measurement (site_errors) for this recipe"}
                     )  # fmt: skip
+    kind = producer_kind(choice.producer)
+    if (
+        kind is not None
+        and shape is not None
+        and config.mode != "eager"
+        and (config.fuse_into_producer)
+    ):
+        choice.options["fwd"] = _in_graph_options(choice.options["fwd"], shape, kernels, kind)
     fed = choice.norm is not None  # fed by a norm that feeds it alone (Probe traced it)
     if fed and shape is not None and choice.options["fwd"] and config.mode == "eager":
         choice.options["fwd"] += _fused_options(choice.options["fwd"], shape, kernels)

@@ -93,6 +93,12 @@ def plan_rows(choice: SiteChoice, config: PlanConfig) -> list[dict]:
             if t < chosen.median_ms - 1e-12:
                 reason += f" (quantization shared with other passes: {chosen.median_ms - t:.4g} ms)"
             reason += _charge_note(pass_, config)
+            if chosen.in_graph is not None:
+                reason += (
+                    f"; x's quantization costed fused into the {choice.producer} computing x "
+                    f"({chosen.in_graph} producer rows: {chosen.in_graph_saved_ms:.3g} ms less "
+                    "than standalone)"
+                )
             if chosen.fused:
                 reason += (
                     f"; the norm feeding it is fused with the quantization "
