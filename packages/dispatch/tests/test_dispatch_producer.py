@@ -105,7 +105,8 @@ def test_an_eager_plan_never_counts_on_inductor_fusing() -> None:
 
 
 def test_producers_are_classed_as_inductor_fuses_them() -> None:
-    assert producer_kind("gelu") == producer_kind("mul") == "pointwise"
+    # a copy too (InterFormer's gates read a clone): inductor fuses the quantization into it
+    assert producer_kind("gelu") == producer_kind("mul") == producer_kind("clone") == "pointwise"
     assert producer_kind("native_layer_norm") == "norm"
     assert producer_kind("addmm") is producer_kind("cat") is producer_kind(None) is None
     sites = pl.concat([_sites("gelu"), _sites("addmm").with_columns(site=pl.lit("fc3"))])

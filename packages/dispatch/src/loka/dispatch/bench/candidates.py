@@ -39,7 +39,7 @@ PRODUCER_OPS: Mapping[str, frozenset[str]] = {
     "pointwise": frozenset({
         "gelu", "relu", "silu", "sigmoid", "tanh", "hardswish", "hardsigmoid", "leaky_relu",
         "elu", "celu", "selu", "mish", "softplus", "hardtanh", "threshold", "add", "sub",
-        "mul", "div", "neg", "clamp", "exp",
+        "mul", "div", "neg", "clamp", "exp", "clone",
     }),
     "norm": frozenset({"native_layer_norm", "fused_rms_norm", "rms_norm"}),
 }  # fmt: skip
