@@ -352,7 +352,7 @@ def benchmark(
     reading (clocks, a neighbour) can overstate a baseline but nothing in the bench makes a
     GEMM read faster than it runs; a slow FP8 reading only makes a plan more careful.
     """
-    shapes = list(shapes)
+    shapes = list(dict.fromkeys(shapes))  # a shape asked twice is timed once
     measuring = time_on_cpu or can_measure(device)
     if time_on_cpu:
         device = torch.device("cpu")
