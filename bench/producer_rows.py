@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         [Shape(M, K, N) for M, K, N, _ in shapes], device=device,
         time_on_cpu=device == "cpu", backends=["torch.bf16", "torch.native"],
         recipes={"fwd": list(RECIPES), "dgrad": [], "wgrad": []},
-        producer_shapes=[(M, K, kind) for M, K, _, kind in shapes], retime_baselines=False,
+        producer_shapes=[(M, K, kind, "fwd") for M, K, _, kind in shapes],
+        retime_baselines=False,
     )  # fmt: skip
     rows = result.table.to_dicts()
     table = [row for M, K, N, kind in shapes for row in costed(rows, M, K, N, kind)]

@@ -23,16 +23,17 @@ DEVICE = {
     "device": "NVIDIA H200", "capability": "9.0", "driver": "d", "torch_version": "t",
     "triton_version": "r",
 }  # fmt: skip
-ROW = "e4m3:e4m3/row/dynamic"
+ROW, E5_ROW = "e4m3:e4m3/row/dynamic", "e5m2:e4m3/row/dynamic"
 M, K, N = 16384, 4096, 2048
 
 
-def _sites(producer: str | None) -> pl.DataFrame:
+def _sites(producer: str | None, grad_producer: str | None = None) -> pl.DataFrame:
     row = {"site": "fc2", "kind": "linear", "K": K, "N": N, "M_min": M, "M_p50": M, "M_max": M,
            "calls": 1, "groups": 1, "has_bias": False, "dtype": "bfloat16", "fwd_ms": None,
-           "bwd_ms": None, "time_share": None, "producer": producer}  # fmt: skip
+           "bwd_ms": None, "time_share": None, "producer": producer,
+           "grad_producer": grad_producer}  # fmt: skip
     overrides = {"fwd_ms": pl.Float64, "bwd_ms": pl.Float64, "time_share": pl.Float64,
-                 "producer": pl.String}  # fmt: skip
+                 "producer": pl.String, "grad_producer": pl.String}  # fmt: skip
     return validate(pl.DataFrame([row], schema_overrides=overrides), "sites")
 
 
@@ -79,8 +80,40 @@ def test_a_compiled_forward_fed_by_gelu_pays_the_fused_quantization() -> None:
     assert fwd["recipe"] == ROW and fwd["predicted_ms"] == pytest.approx(0.2727)
     assert "fused into the gelu computing x" in fwd["reason"]
     assert "0.08 ms less than standalone" in fwd["reason"]
-    (note,) = [n for n in plan.summary.notes if "fused into the op computing x" in n]
-    assert note.startswith("1 FP8 forward(s) costed") and "0.08 ms less" in note
+    (note,) = [n for n in plan.summary.notes if "fused into the op computing it" in n]
+    assert note.startswith("1 FP8 pass(es) (1 fwd, 0 dgrad) costed") and "0.08 ms less" in note
+
+
+def test_a_compiled_dgrad_whose_dy_comes_from_gelu_backward_pays_the_fused_quantization():
+    def row(backend, recipe, median, gemm=None, quant=0.0, n=0, pass_="dgrad", k=N):
+        return {**DEVICE, "backend": backend, "recipe": recipe, "pass": pass_, "M_bucket": M,
+                "K": k, "N": n, "groups": 1, "median_ms": median, "tflops": 1.0,
+                "estimated": False, "gemm_ms": median if gemm is None else gemm,
+                "quant_ms": quant}  # fmt: skip
+
+    # fc1's dgrad: bf16 0.3645 ms; FP8 0.36 = 0.2 GEMM + 0.16 quantizing dY[M, N] and
+    # W^T; dY alone 0.13; GELU backward 0.10, with the quantization 0.13.
+    extra = [
+        row("torch.native", E5_ROW, 0.36, 0.2, 0.16, n=N, k=K),
+        row("inductor.quantize", E5_ROW, 0.13), row("inductor.pointwise", "bf16", 0.10),
+        row("inductor.pointwise+quantize", E5_ROW, 0.13),
+    ]  # fmt: skip
+    bench = pl.concat([_bench(producer_rows=False), validate(pl.DataFrame(extra), "kernel_bench")])
+    errors = _errors().with_columns(
+        recipe=pl.when(pl.col("pass") == "dgrad").then(pl.lit(E5_ROW)).otherwise("recipe")
+    )
+    for grad_producer, recipe, ms in (("gelu", E5_ROW, 0.26), ("addmm", "bf16", 0.3645)):
+        plan = make_plan(_sites(None, grad_producer), errors, bench, PlanConfig(mode="compiled"))
+        dgrad = next(r for r in plan.table.iter_rows(named=True) if r["pass"] == "dgrad")
+        # 0.2 GEMM + (0.16 - 0.13) W^T's quantization + (0.13 - 0.10) fused: 0.26 ms; a
+        # GEMM's dgrad making dY: 0.36 standalone, not 1.05x faster than bf16
+        assert dgrad["recipe"] == recipe and dgrad["predicted_ms"] == pytest.approx(ms)
+    assert (
+        "dY's quantization costed fused into the gelu computing dY"
+        in make_plan(_sites(None, "gelu"), errors, bench, PlanConfig(mode="compiled")).table.filter(
+            pl.col("pass") == "dgrad"
+        )["reason"][0]
+    )
 
 
 @pytest.mark.parametrize(
@@ -96,7 +129,7 @@ def test_a_compiled_forward_fed_by_gelu_pays_the_fused_quantization() -> None:
 def test_otherwise_the_quantization_is_costed_standalone(producer, config, bench) -> None:
     plan = make_plan(_sites(producer), _errors(), bench, config)
     fwd = _fwd(plan)
-    assert not any("fused into the op computing x" in n for n in plan.summary.notes)
+    assert not any("fused into the op computing it" in n for n in plan.summary.notes)
     # 0.3527 ms standalone is not 1.05x faster than bf16's 0.3645 ms: the pass stays bf16.
     assert fwd["recipe"] == "bf16"
     rejected = {r["backend"]: r["reason"] for r in fwd["rejected"]}
@@ -114,8 +147,11 @@ def test_producers_are_classed_as_inductor_fuses_them() -> None:
     assert producer_kind("native_layer_norm") == "norm"
     assert producer_kind("addmm") is producer_kind("cat") is producer_kind(None) is None
     sites = pl.concat([_sites("gelu"), _sites("addmm").with_columns(site=pl.lit("fc3"))])
-    assert site_producer_shapes(sites) == [(M, K, "pointwise")]
-    assert site_producer_shapes(sites.drop("producer")) == []  # a table before version 3
+    assert site_producer_shapes(sites) == [(M, K, "pointwise", "fwd")]
+    fed_back = _sites(None, grad_producer="native_layer_norm")
+    assert site_producer_shapes(fed_back) == [(M, N, "norm", "dgrad")]
+    old = sites.drop("producer", "grad_producer")  # a table before schema version 3
+    assert site_producer_shapes(old) == []
 
 
 @pytest.mark.parametrize("kind", ["pointwise", "norm"])
@@ -135,20 +171,25 @@ def test_the_timed_fused_op_computes_the_op_and_its_quantization(kind, granulari
 
 
 def test_benchmark_times_the_producer_rows_once_per_shape() -> None:
-    recipes = {"fwd": [ROW, "e4m3:e4m3/row/dynamic/center"], "dgrad": [], "wgrad": []}
+    recipes = {"fwd": [ROW, "e4m3:e4m3/row/dynamic/center"], "dgrad": [E5_ROW], "wgrad": []}
     result = benchmark(
         [Shape(32, 64, 32)], recipes=recipes, time_on_cpu=True, backends=["torch.native"],
-        producer_shapes=[(32, 64, "pointwise"), (30, 64, "pointwise"), (32, 64, "norm")],
+        producer_shapes=[(32, 64, "pointwise", "fwd"), (30, 64, "pointwise", "fwd"),
+                         (32, 64, "norm", "fwd"), (32, 32, "pointwise", "dgrad")],
     )  # fmt: skip
     rows = result.table.filter(pl.col("N") == 0)
-    got = sorted(zip(rows["backend"], rows["recipe"], strict=True))
+    got = sorted(zip(rows["backend"], rows["recipe"], rows["pass"], rows["K"], strict=True))
     # No centered row: inductor does not fuse a centering's mean into the op.
     assert got == [
-        ("inductor.norm", "bf16"), ("inductor.norm+quantize", ROW),
-        ("inductor.pointwise", "bf16"), ("inductor.pointwise+quantize", ROW),
-        ("inductor.quantize", ROW),
+        ("inductor.norm", "bf16", "fwd", 64), ("inductor.norm+quantize", ROW, "fwd", 64),
+        ("inductor.pointwise", "bf16", "dgrad", 32), ("inductor.pointwise", "bf16", "fwd", 64),
+        ("inductor.pointwise+quantize", ROW, "fwd", 64),
+        ("inductor.pointwise+quantize", E5_ROW, "dgrad", 32),
+        ("inductor.quantize", ROW, "fwd", 64), ("inductor.quantize", E5_ROW, "dgrad", 32),
     ]  # fmt: skip
     assert (rows["median_ms"] > 0).all() and not rows["estimated"].any()
     assert rows["host_ms"].is_null().all()
-    with pytest.raises(ValueError, match="producer kind must be one of"):
-        benchmark([], time_on_cpu=True, producer_shapes=[(32, 64, "softmax")])
+    with pytest.raises(ValueError, match=r"kind must be one of .* and pass fwd or dgrad"):
+        benchmark([], time_on_cpu=True, producer_shapes=[(32, 64, "softmax", "fwd")])
+    with pytest.raises(ValueError, match="got 'norm', 'wgrad'"):
+        benchmark([], producer_shapes=[(32, 64, "norm", "wgrad")])

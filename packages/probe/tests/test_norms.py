@@ -85,3 +85,34 @@ def test_an_input_that_needs_no_gradient_has_no_producer() -> None:
             probe.step()
         sites = probe.tables()["sites"]
     assert sites["producer"].to_list() == [None, None]
+
+
+class GradProducers(nn.Module):
+    """Outputs whose gradients come from GELU's backward, through a residual add from a
+    LayerNorm's and the residual's sum, from another linear alone, and the model's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 16)
+        self.ln = nn.LayerNorm(16)
+        self.fc3 = nn.Linear(16, 16)
+        self.fc4 = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))  # fc1 -> gelu; fc2 -> add
+        h = h + self.fc3(self.ln(h))  # h feeds ln and the residual: fc2's gradient is a sum
+        return self.head(self.fc4(h.view(2, -1, 16).view(-1, 16)))  # fc4 -> head alone
+
+
+def test_the_op_computing_each_site_output_gradient_is_in_the_sites_table() -> None:
+    sites = _probed_sites(GradProducers())
+    grad = dict(zip(sites["site"], sites["grad_producer"], strict=True))
+    assert grad == {
+        "fc1": "gelu",
+        "fc2": "add",  # through its residual add: LayerNorm's and the residual's gradients
+        "fc3": "addmm",  # through the second residual add and the views: fc4's dgrad alone
+        "fc4": "addmm",  # the head's dgrad GEMM alone
+        "head": None,  # the model's output: its gradient comes from outside the model
+    }

@@ -193,7 +193,7 @@ def test_version_1_files_migrate_and_version_0_is_refused(tmp_path):
     _sites().write_parquet(path, metadata={"loka.table": "sites", "loka.schema_version": "1"})
     sites = read_table(path, "sites")
     assert sites.columns == TABLES["sites"].names and sites["norm"].null_count() == 2
-    assert sites["producer"].null_count() == 2
+    assert sites["producer"].null_count() == sites["grad_producer"].null_count() == 2
     plan = tmp_path / "plan.parquet"
     validate(_plan(), "plan").drop("norm").write_parquet(
         plan, metadata={"loka.table": "plan", "loka.schema_version": "1"}
@@ -213,11 +213,15 @@ def test_version_2_sites_read_with_no_producer(tmp_path):
     v2.write_parquet(path, metadata={"loka.table": "sites", "loka.schema_version": "2"})
     sites = read_table(path, "sites")
     assert sites["norm"].to_list() == ["ln", None]
-    assert sites["producer"].to_list() == [None, None]
+    assert sites["producer"].to_list() == sites["grad_producer"].to_list() == [None, None]
 
 
 def test_only_columns_added_after_version_1_may_be_missing():
-    assert [c.name for c in TABLES["sites"].columns if c.optional] == ["norm", "producer"]
+    assert [c.name for c in TABLES["sites"].columns if c.optional] == [
+        "norm",
+        "producer",
+        "grad_producer",
+    ]
     out = validate(_sites(norm=["ln", None]), "sites")
     assert out["norm"].to_list() == ["ln", None]
     assert validate(_sites(), "sites")["norm"].to_list() == [None, None]

@@ -41,6 +41,11 @@ _NODE_SUFFIX = re.compile(r"Backward\d*$")
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 
 
+def _op_name(node: Any) -> str:
+    """`GeluBackward0` -> `gelu`, `NativeLayerNormBackward0` -> `native_layer_norm`."""
+    return _CAMEL.sub("_", _NODE_SUFFIX.sub("", type(node).__name__)).lower()
+
+
 def producer_of(tensor: torch.Tensor) -> str | None:
     """The op that computed `tensor`, as autograd recorded it (`gelu`, `native_layer_norm`,
     `addmm`, ...), through views and dtype casts; None for a tensor autograd did not record
@@ -50,7 +55,39 @@ def producer_of(tensor: torch.Tensor) -> str | None:
         node = next((n for n, _ in node.next_functions if n is not None), None)
     if node is None or type(node).__name__ == "AccumulateGrad":
         return None
-    return _CAMEL.sub("_", _NODE_SUFFIX.sub("", type(node).__name__)).lower() or None
+    return _op_name(node) or None
+
+
+def _consumers(roots: list[Any]) -> dict[Any, list[Any]]:
+    """Node -> the nodes that took its output (its parents in autograd's graph), over the
+    graph reachable from `roots`."""
+    parents: dict[Any, list[Any]] = defaultdict(list)
+    seen, todo = set(), [r for r in roots if r is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents[child].append(node)
+                todo.append(child)
+    return parents
+
+
+def grad_producer(node: Any, consumers: dict[Any, list[Any]]) -> str | None:
+    """The op whose backward computes the gradient of the output of `node`: its one
+    consumer, looked through views, casts and adds (an add passes its gradient on
+    unchanged); `add` where several consumers' gradients are summed (autograd's sum is an
+    elementwise kernel); None where the output left the graph seen (a model output)."""
+    for _ in range(10_000):  # a chain of views and adds ends; the bound guards a cycle
+        users = consumers.get(node, [])
+        if len(users) != 1:
+            return "add" if users else None
+        (node,) = users
+        if type(node).__name__ not in _PASS_THROUGH and _op_name(node) != "add":
+            return _op_name(node) or None
+    return None
 
 
 class NormTrace(Recorder):
@@ -67,6 +104,8 @@ class NormTrace(Recorder):
         self.norm_calls: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()  # module -> forward calls
         self.producers: defaultdict[str, set[str | None]] = defaultdict(set)  # module -> ops
+        self._site_outputs: list[tuple[str, Any]] = []  # (site, its output's autograd node)
+        self._roots: list[Any] = []  # autograd nodes of the model's outputs
         self.consumers: defaultdict[str, Counter[str]] = defaultdict(
             Counter
         )  # norm -> module -> calls
@@ -83,6 +122,11 @@ class NormTrace(Recorder):
                 # Before FSDP2's pre-forward (on a module fully_shard was called on), which
                 # passes the inputs through an autograd function: new tensor objects.
                 self.handles.append(module.register_forward_pre_hook(hook, prepend=True))
+                if id(module) in site_names:
+                    after = self.guard(watched, self._after_site(watched), forward=True)
+                    self.handles.append(module.register_forward_hook(after))
+        root = self.guard("<model>", self._after_model, forward=True)
+        self.handles.append(model.register_forward_hook(root))
 
     def _after_norm(self, name: str) -> Callable[..., None]:
         def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -102,6 +146,26 @@ class NormTrace(Recorder):
                     self.consumers[hit[0]][name] += 1
 
         return before
+
+    def _after_site(self, name: str) -> Callable[..., None]:
+        def after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+                self._site_outputs.append((name, output.grad_fn))
+
+        return after
+
+    def _after_model(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        leaves = torch.utils._pytree.tree_leaves(output)
+        self._roots += [t.grad_fn for t in leaves if isinstance(t, torch.Tensor)]
+
+    def output_grad_producers(self) -> dict[str, str]:
+        """Site -> the op whose backward computes its output's gradient on every call
+        (`grad_producer`), over the graph of the model's outputs."""
+        consumers = _consumers(self._roots)
+        found: defaultdict[str, set[str | None]] = defaultdict(set)
+        for site, node in self._site_outputs:
+            found[site].add(grad_producer(node, consumers))
+        return {s: next(iter(ops)) for s, ops in found.items() if len(ops) == 1 and None not in ops}
 
     @property
     def saw_a_forward(self) -> bool:

@@ -299,11 +299,13 @@ class Probe:
         if not trace.saw_a_forward:  # a step that ran no forward: trace the next one
             return
         fed, producers = trace.feeding_norms(), trace.input_producers()
+        grad_producers = trace.output_grad_producers()
         with self._lock:
             for spec in self._specs:
                 state = self._states[spec.name]
                 state.norm, state.norm_traced = fed.get(spec.name), True
                 state.producer = producers.get(spec.name)
+                state.grad_producer = grad_producers.get(spec.name)
         self._norms_traced = True
 
     def _arm(self) -> None:

@@ -167,6 +167,7 @@ class SiteState:
     norm: str | None = None  # the norm whose output feeds this site alone (`loka.probe.norms`)
     norm_traced: bool = False
     producer: str | None = None  # the op that computed this site's input (`loka.probe.norms`)
+    grad_producer: str | None = None  # the op whose backward computes its output's gradient
 
     def window(self, role: str, index: int) -> RoleWindow:
         key = (role, index)
@@ -193,6 +194,7 @@ class SiteState:
                 "name", "kind", "K", "N", "groups", "has_bias", "dtype", "m_seen", "calls",
                 "captured_steps", "last_captured", "timings", "nonfinite_batches",
                 "verify_from", "drift_step", "drift_reason", "norm", "norm_traced", "producer",
+                "grad_producer",
             )
         }  # fmt: skip
         plain["windows"] = {
@@ -225,6 +227,8 @@ class SiteState:
         out.norm = norms.pop() if len(norms) == 1 else None
         producers = {p.get("producer") for p in parts if p["norm_traced"]}
         out.producer = producers.pop() if len(producers) == 1 else None
+        grad_producers = {p.get("grad_producer") for p in parts if p["norm_traced"]}
+        out.grad_producer = grad_producers.pop() if len(grad_producers) == 1 else None
         # Re-verification starts where the latest rank started it.
         out.verify_from = max(p["verify_from"] for p in parts)
         drifted = [p for p in parts if p["drift_step"] is not None]

@@ -66,6 +66,7 @@ def _site_row(state: SiteState) -> dict[str, Any]:
         "time_share": share,
         "norm": state.norm,
         "producer": state.producer,
+        "grad_producer": state.grad_producer,
         "captured_steps": state.captured_steps,
         "nonfinite_batches": state.nonfinite_batches,
         "verify_from": state.verify_from,

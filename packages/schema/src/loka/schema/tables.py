@@ -8,8 +8,9 @@ reads with the column's `default`: that is the migration of older files
 (`OLDEST_READABLE_VERSION` onwards); files of a newer version are refused.
 
 Version history: 1, the first; 2, `sites.norm` (the norm each site is fed by, for fusion)
-and `plan.norm`, `plan.fuse_norm`; 3, `sites.producer` (the op that computed each site's
-input, where a compiled graph fuses the input's quantization).
+and `plan.norm`, `plan.fuse_norm`; 3, `sites.producer` and `sites.grad_producer` (the ops
+that compute each site's input and its output's gradient, where a compiled graph fuses
+their quantizations).
 """
 
 from __future__ import annotations
@@ -174,6 +175,17 @@ SITES = Table(
             "elementwise or a norm, a compiled graph fuses the input's FP8 quantization into "
             "it (null: calls disagreed, the input needed no gradient, or not traced, as in "
             "tables before schema version 3)",
+            nullable=True,
+            since=3,
+        ),
+        _c(
+            "grad_producer",
+            _S,
+            "the op whose backward computes the gradient of the site's output on every call: "
+            "the output's one consumer, through views, casts and adds (add: several "
+            "consumers' gradients summed); where it is elementwise or a norm, a compiled "
+            "graph fuses the dgrad's FP8 quantization of dY into it (null: calls disagreed, "
+            "the output left the model (a model output), or not traced)",
             nullable=True,
             since=3,
         ),

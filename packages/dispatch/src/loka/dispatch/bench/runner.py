@@ -98,22 +98,24 @@ def site_norm_shapes(sites: pl.DataFrame) -> list[tuple[int, int]]:
     return [(row["M_p50"], row["K"]) for row in fed.iter_rows(named=True)]
 
 
-def site_producer_shapes(sites: pl.DataFrame) -> list[tuple[int, int, str]]:
-    """(M, K, kind) of each linear site whose input an op of a `PRODUCER_OPS` kind computed
-    (`sites.producer`): the `producer_shapes` of `benchmark`, whose rows cost a compiled
-    graph's fusion of the site's input quantization into that op. Tables written before
-    schema version 3 have no producer: none."""
-    if "producer" not in sites.columns:
-        return []
-    fed = sites.filter(
-        (pl.col("kind") == "linear") & (pl.col("groups") == 1) & (pl.col("M_p50") > 0)
-        & pl.col("producer").is_not_null()
-    )  # fmt: skip
+def site_producer_shapes(sites: pl.DataFrame) -> list[tuple[int, int, str, str]]:
+    """(M, width, kind, pass) of each op of a `PRODUCER_OPS` kind that computes a linear
+    site's input (`sites.producer`; width K, pass fwd) or its output's gradient
+    (`sites.grad_producer`; width N, pass dgrad): the `producer_shapes` of `benchmark`, whose
+    rows cost a compiled graph's fusion of the pass's first quantization (x, dY) into that
+    op. Tables written before schema version 3 have neither column: none."""
     out = []
-    for row in fed.iter_rows(named=True):
-        kind = producer_kind(row["producer"])
-        if kind is not None:
-            out.append((row["M_p50"], row["K"], kind))
+    for column, width, pass_ in (("producer", "K", "fwd"), ("grad_producer", "N", "dgrad")):
+        if column not in sites.columns:
+            continue
+        fed = sites.filter(
+            (pl.col("kind") == "linear") & (pl.col("groups") == 1) & (pl.col("M_p50") > 0)
+            & pl.col(column).is_not_null()
+        )  # fmt: skip
+        for row in fed.iter_rows(named=True):
+            kind = producer_kind(row[column])
+            if kind is not None:
+                out.append((row["M_p50"], row[width], kind, pass_))
     return out
 
 
@@ -308,7 +310,7 @@ def benchmark(
     progress: Progress | None = None,
     time_on_cpu: bool = False,
     norm_shapes: Iterable[tuple[int, int]] = (),
-    producer_shapes: Iterable[tuple[int, int, str]] = (),
+    producer_shapes: Iterable[tuple[int, int, str, str]] = (),
     backends: Iterable[str] | None = None,
     retime_baselines: bool | None = None,
     charge_host: bool = False,
@@ -327,11 +329,13 @@ def benchmark(
     and a fused LayerNorm+quantize row per rowwise dynamic forward recipe (N = 0), which the
     planner uses to cost fusing the norm into the linear.
 
-    `producer_shapes` are (M, K, kind) of ops of a `PRODUCER_OPS` kind that compute a
-    linear's input (`site_producer_shapes`): for each, the op alone compiled, the op fused
-    with the quantization of its output per forward recipe inductor fuses, and that
-    quantization alone (N = 0), which the planner uses to cost a compiled forward's input
-    quantization as inductor runs it.
+    `producer_shapes` are (M, width, kind, pass) of ops of a `PRODUCER_OPS` kind that
+    compute a pass's first operand (`site_producer_shapes`: a forward's x[M, K], a dgrad's
+    dY[M, N]): for each, at (M, width, N = 0) in that pass, the op alone compiled, the op
+    fused with the quantization of its output per recipe of the pass inductor fuses, and
+    that quantization alone, which the planner uses to cost a compiled pass's quantization
+    of x or dY as inductor runs it. A dgrad's dY is computed by an op's backward; the
+    forward op stands for it (the fusion adds an amax and a narrower write to either).
 
     `backends` limits the GEMM backends timed (e.g. `mode_backends("compiled")`: what a
     compiled plan may use), so that the budget goes to candidates the plan can pick.
@@ -353,6 +357,13 @@ def benchmark(
     GEMM read faster than it runs; a slow FP8 reading only makes a plan more careful.
     """
     shapes = list(dict.fromkeys(shapes))  # a shape asked twice is timed once
+    fed = dict.fromkeys((m_bucket(m), w, kind, p) for m, w, kind, p in producer_shapes)
+    for _, _, kind, pass_ in fed:
+        if kind not in PRODUCER_OPS or pass_ not in ("fwd", "dgrad"):
+            raise ValueError(
+                f"producer shape: kind must be one of {sorted(PRODUCER_OPS)} and pass fwd or "
+                f"dgrad, got {kind!r}, {pass_!r}"
+            )
     measuring = time_on_cpu or can_measure(device)
     if time_on_cpu:
         device = torch.device("cpu")
@@ -400,17 +411,15 @@ def benchmark(
         for r in norm_recipes:
             c = Candidate(NORM_QUANTIZE_BACKEND, str(r), "fwd")
             plan.append((Shape(M, K, 0), CandidateStatus(c, None)))
-    graph_recipes = [r for r in recipes_by_pass(recipes)["fwd"] if fuses_in_graph(r)]
-    # Only measured: no cost model records them, and a plan without them costs the input's
+    by_pass = recipes_by_pass(recipes)
+    # Only measured: no cost model records them, and a plan without them costs the
     # quantization standalone.
-    fed = dict.fromkeys((m_bucket(m), k, kind) for m, k, kind in producer_shapes)
-    for M, K, kind in fed if measuring else ():
-        if kind not in PRODUCER_OPS:
-            raise ValueError(f"producer kind must be one of {sorted(PRODUCER_OPS)}, got {kind!r}")
-        rows_here = [Candidate(producer_backend(kind, False), "bf16", "fwd")]
-        rows_here += [Candidate(producer_backend(kind, True), str(r), "fwd") for r in graph_recipes]
-        rows_here += [Candidate(QUANTIZE_BACKEND, str(r), "fwd") for r in graph_recipes]
-        plan += [(Shape(M, K, 0), CandidateStatus(c, None)) for c in rows_here]
+    for M, width, kind, pass_ in fed if measuring else ():
+        fusing = [str(r) for r in by_pass[pass_] if fuses_in_graph(r)]
+        rows_here = [Candidate(producer_backend(kind, False), "bf16", pass_)]
+        rows_here += [Candidate(producer_backend(kind, True), r, pass_) for r in fusing]
+        rows_here += [Candidate(QUANTIZE_BACKEND, r, pass_) for r in fusing]
+        plan += [(Shape(M, width, 0), CandidateStatus(c, None)) for c in rows_here]
     plan = list(dict.fromkeys(plan))  # one quantization row per (M, K) for both kinds
     for shape in shapes:
         for status in candidates(

@@ -434,9 +434,10 @@ class PassTimer:
         )  # fmt: skip
 
     def producer_ms(self, candidate: Candidate) -> float:
-        """A producer row (`PRODUCER_BACKENDS`) at x[M, K], compiled as a model's graph
-        runs it: the op alone, the op fused with quantizing its output, or the standalone
-        quantization of x that the fusion replaces."""
+        """A producer row (`PRODUCER_BACKENDS`) at [M, K] (a forward's x, or a dgrad's dY
+        with this timer's K its N), compiled as a model's graph runs it: the op alone, the
+        op fused with quantizing its output, or the standalone quantization of the operand
+        that the fusion replaces."""
         recipe = Recipe.parse(candidate.recipe)
         x = self._x
         if candidate.backend == QUANTIZE_BACKEND:

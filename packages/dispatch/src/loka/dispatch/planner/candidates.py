@@ -6,7 +6,9 @@ every other one is rejected with the reason. A site fed by its own norm (`sites.
 gets, in eager plans, the forward candidates that fuse the norm with the quantization of x.
 In a compiled plan, a site whose input an elementwise op or a norm computed
 (`sites.producer`) has its forward's quantization of x costed as inductor runs it: fused into
-that op (the producer rows of kernel_bench), not standalone.
+that op (the producer rows of kernel_bench), not standalone; likewise its dgrad's
+quantization of dY, fused into the backward of the op that consumed its output
+(`sites.grad_producer`).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ class Option:
     err: float | None  # upper confidence bound (mean when no bound)
     budget: float | None
     fused: bool = False  # the norm feeding the site is fused with the quantization of x
-    # compiled plans: x's quantization costed fused into the op computing x (its kind), and
-    # what that saved against the standalone quantization (ms)
+    # compiled plans: x's (fwd) or dY's (dgrad) quantization costed fused into the op
+    # computing it (its kind), and what that saved against the standalone quantization (ms)
     in_graph: str | None = None
     in_graph_saved_ms: float = 0.0
 
@@ -118,6 +120,8 @@ class SiteChoice:
     undecided: list[dict] = field(default_factory=list)  # site_errors rows refused as undecided
     norm: str | None = None  # the norm feeding the site alone (sites.norm)
     producer: str | None = None  # the op computing the site's input (sites.producer)
+    # the op whose backward computes the site's output gradient (sites.grad_producer)
+    grad_producer: str | None = None
 
     def current(self) -> Combo:
         return self.combos[self.chosen]
@@ -193,14 +197,15 @@ def _fused_options(options: list[Option], shape: SiteShape, kernels: KernelIndex
 
 
 def _in_graph_options(
-    options: list[Option], shape: SiteShape, kernels: KernelIndex, kind: str
+    options: list[Option], shape: SiteShape, kernels: KernelIndex, kind: str, pass_: str
 ) -> list[Option]:
-    """`options` (forward) with each traceable one whose recipe inductor fuses
-    (`fuses_in_graph`) costed as a compiled graph runs it: its standalone quantization of x
-    (the `inductor.quantize` row) replaced by what quantizing costs fused into the op of
-    `kind` that computes x (that op with the quantization, less the op alone). Options
-    without those rows at this shape keep their standalone cost."""
-    rows = kernels.get(BenchKey(shape.M_bucket, shape.K, 0, "fwd"), [])
+    """`options` (of a forward, or a dgrad) with each traceable one whose recipe inductor
+    fuses (`fuses_in_graph`) costed as a compiled graph runs it: its standalone quantization
+    of x or dY (the `inductor.quantize` row) replaced by what quantizing costs fused into the
+    op of `kind` that computes that operand (that op with the quantization, less the op
+    alone). Options without those rows at this shape keep their standalone cost."""
+    width = shape.K if pass_ == "fwd" else shape.N
+    rows = kernels.get(BenchKey(shape.M_bucket, width, 0, pass_), [])
     alone = {r["_speed"]: r for r in rows if r["backend"] == QUANTIZE_BACKEND}
     fused = {r["_speed"]: r for r in rows if r["backend"] == producer_backend(kind, True)}
     op = [r for r in rows if r["backend"] == producer_backend(kind, False)]
@@ -311,6 +316,7 @@ def site_candidates(
     choice = SiteChoice(site["site"], site["K"], site["N"], M, site.get("time_share"), {}, {}, {})
     choice.norm = site.get("norm")
     choice.producer = site.get("producer")
+    choice.grad_producer = site.get("grad_producer")
     for pass_ in PASSES:
         choice.options[pass_], choice.rejected[pass_] = [], []
         rows = kernels.get(BenchKey(*shape, pass_), []) if shape else []
@@ -412,14 +418,13 @@ def site_candidates(
                         {"backend": r["backend"], "recipe": r["recipe"],
                          "reason": "no error measurement (site_errors) for this recipe"}
                     )  # fmt: skip
-    kind = producer_kind(choice.producer)
-    if (
-        kind is not None
-        and shape is not None
-        and config.mode != "eager"
-        and (config.fuse_into_producer)
-    ):
-        choice.options["fwd"] = _in_graph_options(choice.options["fwd"], shape, kernels, kind)
+    in_graph = shape is not None and config.mode != "eager" and config.fuse_into_producer
+    for pass_, op in (("fwd", choice.producer), ("dgrad", choice.grad_producer)):
+        kind = producer_kind(op)
+        if in_graph and kind is not None:
+            choice.options[pass_] = _in_graph_options(
+                choice.options[pass_], shape, kernels, kind, pass_
+            )
     fed = choice.norm is not None  # fed by a norm that feeds it alone (Probe traced it)
     if fed and shape is not None and choice.options["fwd"] and config.mode == "eager":
         choice.options["fwd"] += _fused_options(choice.options["fwd"], shape, kernels)

@@ -71,9 +71,10 @@ class PlanConfig:
     force: tuple[str, ...] = ()
     # Credit quantizations shared between passes (see `loka.dispatch.planner.sharing`).
     share_quantization: bool = True
-    # Compiled plans: cost a forward's quantization of x as inductor runs it, fused into the
-    # op that computed x where that is elementwise or a norm (`sites.producer`, timed by the
-    # bench's producer rows); False costs it standalone, a read of x more than it runs.
+    # Compiled plans: cost a forward's quantization of x (a dgrad's of dY) as inductor runs
+    # it, fused into the op that computes it where that is elementwise or a norm
+    # (`sites.producer`, `sites.grad_producer`; timed by the bench's producer rows); False
+    # costs it standalone, a read of the operand more than it runs.
     fuse_into_producer: bool = True
     # Plan for inference: only the forward pass counts (dgrad and wgrad stay bf16).
     inference: bool = False

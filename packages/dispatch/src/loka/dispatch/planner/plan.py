@@ -61,17 +61,19 @@ def _varying_m_sites(linear: pl.DataFrame) -> list[str]:
 
 
 def _in_graph_note(choices: list) -> list[str]:
-    """A compiled plan's note on the FP8 forwards whose x quantization was costed fused into
-    the op computing x (`PlanConfig.fuse_into_producer`), and what that saved."""
-    chosen = [c.current().options[0] for c in choices if c.note is None and c.combos]
+    """A compiled plan's note on the FP8 passes whose first quantization (a forward's x, a
+    dgrad's dY) was costed fused into the op computing it (`PlanConfig.fuse_into_producer`),
+    and what that saved."""
+    chosen = [o for c in choices if c.note is None and c.combos for o in c.current().options]
     fused = [o for o in chosen if not o.is_bf16 and o.in_graph is not None]
     if not fused:
         return []
     saved = sum(o.in_graph_saved_ms for o in fused)
+    passes = ", ".join(f"{sum(o.pass_ == p for o in fused)} {p}" for p in ("fwd", "dgrad"))
     return [
-        f"{len(fused)} FP8 forward(s) costed with the quantization of x fused into the op "
-        f"computing x, as inductor compiles it ({saved:.3g} ms less than quantizing "
-        "standalone; PlanConfig.fuse_into_producer)"
+        f"{len(fused)} FP8 pass(es) ({passes}) costed with the quantization of x or dY fused "
+        f"into the op computing it, as inductor compiles it ({saved:.3g} ms less than "
+        "quantizing standalone; PlanConfig.fuse_into_producer)"
     ]
 
 

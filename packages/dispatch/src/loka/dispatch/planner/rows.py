@@ -94,10 +94,13 @@ def plan_rows(choice: SiteChoice, config: PlanConfig) -> list[dict]:
                 reason += f" (quantization shared with other passes: {chosen.median_ms - t:.4g} ms)"
             reason += _charge_note(pass_, config)
             if chosen.in_graph is not None:
+                operand, op = (
+                    ("x", choice.producer) if pass_ == "fwd" else ("dY", choice.grad_producer)
+                )
                 reason += (
-                    f"; x's quantization costed fused into the {choice.producer} computing x "
-                    f"({chosen.in_graph} producer rows: {chosen.in_graph_saved_ms:.3g} ms less "
-                    "than standalone)"
+                    f"; {operand}'s quantization costed fused into the {op} computing "
+                    f"{operand} ({chosen.in_graph} producer rows: "
+                    f"{chosen.in_graph_saved_ms:.3g} ms less than standalone)"
                 )
             if chosen.fused:
                 reason += (
