@@ -14,7 +14,9 @@ A site's producer is read from autograd, so it sees functional code too (`F.gelu
 forward, not only `nn.GELU`): the node that made the input tensor, through views and dtype
 casts, named as the op (`GeluBackward0` -> `gelu`, `NativeLayerNormBackward0` ->
 `native_layer_norm`), when every call agreed. An input that needs no gradient (inference, raw
-features) has no producer here.
+features) has no producer here. A site's `grad_producer` is the op whose backward computes
+its output's gradient: autograd's graph is walked from the model's outputs (a forward hook
+on the model) to find the consumers of each site's output (`grad_producer`).
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ def grad_producer(node: Any, consumers: dict[Any, list[Any]]) -> str | None:
 
 
 class NormTrace(Recorder):
-    """Records, for one step, which norm's output each watched module took as its input."""
+    """Records, for one step, which norm's output each watched module took as its input,
+    which op made each input, and the autograd nodes of the sites' and the model's outputs
+    (whose graph says what consumed each site's output)."""
 
     def __init__(
         self,
