@@ -60,7 +60,11 @@ def costed(rows: list[dict], M: int, K: int, N: int, kind: str) -> list[dict]:
     """Per recipe: the FP8 forward's time standalone and with x's quantization fused into
     the producer (the planner's arithmetic), beside bf16's."""
     from loka.dispatch.bench import m_bucket, speed_key
-    from loka.dispatch.bench.candidates import QUANTIZE_BACKEND, producer_backend
+    from loka.dispatch.bench.candidates import (
+        QUANTIZE_BACKEND,
+        in_graph_quant_ms,
+        producer_backend,
+    )
 
     Mb = m_bucket(M)
 
@@ -78,8 +82,9 @@ def costed(rows: list[dict], M: int, K: int, N: int, kind: str) -> list[dict]:
         fused = one(producer_backend(kind, True), recipe, 0)
         if None in (bf16, op, fp8, alone, fused):
             continue
-        extra = max(fused["median_ms"] - op["median_ms"], 0.0)
-        in_graph = fp8["gemm_ms"] + max(fp8["quant_ms"] - alone["median_ms"], 0.0) + extra
+        in_graph = fp8["gemm_ms"] + in_graph_quant_ms(
+            fp8["quant_ms"], alone["median_ms"], op["median_ms"], fused["median_ms"]
+        )
         out.append({
             "M": M, "K": K, "N": N, "kind": kind, "recipe": recipe,
             "bf16_ms": bf16["median_ms"], "fp8_gemm_ms": fp8["gemm_ms"],

@@ -57,9 +57,22 @@ def producer_backend(kind: str, quantized: bool) -> str:
     return f"inductor.{kind}" + ("+quantize" if quantized else "")
 
 
-PRODUCER_BACKENDS = frozenset(
-    {QUANTIZE_BACKEND} | {producer_backend(kind, q) for kind in PRODUCER_OPS for q in (False, True)}
-)
+# Producer row backend -> (kind, whether the row quantizes the op's output).
+PRODUCER_ROWS: Mapping[str, tuple[str, bool]] = {
+    producer_backend(kind, q): (kind, q) for kind in PRODUCER_OPS for q in (False, True)
+}
+PRODUCER_BACKENDS = frozenset({QUANTIZE_BACKEND, *PRODUCER_ROWS})
+
+
+def in_graph_quant_ms(
+    quant_ms: float, operand_alone_ms: float, op_ms: float, op_quantize_ms: float
+) -> float:
+    """A pass's quantization time (`quant_ms`: its operands' standalone quantizations) with
+    its first operand's quantization fused into the op computing it: that operand's
+    standalone quantization (`operand_alone_ms`, the `inductor.quantize` row) replaced by
+    what the fusion adds to the op (`op_quantize_ms - op_ms`, never below zero)."""
+    return max(quant_ms - operand_alone_ms, 0.0) + max(op_quantize_ms - op_ms, 0.0)
+
 
 # Timed when no site_errors table says which recipes matter: the usual candidates per pass.
 DEFAULT_TIMING_RECIPES: Mapping[str, tuple[str, ...]] = {

@@ -403,7 +403,8 @@ def benchmark(
     )
     native_quant = NativeQuantTimes()
     plan: list[tuple[Shape, CandidateStatus]] = []
-    norm_recipes = [r for r in recipes_by_pass(recipes)["fwd"] if fusable(r)]
+    by_pass = recipes_by_pass(recipes)
+    norm_recipes = [r for r in by_pass["fwd"] if fusable(r)]
     for M, K in dict.fromkeys((m_bucket(m), k) for m, k in norm_shapes):
         plan.append(
             (Shape(M, K, 0), CandidateStatus(Candidate(LAYER_NORM_BACKEND, "bf16", "fwd"), None))
@@ -411,7 +412,6 @@ def benchmark(
         for r in norm_recipes:
             c = Candidate(NORM_QUANTIZE_BACKEND, str(r), "fwd")
             plan.append((Shape(M, K, 0), CandidateStatus(c, None)))
-    by_pass = recipes_by_pass(recipes)
     # Only measured: no cost model records them, and a plan without them costs the
     # quantization standalone.
     for M, width, kind, pass_ in fed if measuring else ():

@@ -42,9 +42,9 @@ import torch.nn.functional as F
 
 from loka.dispatch.bench.candidates import (
     PRODUCER_OPS,
+    PRODUCER_ROWS,
     QUANTIZE_BACKEND,
     Candidate,
-    producer_backend,
 )
 from loka.kernels import fp8_mm, norm_quantize, quantize, quantize_transpose, registry
 from loka.kernels.registry import gemm_dims
@@ -443,10 +443,9 @@ class PassTimer:
         if candidate.backend == QUANTIZE_BACKEND:
             quant = _compiled_native_quantize()
             return self._measure(lambda: quant(x.next()[0], recipe.a_format, recipe.granularity))
-        kinds = {producer_backend(k, q): (k, q) for k in PRODUCER_OPS for q in (False, True)}
-        if candidate.backend not in kinds:
+        if candidate.backend not in PRODUCER_ROWS:
             raise ValueError(f"not a producer row's backend: {candidate.backend!r}")
-        kind, quantized = kinds[candidate.backend]
+        kind, quantized = PRODUCER_ROWS[candidate.backend]
         w, b = self._norm_params()
         run = _compiled_producer(quantized)
         if not quantized:

@@ -27,6 +27,7 @@ from loka.dispatch.bench.candidates import (
     QUANTIZE_BACKEND,
     fusable,
     fuses_in_graph,
+    in_graph_quant_ms,
     m_bucket,
     producer_backend,
     producer_kind,
@@ -216,8 +217,9 @@ def _in_graph_options(
                 and _traceable(o.backend)):  # fmt: skip
             out.append(o)
             continue
-        extra = max(fused[key]["median_ms"] - op[0]["median_ms"], 0.0)
-        quant = max(o.quant_ms - alone[key]["median_ms"], 0.0) + extra
+        quant = in_graph_quant_ms(
+            o.quant_ms, alone[key]["median_ms"], op[0]["median_ms"], fused[key]["median_ms"]
+        )
         estimated = o.estimated or any(
             bool(r["estimated"]) for r in (alone[key], fused[key], op[0])
         )
